@@ -1,0 +1,3 @@
+from ragfix.cli.app import main
+
+main()

@@ -1,0 +1,257 @@
+"""Readers for the Lost-in-the-Middle data formats (Liu et al., TACL 2024).
+
+* Multi-document QA: one JSON object a line with ``question``, ``answers`` (list) and ``ctxs``
+  (passages with ``title``, ``text``, ``isgold``, ``hasanswer``). The oracle file has only the gold
+  passage; the 10/20/30-document files (and our derived BM25-pool files) also carry distractors.
+* KV retrieval: ``ordered_kv_records`` (list of ``[key, value]``), ``key``, ``value``.
+
+Both become :class:`~ragfix.types.QASample` objects with a fixed distractor order, so the sweep
+can move the gold passage without changing anything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require
+
+from ragfix.metrics import normalize_answer
+from ragfix.types import Passage, QASample
+
+
+def sample_id(*parts: str) -> str:
+    """Stable 12-hex id of a sample from its identifying text."""
+    return hashlib.sha1("\x1f".join(parts).encode()).hexdigest()[:12]
+
+
+def detect_format(path: str | Path) -> str:
+    """``"kv"`` or ``"qa"`` from the first record's fields.
+
+    Raises:
+        DataError: the file is empty or its first record has neither format's fields.
+    """
+    for line, rec in read_jsonl(path, skip_invalid=True):
+        if "ordered_kv_records" in rec:
+            return "kv"
+        if "question" in rec and "ctxs" in rec:
+            return "qa"
+        raise DataError(
+            path,
+            line,
+            None,
+            "neither a Lost-in-the-Middle QA record (question, answers, ctxs) "
+            "nor a KV-retrieval record (ordered_kv_records, key, value)",
+        )
+    raise DataError(path, None, None, "no records")
+
+
+def _passage(ctx, path, line: int, i: int) -> Passage:
+    if not isinstance(ctx, dict):
+        raise DataError(path, line, f"ctxs[{i}]", "expected an object")
+    text = ctx.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise DataError(path, line, f"ctxs[{i}].text", "missing or empty")
+    return Passage(
+        title=str(ctx.get("title") or ""),
+        text=text,
+        is_gold=bool(ctx.get("isgold")),
+        id=str(ctx["id"]) if ctx.get("id") is not None else None,
+    )
+
+
+def _contains_answer(p: Passage, answers: list[str]) -> bool:
+    text = normalize_answer(p.text)
+    return any(normalize_answer(a) and normalize_answer(a) in text for a in answers)
+
+
+def _parse_qa(rec: dict, path, line: int) -> tuple[str, list[str], Passage, list[Passage]]:
+    question = require(rec, "question", str, path, line)
+    answers = require(rec, "answers", list, path, line)
+    if not all(isinstance(a, str) and a.strip() for a in answers):
+        raise DataError(path, line, "answers", "every answer must be a non-empty string")
+    ctxs = require(rec, "ctxs", list, path, line)
+    passages = [_passage(c, path, line, i) for i, c in enumerate(ctxs)]
+    golds = [p for p in passages if p.is_gold]
+    if not golds:
+        raise DataError(path, line, "ctxs", "no passage has isgold = true")
+    distractors = [p for p in passages if not p.is_gold and not _contains_answer(p, answers)]
+    return question, answers, golds[0], distractors
+
+
+def _bm25_pool(records, path) -> tuple[list[Passage], object]:
+    """Every gold passage of the file as a distractor pool, with a BM25 index over it."""
+    from rank_bm25 import BM25Okapi
+
+    seen, pool = set(), []
+    for _, _, _, gold, _ in records:
+        key = (gold.title, gold.text)
+        if key not in seen:
+            seen.add(key)
+            pool.append(gold.model_copy(update={"is_gold": False}))
+    if len(pool) < 2:
+        raise DataError(path, None, "ctxs", "no distractors in the file and no pool to draw from")
+    tokens = [normalize_answer(f"{p.title} {p.text}").split() for p in pool]
+    return pool, BM25Okapi(tokens)
+
+
+def load_qa(
+    path: str | Path,
+    num_docs: int,
+    limit: int | None = None,
+    distractor_pool: str | Path | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[QASample]:
+    """Read Lost-in-the-Middle QA records as ``num_docs``-document samples.
+
+    Distractors come from the record's own non-gold ``ctxs`` (in file order, i.e. retrieval
+    order) when it has enough; otherwise from a pool (``distractor_pool``'s passages, or the gold
+    passages of the file's other records), ranked by BM25 against the question. Passages that
+    contain a gold answer or share the gold passage's title are never used as distractors.
+
+    Args:
+        path: ``.jsonl`` or ``.jsonl.gz`` file.
+        num_docs: passages per prompt (gold included), >= 1.
+        limit: read at most this many valid samples (the first ones).
+        distractor_pool: optional second file in the same format.
+        skip_invalid: skip (and count in ``skipped``) malformed records instead of failing.
+
+    Raises:
+        DataError: malformed record (file, line and field named), or not enough distractors.
+    """
+    if num_docs < 1:
+        raise DataError(path, None, "num_docs", f"must be >= 1, got {num_docs}")
+    records = []
+    for line, rec in read_jsonl(path, skip_invalid, skipped):
+        try:
+            records.append((line, *_parse_qa(rec, path, line)))
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            if skipped is not None:
+                skipped.add(e)
+    if not records:
+        raise DataError(path, None, None, "no valid records")
+    pool = bm25 = None
+    need = num_docs - 1
+    if any(len(r[4]) < need for r in records[:limit]):
+        pool_records = records
+        if distractor_pool is not None:
+            pool_records = [
+                (ln, *_parse_qa(rec, distractor_pool, ln))
+                for ln, rec in read_jsonl(distractor_pool, skip_invalid, skipped)
+            ]
+        pool, bm25 = _bm25_pool(pool_records, distractor_pool or path)
+    samples = []
+    for line, question, answers, gold, own in records[:limit]:
+        distractors = own[:need]
+        if len(distractors) < need:
+            scores = bm25.get_scores(normalize_answer(question).split())
+            used = {(p.title, p.text) for p in distractors}
+            for i in sorted(range(len(pool)), key=lambda i: -scores[i]):
+                p = pool[i]
+                if len(distractors) == need:
+                    break
+                if (p.title, p.text) in used or p.title == gold.title:
+                    continue
+                if p.text == gold.text or _contains_answer(p, answers):
+                    continue
+                distractors.append(p)
+                used.add((p.title, p.text))
+        if len(distractors) < need:
+            raise DataError(
+                path,
+                line,
+                "ctxs",
+                f"--num-docs {num_docs} needs {need} distractors, only {len(distractors)} available",
+            )
+        samples.append(
+            QASample(
+                id=sample_id(question, gold.text),
+                task="qa",
+                question=question,
+                answers=answers,
+                gold=gold,
+                distractors=distractors,
+                source=f"{path}:{line}",
+            )
+        )
+    return samples
+
+
+def load_kv(
+    path: str | Path,
+    num_pairs: int,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[QASample]:
+    """Read KV-retrieval records as ``num_pairs``-pair samples.
+
+    The gold ``[key, value]`` pair is taken out of ``ordered_kv_records``; the distractors are the
+    first ``num_pairs - 1`` other pairs, in file order (Lost in the Middle's runner pops the gold
+    pair and re-inserts it; truncation to a smaller count follows the PositionalHidden scripts).
+
+    Raises:
+        DataError: malformed record, gold pair missing from its records, or too few pairs.
+    """
+    if num_pairs < 1:
+        raise DataError(path, None, "num_docs", f"must be >= 1, got {num_pairs}")
+    samples = []
+    for line, rec in read_jsonl(path, skip_invalid, skipped):
+        if limit is not None and len(samples) >= limit:
+            break
+        try:
+            key = require(rec, "key", str, path, line)
+            value = require(rec, "value", str, path, line)
+            pairs = require(rec, "ordered_kv_records", list, path, line)
+            if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+                raise DataError(path, line, "ordered_kv_records", "expected [key, value] pairs")
+            if [key, value] not in pairs:
+                raise DataError(
+                    path, line, "ordered_kv_records", "the gold [key, value] is missing"
+                )
+            others = [p for p in pairs if p != [key, value]]
+            if len(others) < num_pairs - 1:
+                raise DataError(
+                    path,
+                    line,
+                    "ordered_kv_records",
+                    f"--num-docs {num_pairs} needs {num_pairs - 1} distractor pairs, "
+                    f"only {len(others)} available",
+                )
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            if skipped is not None:
+                skipped.add(e)
+            continue
+        samples.append(
+            QASample(
+                id=sample_id(key, value),
+                task="kv",
+                question=key,
+                answers=[value],
+                gold=Passage(title=key, text=value, is_gold=True),
+                distractors=[Passage(title=k, text=v) for k, v in others[: num_pairs - 1]],
+                source=f"{path}:{line}",
+            )
+        )
+    if not samples:
+        raise DataError(path, None, None, "no valid records")
+    return samples
+
+
+def load_samples(
+    path: str | Path,
+    num_docs: int,
+    limit: int | None = None,
+    distractor_pool: str | Path | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[QASample]:
+    """Read a Lost-in-the-Middle QA or KV file (format detected from the first record)."""
+    if detect_format(path) == "kv":
+        return load_kv(path, num_docs, limit, skip_invalid, skipped)
+    return load_qa(path, num_docs, limit, distractor_pool, skip_invalid, skipped)

@@ -1,0 +1,1 @@
+"""ragfix: fix position bias in retrieval-augmented generation."""

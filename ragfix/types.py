@@ -1,0 +1,106 @@
+"""Data models shared by connectors, backends, the sweep and the judge (pydantic v2)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Passage(BaseModel):
+    """One retrieved passage (a document of the multi-document QA prompt, or one KV pair).
+
+    For KV retrieval, ``title`` is the key and ``text`` the value.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    title: str = ""
+    text: str
+    is_gold: bool = False
+    id: str | None = None
+
+
+class QASample(BaseModel):
+    """A question with its gold passage and an ordered list of distractors.
+
+    The distractor order is fixed per sample, so :meth:`passages_with_gold_at` changes only the
+    gold passage's position ("same distractors, same order, for every position").
+
+    Attributes:
+        id: stable sample id (a hash of the question and, for KV, the key).
+        task: ``"qa"`` (Lost-in-the-Middle multi-document QA) or ``"kv"`` (KV retrieval).
+        question: the question (for KV, the key).
+        answers: accepted gold answers (for KV, the value).
+        gold: the gold passage.
+        distractors: ``num_docs - 1`` distractor passages, in their fixed order.
+        source: ``"file:line"`` the sample was read from.
+    """
+
+    id: str
+    task: Literal["qa", "kv"] = "qa"
+    question: str
+    answers: list[str] = Field(min_length=1)
+    gold: Passage
+    distractors: list[Passage]
+    source: str = ""
+
+    @property
+    def num_docs(self) -> int:
+        """Number of passages in the context (distractors plus the gold one)."""
+        return len(self.distractors) + 1
+
+    def passages_with_gold_at(self, position: int) -> list[Passage]:
+        """The context with the gold passage at 0-based ``position``.
+
+        Raises:
+            ValueError: ``position`` is outside ``0 .. num_docs - 1``.
+        """
+        if not 0 <= position < self.num_docs:
+            raise ValueError(
+                f"gold position {position} out of range 0..{self.num_docs - 1} "
+                f"for {self.num_docs} documents"
+            )
+        return [*self.distractors[:position], self.gold, *self.distractors[position:]]
+
+
+class Generation(BaseModel):
+    """One model output.
+
+    Attributes:
+        text: the generated text (cut at the first newline when the task stops there).
+        prompt_tokens: tokens in the prompt.
+        new_tokens: tokens generated.
+        prefill_tokens: prompt tokens actually computed (fewer than ``prompt_tokens`` when a cached
+            prefix was reused).
+        seconds: wall time for this output (for a batch, the batch time divided by its size).
+    """
+
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_tokens: int
+    seconds: float
+
+
+class SweepRecord(BaseModel):
+    """One finished sweep cell, as stored (one JSON line) in ``results.jsonl``.
+
+    ``position`` is the gold passage's prompt position (raw model) or its retrieval rank (when a
+    reorder strategy is applied); ``prompt_position`` is always where it ended up in the prompt.
+    """
+
+    cell_id: str
+    sample_id: str
+    position: int
+    prompt_position: int
+    num_docs: int
+    backend: str
+    strategy: str = "none"
+    prompt_tokens: int
+    prefill_tokens: int
+    new_tokens: int
+    answer: str
+    correct: bool
+    seconds: float
+    extra: dict = Field(default_factory=dict)

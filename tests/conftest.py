@@ -1,0 +1,65 @@
+"""Shared fixtures: the real embedded model (loaded once per session), tiny seeded models for
+mechanism tests, and the shared data folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+BUNDLED = Path(__file__).resolve().parents[1] / "ragfix" / "data"
+
+
+def shared_file(name: str) -> Path:
+    """A file of ``../shared/data``; the test is skipped when that folder is absent."""
+    p = SHARED_DATA / name
+    if not p.exists():
+        pytest.skip(f"shared data not available: {p}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The real SmolLM2-135M-Instruct as a vanilla backend on the CPU (loaded once)."""
+    from ragfix.backends import load_backend
+
+    torch.manual_seed(0)
+    return load_backend("vanilla", model="smollm2", device="cpu")
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A small randomly initialised decoder config (2 layers, hidden 64, GQA 4 heads / 2 KV)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+    }[arch]
+    kw = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "eager", **overrides):
+    """A seeded tiny causal LM (fp32, eval mode) built from :func:`tiny_config`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **overrides)
+    cfg._attn_implementation = attn
+    return AutoModelForCausalLM.from_config(cfg).eval()
