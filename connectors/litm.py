@@ -164,7 +164,8 @@ def load_qa(
                 path,
                 line,
                 "ctxs",
-                f"--num-docs {num_docs} needs {need} distractors, only {len(distractors)} available",
+                f"--num-docs {num_docs} needs {need} distractors, "
+                f"only {len(distractors)} available",
             )
         samples.append(
             QASample(

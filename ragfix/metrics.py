@@ -28,7 +28,7 @@ def normalize_answer(text: str) -> str:
 def best_subspan_em(prediction: str, answers: list[str]) -> bool:
     """True when a normalised gold answer is a substring of the normalised first line of
     ``prediction`` (Lost in the Middle's metric; character level, so "1" matches "1990")."""
-    first = prediction.strip().split("\n")[0].strip()
+    first = prediction.split("\n")[0].strip()
     pred = normalize_answer(first)
     return any(normalize_answer(a) in pred for a in answers if normalize_answer(a))
 

@@ -33,7 +33,7 @@ DEFAULT_EMBEDDER = "all-minilm-l6-v2"
 
 
 class ModelNotFoundError(RuntimeError):
-    """Raised when a model name resolves to nothing that can be loaded; the message says how to fix it."""
+    """A model name resolves to nothing loadable; the message says how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def ensure_converted(gguf: str | Path) -> Path:
 
 
 def checkpoint_dir(spec: ModelSpec) -> str:
-    """Folder or hub id that ``from_pretrained`` loads for ``spec`` (converting a GGUF file once)."""
+    """Folder or hub id that ``from_pretrained`` loads for ``spec`` (converts GGUF once)."""
     return str(ensure_converted(spec.path)) if spec.source == "gguf" else spec.path
 
 
@@ -179,7 +179,7 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None):
-    """``"auto"`` gives bfloat16 on CUDA and float32 elsewhere; names like ``"float16"`` work too."""
+    """``"auto"``: bfloat16 on CUDA, float32 elsewhere; names like ``"float16"`` work too."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

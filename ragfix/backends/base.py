@@ -203,7 +203,9 @@ class Backend:
             while i < len(order) and len(group) < batch_size and items[order[i]][1:] == (mnt, stop):
                 group.append(order[i])
                 i += 1
-            for j, g in zip(group, self.generate_ids([items[j][0] for j in group], mnt, stop)):
+            for j, g in zip(
+                group, self.generate_ids([items[j][0] for j in group], mnt, stop), strict=True
+            ):
                 results[j] = g
         return results  # type: ignore[return-value]
 
@@ -260,17 +262,19 @@ class PrefixReuser:
         b = self.backend
         start = time.perf_counter()
         common = 0
-        for a, c in zip(ids, self.cached_ids):
+        for a, c in zip(ids, self.cached_ids, strict=False):
             if a != c:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # at least one token must be fed to get logits
-        self.cache.crop(common)
+        excess = self.cache.get_seq_length() - common
+        if excess > 0:
+            self.cache.crop(-excess)
         inp = torch.tensor([ids], device=b.device)
         out = b.model.generate(
             input_ids=inp,
             attention_mask=torch.ones_like(inp),
-            past_key_values=self.cache,
+            cache=self.cache,
             **b._generation_kwargs(max_new_tokens, stop_at_newline),
         )
         seq = out[0].tolist()

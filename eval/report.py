@@ -1,0 +1,139 @@
+"""Reports of sweep results: per-position table, ``summary.json``, and the curve plot.
+
+A run folder holds ``results*.jsonl`` (one record per cell) and ``config.json``. The summary has
+one curve per (backend, strategy) found in the results; ``ragfix report runs/a runs/b`` draws
+the curves of several folders on one plot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ragfix.io import atomic_write_bytes, atomic_write_json
+from ragfix.metrics import CurveSummary, position_curve
+
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "curve.png"
+
+
+def curves_from_records(records: list[dict]) -> dict[str, CurveSummary]:
+    """One :class:`CurveSummary` per ``backend`` / ``strategy`` label (``"vanilla"``, or
+    ``"vanilla/lost-in-the-middle"`` when a reorder strategy is set)."""
+    groups: dict[str, list[tuple[int, bool]]] = {}
+    for r in records:
+        label = (
+            r["backend"]
+            if r.get("strategy", "none") == "none"
+            else (f"{r['backend']}/{r['strategy']}")
+        )
+        groups.setdefault(label, []).append((int(r["position"]), bool(r["correct"])))
+    return {label: position_curve(pairs) for label, pairs in sorted(groups.items())}
+
+
+def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> dict:
+    """The ``summary.json`` content: the run's config, cell counts and curves.
+
+    ``x_axis`` is ``"prompt position"`` for raw sweeps and ``"retrieval rank"`` when a reorder
+    strategy was applied.
+    """
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    curves = curves_from_records(records)
+    ranked = any(r.get("strategy", "none") != "none" for r in records)
+    return {
+        "config": config,
+        "model": config.get("model"),
+        "num_docs": config.get("num_docs"),
+        "task": config.get("task"),
+        "x_axis": "retrieval rank" if ranked else "prompt position",
+        "cells": len(records),
+        "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in records),
+        "seconds": round(sum(r.get("seconds", 0.0) for r in records), 2),
+        "curves": {k: v.model_dump() for k, v in curves.items()},
+        **(extra or {}),
+    }
+
+
+def write_report(out: Path, records: list[dict], extra: dict | None = None) -> dict:
+    """Write ``summary.json`` and ``curve.png`` into ``out`` (atomically); return the summary."""
+    summary = build_summary(out, records, extra)
+    atomic_write_json(out / SUMMARY_FILE, summary)
+    plot_curves([(out.name, summary)], out / PLOT_FILE)
+    return summary
+
+
+def print_summary(summary: dict, console: Console | None = None, title: str = "") -> None:
+    """Per-position table (position, n, accuracy, 95% Wilson interval) and each curve's mean,
+    worst, best and gap."""
+    console = console or Console()
+    for label, c in summary["curves"].items():
+        cur = CurveSummary(**c)
+        t = Table(
+            title=f"{title or label} — {summary.get('x_axis', 'position')}", title_justify="left"
+        )
+        t.add_column("position", justify="right")
+        t.add_column("n", justify="right")
+        t.add_column("accuracy", justify="right")
+        t.add_column("95% CI", justify="right")
+        for s in cur.positions:
+            t.add_row(
+                str(s.position), str(s.n), f"{s.accuracy:.3f}", f"[{s.low:.3f}, {s.high:.3f}]"
+            )
+        console.print(t)
+        console.print(
+            f"{label}: mean {cur.mean:.3f} | worst {cur.worst:.3f} @ {cur.worst_position} | "
+            f"best {cur.best:.3f} @ {cur.best_position} | gap {cur.gap:.3f}",
+            highlight=False,
+        )
+
+
+def plot_curves(runs: list[tuple[str, dict]], path: Path, title: str | None = None) -> None:
+    """Accuracy against gold position with the 95% interval band, one line per curve of every
+    run, saved as a PNG (atomically).
+
+    Args:
+        runs: ``(run label, summary dict)`` pairs.
+        path: the PNG to write.
+    """
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    several = len(runs) > 1
+    xlabel = "gold position"
+    for run_label, summary in runs:
+        xlabel = f"gold passage {summary.get('x_axis', 'position')} (0 = first)"
+        for label, c in summary["curves"].items():
+            cur = CurveSummary(**c)
+            xs = [s.position for s in cur.positions]
+            name = f"{run_label}: {label}" if several else label
+            (line,) = ax.plot(xs, [s.accuracy for s in cur.positions], marker="o", label=name)
+            ax.fill_between(
+                xs,
+                [s.low for s in cur.positions],
+                [s.high for s in cur.positions],
+                color=line.get_color(),
+                alpha=0.15,
+            )
+    first = runs[0][1]
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy (95% Wilson band)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(
+        title or f"{first.get('model')} · {first.get('task')} · {first.get('num_docs')} documents"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -1,0 +1,108 @@
+"""Atomic file writes and the append-only JSON Lines store used by every resumable run.
+
+* :func:`atomic_write_text` / :func:`atomic_write_json`: write to a temporary file in the same
+  folder, fsync, then ``os.replace`` — a reader sees the old file or the new one, never half.
+* :class:`JsonlStore`: one JSON object a line, each appended with flush + fsync, keyed by a field
+  (e.g. ``cell_id``). Reading tolerates a torn last line (a crash mid-write) and keeps the first
+  record of a key, so reruns and merged shards never double-count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically (UTF-8); parent folders are created."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj) -> None:
+    """``obj`` as indented JSON, written atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class JsonlStore:
+    """Append-only JSON Lines file of records keyed by ``key``.
+
+    Args:
+        path: the file this process appends to (created on first append).
+        key: the field that identifies a record (``"cell_id"``).
+        read_also: more files to read (other ranks' shards); never written.
+    """
+
+    def __init__(self, path: str | Path, key: str = "cell_id", read_also: Iterable[Path] = ()):
+        self.path = Path(path)
+        self.key = key
+        self.read_also = [Path(p) for p in read_also]
+        self.torn_lines = 0
+
+    def _read_file(self, path: Path, into: dict[str, dict]) -> None:
+        if not path.exists():
+            return
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    self.torn_lines += 1  # a crash mid-write: the cell is simply redone
+                    continue
+                if isinstance(rec, dict) and self.key in rec:
+                    into.setdefault(rec[self.key], rec)
+
+    def load(self) -> dict[str, dict]:
+        """All records of all files, first record per key wins, in file order."""
+        out: dict[str, dict] = {}
+        self.torn_lines = 0
+        for p in [self.path, *self.read_also]:
+            self._read_file(p, out)
+        return out
+
+    def append(self, record: dict) -> None:
+        """Append one record (one line), flushed and fsynced before returning.
+
+        A torn last line left by a crash is terminated first so the new record starts clean.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())

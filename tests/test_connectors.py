@@ -1,0 +1,103 @@
+import gzip
+import json
+
+import pytest
+from conftest import BUNDLED, shared_file
+from ragfix.connectors.jsonl import DataError, SkipCounter
+from ragfix.connectors.litm import detect_format, load_kv, load_qa, load_samples
+
+
+def test_derived_nq_file_counts_and_gold_placement():
+    path = shared_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
+    samples = load_qa(path, num_docs=10)
+    assert len(samples) == 200
+    s = samples[0]
+    assert s.question == "who got the first nobel prize in physics"
+    assert s.answers == ["Wilhelm Conrad Röntgen"]
+    assert len(s.distractors) == 9 and not any(d.is_gold for d in s.distractors)
+    for p in range(10):
+        ctx = s.passages_with_gold_at(p)
+        assert len(ctx) == 10 and ctx[p] == s.gold
+        # same distractors, same order, whatever the position
+        assert [c for c in ctx if not c.is_gold] == s.distractors
+    with pytest.raises(ValueError, match="out of range"):
+        s.passages_with_gold_at(10)
+
+
+def test_same_question_same_distractors_across_gold_files():
+    a = load_qa(shared_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"), 20, limit=3)
+    b = load_qa(shared_file("derived_nq_20docs_bm25pool_gold_at_9.jsonl.gz"), 20, limit=3)
+    assert [x.id for x in a] == [x.id for x in b]
+    assert a[1].distractors == b[1].distractors
+
+
+def test_oracle_file_draws_bm25_distractors_without_answers():
+    samples = load_qa(shared_file("litm_nq_open_oracle.jsonl.gz"), num_docs=5, limit=20)
+    assert len(samples) == 20
+    for s in samples:
+        assert len(s.distractors) == 4
+        for d in s.distractors:
+            assert d.title != s.gold.title
+            assert not any(a.lower() in d.text.lower() for a in s.answers)
+
+
+def test_kv_reader_removes_gold_and_truncates():
+    path = shared_file("litm_kv_retrieval_75_keys.jsonl.gz")
+    samples = load_kv(path, num_pairs=8, limit=500)
+    assert len(samples) == 500
+    s = samples[0]
+    assert s.task == "kv" and len(s.distractors) == 7
+    assert s.gold.title == s.question and s.answers == [s.gold.text]
+    assert s.question not in [d.title for d in s.distractors]
+    assert detect_format(path) == "kv"
+
+
+def test_bundled_samples_load():
+    assert len(load_samples(BUNDLED / "nq_10docs_sample.jsonl.gz", 10)) == 60
+    assert len(load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 16)) == 60
+
+
+def _write(tmp_path, lines, name="d.jsonl"):
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+GOOD = json.dumps(
+    {
+        "question": "q1",
+        "answers": ["a1"],
+        "ctxs": [{"title": "T", "text": "a1 is here", "isgold": True}],
+    }
+)
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    p = _write(tmp_path, [GOOD, "{not json", GOOD.replace("q1", "q2")])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON"):
+        load_qa(p, 1)
+    skipped = SkipCounter()
+    samples = load_qa(p, 1, skip_invalid=True, skipped=skipped)
+    assert [s.question for s in samples] == ["q1", "q2"] and skipped.count == 1
+
+
+def test_record_without_gold_or_answers(tmp_path):
+    no_gold = json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"text": "x"}]})
+    with pytest.raises(DataError, match=r"d\.jsonl:1: ctxs: no passage has isgold"):
+        load_qa(_write(tmp_path, [no_gold]), 1)
+    no_answers = json.dumps({"question": "q", "answers": [], "ctxs": []})
+    with pytest.raises(DataError, match=r":1: answers: empty"):
+        load_qa(_write(tmp_path, [no_answers]), 1)
+
+
+def test_too_many_docs_is_refused(tmp_path):
+    p = tmp_path / "two.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write(GOOD + "\n" + GOOD.replace("q1", "q2").replace("a1 is here", "other") + "\n")
+    with pytest.raises(DataError, match="needs 4 distractors"):
+        load_qa(p, 5)
+
+
+def test_missing_file():
+    with pytest.raises(DataError, match="file not found"):
+        load_samples("/nonexistent/x.jsonl", 10)

@@ -1,0 +1,159 @@
+"""End to end: the sweep CLI on real data with the real model, resume, prefix reuse."""
+
+import json
+
+import pytest
+from conftest import BUNDLED
+from ragfix.cli.app import app
+from ragfix.connectors.litm import load_samples
+from ragfix.eval.sweep import SweepConfig, open_store, parse_positions, plan_cells, run_cells
+from typer.testing import CliRunner
+
+NQ = str(BUNDLED / "nq_10docs_sample.jsonl.gz")
+runner = CliRunner()
+
+
+def _eval(out, *extra):
+    return runner.invoke(
+        app,
+        [
+            "eval",
+            NQ,
+            "--num-docs",
+            "3",
+            "--positions",
+            "first,middle,last",
+            "--limit",
+            "3",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            *extra,
+        ],
+    )
+
+
+def _lines(out):
+    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "nq3"
+    res = _eval(out)
+    assert res.exit_code == 0, res.output
+    return out, res.output
+
+
+def test_cli_sweep_writes_results_summary_and_plot(finished_run):
+    out, output = finished_run
+    recs = _lines(out)
+    assert len(recs) == 9 and len({r["cell_id"] for r in recs}) == 9
+    assert sorted({r["position"] for r in recs}) == [0, 1, 2]
+    for r in recs:
+        assert {"sample_id", "position", "prompt_tokens", "answer", "correct", "seconds"} <= set(r)
+        assert r["prompt_tokens"] > 300 and r["prefill_tokens"] <= r["prompt_tokens"]
+    summary = json.loads((out / "summary.json").read_text())
+    curve = summary["curves"]["vanilla"]
+    assert [p["n"] for p in curve["positions"]] == [3, 3, 3]
+    assert curve["mean"] == pytest.approx(sum(r["correct"] for r in recs) / 9)
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "95% CI" in output and "gap" in output
+
+
+def test_rerun_skips_finished_cells_and_resumes_after_a_crash(finished_run, tmp_path):
+    out, _ = finished_run
+    before = (out / "summary.json").read_text()
+    # a crash: the last two records lost, the one before torn mid-line
+    lines = (out / "results.jsonl").read_text().splitlines()
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "config.json").write_text((out / "config.json").read_text())
+    (crashed / "results.jsonl").write_text("\n".join(lines[:6]) + "\n" + lines[6][:40])
+    res = _eval(crashed)
+    assert res.exit_code == 0, res.output
+    assert "resuming: 6 of 9 cells already done" in res.output
+    recs = open_store(crashed).load()
+    assert len(recs) == 9
+    summary = json.loads((crashed / "summary.json").read_text())
+    assert summary["curves"] == json.loads(before)["curves"]
+    # a rerun of a finished run computes nothing and loads no model
+    res = _eval(out)
+    assert "resuming: 9 of 9" in res.output and len(_lines(out)) == 9
+
+
+def test_interrupted_sweep_keeps_every_finished_cell(smol, tmp_path):
+    samples = load_samples(NQ, 3, limit=2)
+    cfg = SweepConfig(data=NQ, task="qa", num_docs=3, model="smollm2", backend="vanilla")
+    cells = plan_cells(cfg, samples, [0, 2])
+    store = open_store(tmp_path)
+
+    def stop_after_three(rec):
+        store.append(rec.model_dump())
+        if len(store.load()) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_cells(smol, cells, stop_after_three)
+    done = store.load()
+    assert len(done) == 3
+    todo = [c for c in cells if c.cell_id not in done]
+    run_cells(smol, todo, lambda r: store.append(r.model_dump()))
+    assert set(store.load()) == {c.cell_id for c in cells}
+
+
+def test_prefix_reuse_gives_the_same_answers_as_naive(smol):
+    samples = load_samples(NQ, 4, limit=2)
+    cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model="smollm2", backend="vanilla")
+    cells = plan_cells(cfg, samples, [0, 1, 2, 3])
+    naive, reused = {}, {}
+    run_cells(smol, cells, lambda r: naive.setdefault(r.cell_id, r), prefix_reuse=False)
+    run_cells(smol, cells, lambda r: reused.setdefault(r.cell_id, r), prefix_reuse=True)
+    assert {k: r.answer for k, r in naive.items()} == {k: r.answer for k, r in reused.items()}
+    assert sum(r.prefill_tokens for r in reused.values()) < 0.8 * sum(
+        r.prefill_tokens for r in naive.values()
+    )
+
+
+def test_output_folder_of_another_config_is_refused(finished_run):
+    out, _ = finished_run
+    res = _eval(out, "--backend-opt", "foo=1")
+    assert res.exit_code == 2
+    res = runner.invoke(
+        app, ["eval", NQ, "--num-docs", "4", "--limit", "1", "--out", str(out), "--device", "cpu"]
+    )
+    assert res.exit_code == 2
+    assert "holds results of another configuration" in res.output
+    assert "num_docs: 3 there, 4 now" in res.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["/no/such.jsonl"], "file not found"),
+        ([NQ, "--positions", "0,12"], "12 is out of range 0..9"),
+        ([NQ, "--positions", "start"], "'start' is not 'all'"),
+        ([NQ, "--num-docs", "30"], "needs 29 distractors"),
+        ([NQ, "--model", "./missing-model"], "model path not found"),
+        ([NQ, "--backend", "nope"], "unknown backend 'nope'"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message, tmp_path):
+    res = runner.invoke(app, ["eval", *args, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+def test_malformed_record_stops_or_is_skipped(tmp_path):
+    src = BUNDLED / "nq_10docs_sample.jsonl.gz"
+    import gzip
+
+    with gzip.open(src, "rt") as f:
+        lines = f.read().splitlines()[:3]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + "\n{broken\n" + lines[1] + "\n")
+    res = runner.invoke(app, ["eval", str(bad), "--out", str(tmp_path / "o"), "--num-docs", "2"])
+    assert res.exit_code == 2 and "bad.jsonl:2: malformed JSON" in res.output
+    assert parse_positions("first,middle,last", 10) == [0, 4, 9]
