@@ -19,7 +19,11 @@ app = typer.Typer(
 
 #: command modules, each with ``register(app)``
 COMMAND_MODULES = [
+    "ragfix.cli.calibrate_cmd",
     "ragfix.cli.eval_cmd",
+    "ragfix.cli.distill_cmd",
+    "ragfix.cli.ppl_cmd",
+    "ragfix.cli.judge_cmd",
 ]
 
 for _name in COMMAND_MODULES:

@@ -9,9 +9,9 @@ from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from ragfix.connectors.jsonl import DataError
 from rich.console import Console
 
+from ragfix.connectors.jsonl import DataError
 from ragfix.models import ModelNotFoundError
 
 console = Console()

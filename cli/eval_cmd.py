@@ -7,6 +7,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
 from ragfix.cli.common import (
     BackendOpt,
     BackendOptsOpt,
@@ -18,19 +28,10 @@ from ragfix.cli.common import (
     parse_options,
     user_errors,
 )
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
 
 
-def progress_bar() -> Progress:
-    """The progress bar every long ragfix command shows."""
+def progress_bar(disable: bool = False) -> Progress:
+    """The progress bar every long ragfix command shows (``disable`` on non-zero ranks)."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -39,6 +40,7 @@ def progress_bar() -> Progress:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
+        disable=disable,
     )
 
 
@@ -77,13 +79,13 @@ def run_eval(
     Raises:
         DataError, ValueError, ConfigMismatchError, ModelNotFoundError: bad input (one line).
     """
+    from ragfix.backends import backend_class, load_backend
+    from ragfix.bundled import bundled_path
     from ragfix.connectors.jsonl import DataError, SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.eval.report import print_summary, write_report
+    from ragfix.eval.shard import assign_groups, distributed_state, merge_shards
     from ragfix.eval.sweep import SweepConfig, open_store, parse_positions, plan_cells, run_cells
-
-    from ragfix.backends import backend_class, load_backend
-    from ragfix.bundled import bundled_path
     from ragfix.models import resolve_device, resolve_model
 
     options = options or {}
@@ -110,30 +112,53 @@ def run_eval(
         backend_options=options,
         distractor_pool=str(distractor_pool.resolve()) if distractor_pool else None,
     )
+    state = distributed_state()
+    rank, world = (state.process_index, state.num_processes) if state else (0, 1)
+    if state is not None:
+        device = str(state.device)
     out.mkdir(parents=True, exist_ok=True)
     config.check_or_write(out)
-    store = open_store(out)
+    store = open_store(out, rank, world)
     done = store.load()
     cells = plan_cells(config, samples, pos)
     todo = [c for c in cells if c.cell_id not in done]
-    if len(todo) < len(cells):
+    if len(todo) < len(cells) and rank == 0:
         console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
+    if world > 1:  # whole samples per rank, balanced by prompt length
+        groups: dict[str, list] = {}
+        for c in todo:
+            groups.setdefault(c.sample.id, []).append(c)
+        keys = sorted(groups)
+        weights = [
+            len(groups[k])
+            * sum(len(p.text) + len(p.title) for p in groups[k][0].sample.distractors)
+            for k in keys
+        ]
+        mine = assign_groups([groups[k] for k in keys], weights, keys, world)[rank]
+        todo = [c for g in mine for c in g]
     if todo:
         b = load_backend(backend, model=model, device=device, dtype=dtype, **options)
         on_gpu = resolve_device(device).type == "cuda"
         bs = batch_size or (16 if on_gpu else 1)
         reuse = prefix_reuse and bs == 1
         right = [0]
-        with progress_bar() as bar:
+        with progress_bar(disable=rank != 0) as bar:
             task = bar.add_task(f"{backend} sweep", total=len(todo), status="")
 
             def on_record(rec) -> None:
+                if world > 1:
+                    rec.extra["rank"] = rank
                 store.append(rec.model_dump())
                 right[0] += rec.correct
                 n = bar.tasks[task].completed + 1
                 bar.update(task, advance=1, status=f"acc {right[0] / n:.2f}")
 
             run_cells(b, todo, on_record, prefix_reuse=reuse, batch_size=bs)
+    if state is not None:
+        state.wait_for_everyone()
+        if rank != 0:
+            return {}
+    merge_shards(out)
     records = store.load()
     mine = [records[c.cell_id] for c in cells if c.cell_id in records]
     summary = write_report(out, mine, {"skipped_records": skipped.count})

@@ -127,9 +127,8 @@ def plot_curves(runs: list[tuple[str, dict]], path: Path, title: str | None = No
     ax.set_xlabel(xlabel)
     ax.set_ylabel("accuracy (95% Wilson band)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(
-        title or f"{first.get('model')} · {first.get('task')} · {first.get('num_docs')} documents"
-    )
+    unit = "KV pairs" if first.get("task") == "kv" else "documents"
+    ax.set_title(title or f"{first.get('model')} · {first.get('num_docs')} {unit}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -3,6 +3,7 @@ import json
 
 import pytest
 from conftest import BUNDLED, shared_file
+
 from ragfix.connectors.jsonl import DataError, SkipCounter
 from ragfix.connectors.litm import detect_format, load_kv, load_qa, load_samples
 

@@ -4,10 +4,11 @@ import json
 
 import pytest
 from conftest import BUNDLED
+from typer.testing import CliRunner
+
 from ragfix.cli.app import app
 from ragfix.connectors.litm import load_samples
 from ragfix.eval.sweep import SweepConfig, open_store, parse_positions, plan_cells, run_cells
-from typer.testing import CliRunner
 
 NQ = str(BUNDLED / "nq_10docs_sample.jsonl.gz")
 runner = CliRunner()

@@ -12,6 +12,11 @@ from ragfix.backends.base import Backend, BackendOptions, PrefixReuser
 #: registry name -> "module:Class"
 BACKENDS: dict[str, str] = {
     "vanilla": "ragfix.backends.vanilla:VanillaBackend",
+    "channel-scaled": "ragfix.backends.channel_scaling:ChannelScalingBackend",
+    "gali": "ragfix.backends.gali:GaliBackend",
+    "rope-scaled": "ragfix.backends.rope_scaled:RopeScaledBackend",
+    "truncated": "ragfix.backends.truncated:TruncatedBackend",
+    "pos2distill": "ragfix.backends.pos2distill:Pos2DistillBackend",
 }
 
 

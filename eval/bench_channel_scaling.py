@@ -1,0 +1,152 @@
+"""Benchmark of the ``channel-scaled`` backend: prefill time and greedy decode speed against
+vanilla on the same prompts, in one run (one model, patched and unpatched in turn).
+
+Run: ``python -m ragfix.eval.bench_channel_scaling --prompts 4 --new-tokens 32`` (prints one
+table; ``--out`` also writes the rows as JSON). The prompts are Lost-in-the-Middle multi-document
+QA prompts (gold passage first) from ``--data``. For every prompt, vanilla and channel-scaled run
+alternately (``--repeats`` times each, after one warm-up); each figure is the median. Prefill is
+one forward over the prompt; decode is a greedy loop of ``--new-tokens`` single-token forwards
+over the KV cache, so tokens/s excludes the prefill.
+
+``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared CPU
+machine the wall clock mostly measures the other jobs; with one thread (``OMP_NUM_THREADS=1``)
+CPU seconds are the work done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ragfix.backends import load_backend
+from ragfix.backends.channel_scaling import ChannelScalingBackend, apply_channel_scaling
+from ragfix.connectors.litm import load_samples
+from ragfix.io import atomic_write_json
+from ragfix.prompts import task_prompt
+
+DATA = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "data"
+    / "derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@torch.no_grad()
+def time_prompt(model, ids: list[int], new_tokens: int, clock=time.perf_counter):
+    """Prefill ``ids`` and decode ``new_tokens`` greedily, timed with ``clock``.
+
+    Returns:
+        ``(prefill seconds, decode tokens per second)``.
+    """
+    dev = next(model.parameters()).device
+    x = torch.tensor([ids], device=dev)
+    _sync(dev)
+    start = clock()
+    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+    _sync(dev)
+    prefill = clock() - start
+    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+    start = clock()
+    for _ in range(new_tokens):
+        out = model(input_ids=token, cache=cache, logits_to_keep=1)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+    _sync(dev)
+    return prefill, new_tokens / (clock() - start)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Parse arguments, run the benchmark, print the table; returns the rows."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--num-docs", type=int, default=10)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calibration", default=None, help="calibration JSON (default: channel 0)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    console = Console()
+
+    vanilla = load_backend("vanilla", model=args.model, device=args.device)
+    model = vanilla.model
+    opts = {"calibration": args.calibration} if args.calibration else {"channel": 0}
+    scaling = ChannelScalingBackend(model, vanilla.tokenizer, **opts).scaling
+    scaling.remove()  # applied only around the channel-scaled runs below
+    st = scaling.state
+
+    def run_scaled(ids):
+        with apply_channel_scaling(model, st.channel, st.layers, st.factor):
+            return time_prompt(model, ids, args.new_tokens, clock)
+
+    clock = CLOCKS[args.clock]
+    samples = load_samples(args.data, args.num_docs, limit=args.prompts)
+    prompts = [vanilla.encode(task_prompt(s, s.passages_with_gold_at(0))) for s in samples]
+    time_prompt(model, prompts[0], 4)  # warm-up
+    run_scaled(prompts[0])
+    rows = []
+    for ids in prompts:
+        v, c = [], []
+        for _ in range(args.repeats):
+            v.append(time_prompt(model, ids, args.new_tokens, clock))
+            c.append(run_scaled(ids))
+        row = {
+            "prompt_tokens": len(ids),
+            "vanilla_prefill_s": statistics.median(x[0] for x in v),
+            "scaled_prefill_s": statistics.median(x[0] for x in c),
+            "vanilla_decode_tok_s": statistics.median(x[1] for x in v),
+            "scaled_decode_tok_s": statistics.median(x[1] for x in c),
+        }
+        row["prefill_ratio"] = row["scaled_prefill_s"] / row["vanilla_prefill_s"]
+        row["decode_ratio"] = row["scaled_decode_tok_s"] / row["vanilla_decode_tok_s"]
+        rows.append(row)
+        console.print(
+            f"{len(ids)} tokens: prefill x{row['prefill_ratio']:.2f}, "
+            f"decode x{row['decode_ratio']:.2f}"
+        )
+
+    table = Table(
+        title=(
+            f"channel-scaled vs vanilla, {args.model} on {vanilla.device} "
+            f"(channel {st.channel}, layers {st.layers[0]}-{st.layers[-1]}, "
+            f"{args.new_tokens} decode tokens, median of {args.repeats}, {args.clock} clock)"
+        )
+    )
+    cols = ["prompt tokens", "prefill s vanilla", "prefill s scaled", "prefill ratio"]
+    cols += ["decode tok/s vanilla", "decode tok/s scaled", "decode ratio"]
+    for col in cols:
+        table.add_column(col, justify="right")
+    keys = ["vanilla_prefill_s", "scaled_prefill_s", "prefill_ratio"]
+    keys += ["vanilla_decode_tok_s", "scaled_decode_tok_s", "decode_ratio"]
+    fmt = [".3f", ".3f", ".2f", ".1f", ".1f", ".2f"]
+    for row in rows:
+        table.add_row(
+            str(row["prompt_tokens"]), *(f"{row[k]:{f}}" for k, f in zip(keys, fmt, strict=True))
+        )
+    mean = {k: statistics.mean(r[k] for r in rows) for k in keys}
+    table.add_row("mean", *(f"{mean[k]:{f}}" for k, f in zip(keys, fmt, strict=True)), style="bold")
+    console.print(table)
+    if args.out:
+        atomic_write_json(args.out, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

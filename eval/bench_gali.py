@@ -1,0 +1,208 @@
+"""Benchmark of the ``gali`` backend: prefill time and peak memory against vanilla, and the memory
+of one layer's blocked attention against the paper's two-full-matrices form.
+
+Run: ``python -m ragfix.eval.bench_gali --train-window 512`` (prints two tables; ``--out`` also
+writes them as JSON). Lengths are 1x, 2x, 4x the (possibly lowered) trained window ``L``, read
+from the Paul Graham essays; each prefill is timed once after a short warm-up.
+
+Peak memory is the growth of the process's peak resident set (``VmHWM`` of
+``/proc/self/status``, reset through ``/proc/self/clear_refs``) over its size before the call on
+the CPU (run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go back to the system
+and each peak is measured from a clean state), and ``torch.cuda.max_memory_allocated`` growth on
+CUDA. The machine's load makes CPU timings noisy: compare ratios, not seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from ragfix.backends import load_backend
+from ragfix.backends.gali import GaliBackend, _GaliRun, paper_logits
+from ragfix.eval.ppl import read_texts
+from ragfix.io import atomic_write_json
+
+DATA = (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "needle_paul_graham_essays.jsonl.gz"
+)
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """Run ``fn`` once; return ``(seconds, peak extra memory in MiB)``."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+        before = _status_kb("VmRSS") * 1024
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = _status_kb("VmHWM") * 1024
+    return time.perf_counter() - start, max(0, peak - before) / 2**20
+
+
+def paper_attention(q, k, v, layout, rotary, scaling: float, start: int, generator):
+    """One layer's attention as the official code computes it: both logit matrices, a full
+    noise matrix, mask, fp32 softmax, ``repeat_kv`` for GQA (the memory reference).
+
+    Args:
+        q: ``[B, H, c, d]``; k, v: ``[B, Hkv, T, d]`` (pre-RoPE); start: first query index.
+    Returns:
+        ``[B, H, c, d]``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    total = k.shape[2]
+    logits = paper_logits(q, repeat_kv(k, groups), layout, rotary, scaling, start)
+    rows = torch.arange(start, start + q.shape[2])[:, None]
+    cols = torch.arange(total)[None, :]
+    sigma = (rows - cols).clamp(min=0) / total * (layout.frac > 0).to(q.dtype)
+    logits = logits + torch.randn(logits.shape, generator=generator) * sigma
+    logits = logits.masked_fill(cols > rows, float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
+    return probs @ repeat_kv(v, groups)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Parse arguments, run the benchmark, print the tables; returns the rows."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--train-window", type=int, default=512)
+    ap.add_argument("--ratios", default="1,2,4")
+    ap.add_argument("--query-block", type=int, default=256)
+    ap.add_argument("--attn-tokens", type=int, default=None, help="default: max ratio x L")
+    ap.add_argument("--attn-chunk", type=int, default=None, help="default: gali's chunk size")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    console = Console()
+
+    vanilla = load_backend("vanilla", model=args.model, device=args.device)
+    big_l = args.train_window
+    ratios = [float(r) for r in args.ratios.split(",")]
+    gali = GaliBackend(
+        vanilla.model,
+        vanilla.tokenizer,
+        train_window=big_l,
+        target_window=int(max(ratios) * big_l),
+        query_block=args.query_block,
+    )
+    dev = vanilla.device
+    text = read_texts(args.data)[: int(max(ratios) * big_l) * 12]
+    tokens = vanilla.tokenizer(text, add_special_tokens=False)["input_ids"]
+    warm = tokens[: big_l + 16]
+    with torch.no_grad():
+        vanilla.model(input_ids=torch.tensor([warm], device=dev), logits_to_keep=1)
+        gali.prefill_logits(warm)
+
+    rows = []
+    for r in ratios:
+        ids = tokens[: int(r * big_l)]
+        x = torch.tensor([ids], device=dev)
+        with torch.no_grad():
+            t_v, m_v = measure(lambda x=x: vanilla.model(input_ids=x, logits_to_keep=1), dev)
+            t_g, m_g = measure(lambda ids=ids: gali.prefill_logits(ids), dev)
+        rows.append(
+            {
+                "kind": "prefill",
+                "tokens": len(ids),
+                "ratio": r,
+                "vanilla_s": t_v,
+                "gali_s": t_g,
+                "time_ratio": t_g / t_v,
+                "vanilla_mib": m_v,
+                "gali_mib": m_g,
+                "mem_ratio": m_g / m_v if m_v else float("nan"),
+            }
+        )
+        console.print(f"prefill {len(ids)} tokens: vanilla {t_v:.2f}s, gali {t_g:.2f}s")
+
+    # one layer's attention for the last prefill chunk at the longest length
+    cfg = vanilla.model.config
+    attn = gali.attentions[0]
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+    total = args.attn_tokens or int(max(ratios) * big_l)
+    chunk = args.attn_chunk or gali.options_resolved["chunk_size"]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, chunk, d, generator=g).to(dev)
+    k = torch.randn(1, kv_heads, total, d, generator=g).to(dev)
+    v = torch.randn(1, kv_heads, total, d, generator=g).to(dev)
+    run = _GaliRun(gali)
+    run.done = total - chunk
+    run.begin(chunk)
+    with torch.no_grad():
+        t_p, m_p = measure(
+            lambda: paper_attention(q, k, v, run.layout, gali.rotary, attn.scaling, run.start, g),
+            dev,
+        )
+        for block in (args.query_block, 32):
+            gali.options.query_block = block
+            t_b, m_b = measure(lambda: run.attend(attn, q, k, v), dev)
+            rows.append(
+                {
+                    "kind": "attention",
+                    "tokens": total,
+                    "chunk": chunk,
+                    "query_block": block,
+                    "paper_s": t_p,
+                    "blocked_s": t_b,
+                    "paper_mib": m_p,
+                    "blocked_mib": m_b,
+                }
+            )
+
+    t1 = Table(title=f"Prefill, {args.model}, L = {big_l}, device {dev}")
+    for col in ["tokens", "x L", "vanilla s", "gali s", "time x", "vanilla MiB", "gali MiB"]:
+        t1.add_column(col, justify="right")
+    for row in (x for x in rows if x["kind"] == "prefill"):
+        t1.add_row(
+            str(row["tokens"]),
+            f"{row['ratio']:g}",
+            f"{row['vanilla_s']:.2f}",
+            f"{row['gali_s']:.2f}",
+            f"{row['time_ratio']:.2f}",
+            f"{row['vanilla_mib']:.0f}",
+            f"{row['gali_mib']:.0f}",
+        )
+    console.print(t1)
+    t2 = Table(title=f"One layer's attention, last chunk of {total} tokens ({heads} heads)")
+    for col in ["chunk", "query block", "paper s", "blocked s", "paper MiB", "blocked MiB"]:
+        t2.add_column(col, justify="right")
+    for row in (x for x in rows if x["kind"] == "attention"):
+        t2.add_row(
+            str(row["chunk"]),
+            str(row["query_block"]),
+            f"{row['paper_s']:.3f}",
+            f"{row['blocked_s']:.3f}",
+            f"{row['paper_mib']:.1f}",
+            f"{row['blocked_mib']:.1f}",
+        )
+    console.print(t2)
+    if args.out:
+        atomic_write_json(args.out, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""The position sweep through a real LlamaIndex pipeline (``ragfix eval --corpus --questions``).
+
+For every question the real retriever (FAISS over all-MiniLM-L6-v2, or BM25) returns its top-k
+chunks. If the gold chunk is not among them it replaces the lowest-ranked one (``gold_added`` in
+the record). The candidate list is then permuted so the gold chunk has retrieval rank ``r`` (the
+other chunks keep their retrieval order, the scores stay in descending order), for every requested
+``r``. Each cell runs the real query engine: the candidates come out of a retriever, go through
+:class:`~ragfix.postprocessor.RagFixPostprocessor` with the cell's strategy and through LlamaIndex
+response synthesis (``compact``: the chunks packed into one prompt, one LLM call when they fit;
+LlamaIndex 0.14's ``simple_summarize`` pastes the Python repr of a list into the prompt)
+with :class:`~ragfix.llm.RagFixLLM`. The record keeps the gold chunk's retrieval rank
+(``position``, the x-axis), where it ended up in the prompt (``prompt_position``), whether the
+context was cut and how many LLM calls were made. All strategies run on the same cells.
+
+Results go to ``results.jsonl`` (resumable: a cell id is a hash of the question, rank, strategy,
+model, backend and retrieval settings), then ``summary.json`` and ``curve.png`` (one curve per
+strategy). The summary also holds, per strategy, the accuracy weighted by how often the real
+retriever put the gold chunk at each rank (``retrieval_weighted``): what a user of this retriever
+would see on average.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from ragfix.connectors.corpus import build_corpus, load_questions, resolve_demo
+from ragfix.connectors.jsonl import DataError, SkipCounter
+from ragfix.eval.report import print_summary, write_report
+from ragfix.eval.sweep import SweepConfig, open_store, parse_positions
+from ragfix.io import atomic_write_json
+from ragfix.metrics import best_subspan_em
+from ragfix.prompts import QA_INSTRUCTION
+from ragfix.reorder import check_strategy, load_profile
+from ragfix.types import SweepRecord
+
+#: the Lost-in-the-Middle QA template as a LlamaIndex prompt (documents joined by newlines)
+QA_TEMPLATE = f"{QA_INSTRUCTION}\n\n{{context_str}}\n\nQuestion: {{query_str}}\nAnswer:"
+
+
+def _fixed_retriever_class():
+    from llama_index.core.retrievers import BaseRetriever
+
+    class FixedRetriever(BaseRetriever):
+        """Returns the node list it was last given (the permuted candidates of a cell)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.nodes: list = []
+
+        def _retrieve(self, query_bundle):
+            return list(self.nodes)
+
+    return FixedRetriever
+
+
+def pipeline_cell_id(config: SweepConfig, question_id: str, rank: int, strategy: str, extra: dict):
+    """Deterministic 16-hex id of a pipeline cell."""
+    key = json.dumps(
+        [question_id, rank, strategy, config.model_dump(mode="json"), extra], sort_keys=True
+    )
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def candidates_with_gold_at(retrieved: list, gold, rank: int) -> list:
+    """The retrieved ``NodeWithScore`` list with the gold node moved to 0-based ``rank``.
+
+    The other nodes keep their retrieval order; the scores of ``retrieved`` (sorted descending,
+    ``None`` kept) are reassigned by list position so the order and the scores agree.
+    """
+    from llama_index.core.schema import NodeWithScore
+
+    others = [n for n in retrieved if n.node.node_id != gold.node.node_id]
+    others = others[: len(retrieved) - 1]
+    order = [*others[:rank], gold, *others[rank:]]
+    scores = [n.score for n in retrieved]
+    if all(s is not None for s in scores):
+        scores = sorted(scores, reverse=True)
+    return [NodeWithScore(node=n.node, score=s) for n, s in zip(order, scores, strict=True)]
+
+
+def retrieval_weighted(summary: dict, natural: Counter) -> dict[str, float]:
+    """Per curve, accuracy averaged over ranks weighted by how often the real retriever put the
+    gold chunk at each rank (questions whose gold was not retrieved are left out)."""
+    total = sum(v for k, v in natural.items() if k is not None)
+    out = {}
+    for label, c in summary["curves"].items():
+        acc = {p["position"]: p["accuracy"] for p in c["positions"]}
+        w = sum(natural[r] for r in acc if r in natural)
+        if total and w:
+            out[label] = sum(natural[r] * acc[r] for r in acc if r in natural) / w
+    return out
+
+
+def run_pipeline_sweep(
+    corpus: Path,
+    questions: Path,
+    out: Path,
+    strategies: list[str],
+    top_k: int = 10,
+    positions: str = "all",
+    limit: int | None = None,
+    model: str = "smollm2",
+    backend: str = "vanilla",
+    backend_options: dict | None = None,
+    profile: Path | None = None,
+    retriever: str = "faiss",
+    skip_invalid: bool = False,
+    device: str = "auto",
+    dtype: str = "auto",
+    console: Console | None = None,
+    chunk_size: int = 64,
+    attention_rounds: int = 1,
+) -> dict:
+    """Run the position sweep through the LlamaIndex pipeline; returns the summary dict.
+
+    Args:
+        corpus: a document folder or JSONL corpus (``demo``: the bundled NQ demo corpus).
+        questions: the question file (``demo``: the bundled NQ demo questions).
+        out: run folder (``results.jsonl``, ``summary.json``, ``curve.png``); resumable.
+        strategies: reorder strategies to compare (see :mod:`ragfix.reorder`).
+        top_k: chunks the retriever returns (the number of documents in the prompt).
+        positions: gold retrieval ranks to test (0-based; ``all``, ``first,middle,last``, ``0,4``).
+        limit: use the first ``limit`` usable questions.
+        model, backend, backend_options, device, dtype: the model backend (see
+            :func:`ragfix.backends.load_backend`).
+        profile: ``summary.json`` for ``bias-profile`` (same model, ``top_k`` documents).
+        retriever: ``faiss`` or ``bm25``.
+        skip_invalid: skip and count malformed questions and unreadable files.
+        console: where tables and progress go.
+        chunk_size: chunk size in embedder tokens.
+        attention_rounds: rounds of ``attention-sort``.
+
+    Raises:
+        ValueError, DataError, CorpusError, ProfileError, ConfigMismatchError, ModelNotFoundError:
+            bad input (one line).
+    """
+    from llama_index.core import PromptTemplate, get_response_synthesizer
+    from llama_index.core.indices.prompt_helper import PromptHelper
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.schema import MetadataMode
+
+    from ragfix.backends import backend_class, load_backend
+    from ragfix.llm import RagFixLLM
+    from ragfix.models import resolve_model
+    from ragfix.postprocessor import RagFixPostprocessor
+
+    console = console or Console()
+    options = backend_options or {}
+    corpus, questions = resolve_demo(corpus, "corpus"), resolve_demo(questions, "questions")
+    strategies = [check_strategy(s) for s in dict.fromkeys(strategies)]
+    if not strategies:
+        raise ValueError("--strategy: give at least one strategy")
+    if retriever not in ("faiss", "bm25"):
+        raise ValueError(f"--retriever: {retriever!r} is not faiss or bm25")
+    backend_class(backend).options_model(**options)
+    resolve_model(model)
+    accuracies = None
+    if "bias-profile" in strategies:
+        if profile is None:
+            raise ValueError("strategy bias-profile needs --profile (a sweep's summary.json)")
+        accuracies = load_profile(profile, model, top_k)
+    ranks = parse_positions(positions, top_k)
+    skipped = SkipCounter()
+    with console.status(f"indexing {corpus} (only when it changed)"):
+        cor = build_corpus(corpus, chunk_size=chunk_size, skipped=skipped)
+    base = cor.retriever(retriever, top_k)
+    qs = load_questions(questions, cor.nodes, limit, skip_invalid, skipped)
+    if skipped.count:
+        console.print(
+            f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
+            highlight=False,
+        )
+    config = SweepConfig(
+        data=f"corpus={Path(corpus).resolve()};questions={Path(questions).resolve()}",
+        task="qa-pipeline",
+        num_docs=top_k,
+        model=model,
+        backend=backend,
+        backend_options=options,
+        distractor_pool=f"retriever={retriever};chunk_size={chunk_size};synthesis=compact",
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    config.check_or_write(out)
+    store = open_store(out)
+    done = store.load()
+    settings = {
+        "strategy_settings": {
+            "profile": accuracies,
+            "attention_rounds": attention_rounds,
+        }
+    }
+
+    def cid(q, r, s):
+        extra = {"profile": accuracies} if s == "bias-profile" else {}
+        if s == "attention-sort":
+            extra = {"attention_rounds": attention_rounds}
+        return pipeline_cell_id(config, q.id, r, s, extra)
+
+    cells = [(q, r, s, cid(q, r, s)) for q in qs for r in ranks for s in strategies]
+    todo = [c for c in cells if c[3] not in done]
+    if len(todo) < len(cells):
+        console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
+
+    retrieved: dict[str, tuple[list, int | None]] = {}
+    for q in qs:
+        res = base.retrieve(q.question)
+        ids = [n.node.node_id for n in res]
+        natural = ids.index(q.gold_node_id) if q.gold_node_id in ids else None
+        retrieved[q.id] = (res, natural)
+
+    if todo:
+        b = load_backend(backend, model=model, device=device, dtype=dtype, **options)
+        llm = RagFixLLM(b, max_new_tokens=32, stop_at_newline=True, prefix_reuse=True)
+        helper = PromptHelper(
+            context_window=llm.metadata.context_window,
+            num_output=llm.metadata.num_output,
+            tokenizer=lambda t: b.tokenizer(t, add_special_tokens=False)["input_ids"],
+        )
+        fixed = _fixed_retriever_class()()
+        engines, posts = {}, {}
+        for s in strategies:
+            posts[s] = RagFixPostprocessor(
+                strategy=s,
+                backend=b,
+                profile=accuracies if s == "bias-profile" else None,
+                num_docs=top_k if s == "bias-profile" else None,
+                dedup_threshold=None,  # every strategy reads the same k chunks
+                attention_rounds=attention_rounds,
+            )
+            synth = get_response_synthesizer(
+                llm=llm,
+                response_mode="compact",
+                text_qa_template=PromptTemplate(QA_TEMPLATE),
+                prompt_helper=helper,
+            )
+            engines[s] = RetrieverQueryEngine(
+                retriever=fixed, response_synthesizer=synth, node_postprocessors=[posts[s]]
+            )
+        by_id = {n.node_id: n for n in cor.nodes}
+
+        def plan(cell):
+            """Sort key: static strategies by their final node order (neighbours share long
+            prompt prefixes, which the LLM's KV-cache reuse exploits); attention-sort last."""
+            q, r, s, _ = cell
+            res, _nat = retrieved[q.id]
+            gold = next((n for n in res if n.node.node_id == q.gold_node_id), None)
+            if gold is None:
+                from llama_index.core.schema import NodeWithScore
+
+                gold = NodeWithScore(node=by_id[q.gold_node_id], score=None)
+            cands = candidates_with_gold_at(res, gold, r)
+            if s == "attention-sort":
+                return (q.id, 1, [n.node.node_id for n in cands]), cands
+            final = posts[s].postprocess_nodes(cands)
+            return (q.id, 0, [n.node.node_id for n in final]), cands
+
+        planned = sorted((plan(c) + (c,) for c in todo), key=lambda x: x[0])
+        right = 0
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        with progress:
+            task = progress.add_task("pipeline sweep", total=len(planned), status="")
+            for i, (_key, cands, (q, r, s, cell)) in enumerate(planned, 1):
+                res, natural = retrieved[q.id]
+                fixed.nodes = cands
+                calls = llm.calls
+                start = time.perf_counter()
+                resp = engines[s].query(q.question)
+                secs = time.perf_counter() - start
+                final_ids = [n.node.node_id for n in resp.source_nodes]
+                prompt = " ".join((llm.last_prompt or "").split())  # white space may change
+                cut = any(
+                    " ".join(n.node.get_content(metadata_mode=MetadataMode.LLM).split())
+                    not in prompt
+                    for n in resp.source_nodes
+                )
+                gen = llm.last_generation
+                answer = str(resp.response or "")
+                ok = best_subspan_em(answer, q.answers)
+                rep = posts[s].last_report
+                rec = SweepRecord(
+                    cell_id=cell,
+                    sample_id=q.id,
+                    position=r,
+                    prompt_position=final_ids.index(q.gold_node_id)
+                    if q.gold_node_id in final_ids
+                    else -1,
+                    num_docs=top_k,
+                    backend=backend,
+                    strategy=s,
+                    prompt_tokens=gen.prompt_tokens,
+                    prefill_tokens=gen.prefill_tokens,
+                    new_tokens=gen.new_tokens,
+                    answer=answer,
+                    correct=ok,
+                    seconds=round(secs, 4),
+                    extra={
+                        "gold_added": natural is None,
+                        "natural_rank": natural,
+                        "context_cut": cut,
+                        "llm_calls": llm.calls - calls,
+                        "dropped": len(rep.get("dropped_duplicates", []))
+                        + len(rep.get("dropped_budget", [])),
+                        "order": rep.get("order"),
+                    },
+                )
+                store.append(rec.model_dump())
+                right += ok
+                progress.update(task, advance=1, status=f"{s} acc {right / i:.2f}")
+
+    records = store.load()
+    mine = [records[c[3]] for c in cells if c[3] in records]
+    if not mine:
+        raise DataError(out, None, None, "no finished cells")
+    natural = Counter(retrieved[q.id][1] for q in qs)
+    extra = {
+        "skipped_inputs": skipped.count,
+        "questions": len(qs),
+        "strategies": strategies,
+        "retriever": retriever,
+        "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
+        "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
+        "context_cut_cells": sum(1 for r in mine if r.get("extra", {}).get("context_cut")),
+        **settings,
+    }
+    summary = write_report(out, mine, extra)
+    summary["retrieval_weighted"] = retrieval_weighted(summary, natural)
+    atomic_write_json(out / "summary.json", summary)
+    print_summary(summary, console, title=f"{model} · {backend} · top-{top_k} · {retriever}")
+    t = Table(title="strategies (x-axis: gold retrieval rank)", title_justify="left")
+    for col in ("curve", "mean", "worst", "worst rank", "best", "retrieval-weighted"):
+        t.add_column(col, justify="right" if col != "curve" else "left")
+    for label, c in summary["curves"].items():
+        t.add_row(
+            label,
+            f"{c['mean']:.3f}",
+            f"{c['worst']:.3f}",
+            str(c["worst_position"]),
+            f"{c['best']:.3f}",
+            f"{summary['retrieval_weighted'].get(label, float('nan')):.3f}",
+        )
+    console.print(t)
+    console.print(
+        f"results: {out / 'results.jsonl'} | summary: {out / 'summary.json'} | "
+        f"plot: {out / 'curve.png'}"
+    )
+    return summary

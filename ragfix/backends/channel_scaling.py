@@ -1,0 +1,540 @@
+"""The ``channel-scaled`` backend: positional hidden-state channel scaling.
+
+Method: Yu et al., "Mitigate Position Bias in LLMs via Scaling a Single Hidden States Channel"
+(arXiv 2406.02536, ACL Findings 2025; official code ``PositionalHidden/PositionalHidden``,
+``modeling_llama_hidden_scale.py``). One channel ``d`` of the residual stream carries absolute
+position. In the chosen (middle) layers, the query of the last token and the keys of all positions
+are computed from the attention input with channel ``d`` multiplied by a factor ``s`` (0 removes it,
+-1 flips it); values, and the attention rows of the prompt tokens, stay as they are. The KV cache
+holds the scaled keys, so every generated token attends with the scaled query and keys.
+
+Because ``q_proj`` and ``k_proj`` are linear, scaling one input channel is a rank-1 correction of
+the projections: ``q~ = q + (s - 1) * h[..., d] * W_q[:, d]`` (the bias is unchanged), and the
+same for ``k``. That correction is what :func:`apply_channel_scaling` adds to the attention modules
+of the chosen layers (Llama, Mistral, Qwen2, Qwen3 and Gemma attention of transformers 5;
+grouped-query attention included; ``eager`` and ``sdpa`` attention). The patch is reversible.
+
+Where the settings come from, in order of precedence: explicit ``channel`` / ``layers`` /
+``factor`` options, a calibration file written by ``ragfix calibrate``
+(:class:`ChannelScalingCalibration`), a published preset (:data:`PRESETS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from ragfix.backends.base import Backend, BackendOptions
+from ragfix.connectors.jsonl import DataError
+from ragfix.io import atomic_write_json
+from ragfix.models import model_identity
+
+#: attention classes the patch understands (transformers 5 module layout: q/k/v/o_proj, RoPE)
+SUPPORTED_ATTENTION = (
+    "LlamaAttention",
+    "MistralAttention",
+    "Qwen2Attention",
+    "Qwen3Attention",
+    "GemmaAttention",
+)
+#: attention implementations the patch computes correctly
+SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa")
+
+CALIBRATION_FORMAT = "ragfix.channel-scaling/1"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Published settings for one model (official code ``configs/*.json``; paper Table 4).
+
+    Attributes:
+        channel: index into ``hidden_size``.
+        layers: 0-based decoder layers whose attention is scaled.
+        factor: the scale of the channel.
+        hidden_size, num_layers: the model shape the preset belongs to (checked when applied).
+        note: where the paper and the code disagree.
+    """
+
+    channel: int
+    layers: tuple[int, ...]
+    factor: float
+    hidden_size: int
+    num_layers: int
+    note: str = ""
+
+
+#: preset name -> settings (the code's configs; the paper's variant is given in ``note``)
+PRESETS: dict[str, Preset] = {
+    "llama-2-7b-chat": Preset(2393, tuple(range(10, 26)), -1.0, 4096, 32),
+    "vicuna-7b-v1.5": Preset(2393, tuple(range(10, 26)), 0.0, 4096, 32),
+    "vicuna-13b-v1.5": Preset(4923, tuple(range(10, 35)), 0.0, 5120, 40),
+    "mistral-7b-instruct-v0.2": Preset(213, tuple(range(10, 26)), 0.0, 4096, 32),
+    "qwen1.5-7b-chat": Preset(
+        1081, tuple(range(10, 26)), 0.0, 4096, 32, note="paper Table 4: factor 0.2"
+    ),
+    "gemma-7b-it": Preset(
+        1665, tuple(range(10, 26)), 0.0, 3072, 28, note="paper Table 4: layers 10-22"
+    ),
+}
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """The middle layers: 10-25 of 32 (the paper's choice) scaled to ``num_layers``."""
+    start = round(10 * num_layers / 32)
+    stop = max(round(26 * num_layers / 32), start + 1)
+    return list(range(start, min(stop, num_layers)))
+
+
+def parse_layers(value: str | int | list[int]) -> list[int]:
+    """``"10-25"``, ``"3,5,7-9"``, one int or a list of ints to a sorted list of distinct layer
+    indices.
+
+    Raises:
+        ValueError: not a layer list (the message quotes the input).
+    """
+    if isinstance(value, int):
+        out = [value]
+    elif isinstance(value, list):
+        out = value
+    else:
+        out = []
+        try:
+            for part in str(value).split(","):
+                a, _, b = part.strip().partition("-")
+                out.extend(range(int(a), int(b) + 1) if b else [int(a)])
+        except ValueError:
+            raise ValueError(f"layers {value!r}: expected e.g. '10-25' or '3,5,7-9'") from None
+    if not out or any(i < 0 for i in out):
+        raise ValueError(f"layers {value!r}: expected non-negative layer indices")
+    return sorted(set(out))
+
+
+# --------------------------------------------------------------------------- the patch
+@dataclass
+class _ScalingState:
+    """Shared by the patched layers: the channel, the factor and how many final rows of a forward
+    use the scaled attention (1 for generation; ``len(answer) + 1`` for a teacher-forced loss)."""
+
+    channel: int
+    factor: float
+    rows: int = 1
+    layers: list[int] = field(default_factory=list)
+
+
+def _heads(attn, lin: torch.Tensor, norm) -> torch.Tensor:
+    """``[B, T, n * head_dim]`` -> ``[B, n, T, head_dim]`` (through Qwen3's per-head norm)."""
+    x = lin.view(*lin.shape[:-1], -1, attn.head_dim)
+    if norm is not None:
+        x = norm(x)
+    return x.transpose(1, 2)
+
+
+def _rank1(lin: torch.Tensor, h: torch.Tensor, proj, channel: int, factor: float) -> torch.Tensor:
+    """``proj(h)`` with input channel ``channel`` scaled by ``factor``, from ``lin = proj(h)``:
+    ``lin + (factor - 1) * h[..., channel] * W[:, channel]``."""
+    return lin + ((factor - 1.0) * h[..., channel : channel + 1]) * proj.weight[:, channel]
+
+
+def _rope(attn):
+    """The ``apply_rotary_pos_emb`` of the attention module's model family."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+def scaled_keys(attn, h: torch.Tensor, position_embeddings, channel: int, factor: float):
+    """Rotated keys of ``attn`` computed from ``h`` with channel ``channel`` scaled by ``factor``.
+
+    Args:
+        attn: a patched-family attention module.
+        h: attention input (post input-norm hidden states), ``[B, T, hidden_size]``.
+        position_embeddings: ``(cos, sin)``, each ``[B, T, head_dim]``.
+
+    Returns:
+        ``[B, num_key_value_heads, T, head_dim]``.
+    """
+    k = _heads(attn, _rank1(attn.k_proj(h), h, attn.k_proj, channel, factor), _norm(attn, "k"))
+    cos, sin = position_embeddings
+    return _rope(attn)(k, k, cos, sin)[1]
+
+
+def _norm(attn, which: str):
+    return getattr(attn, f"{which}_norm", None)
+
+
+def _rows_mask(mask: torch.Tensor | None, r: int, kv_len: int, attn, like: torch.Tensor):
+    """The attention mask of the last ``r`` query rows against ``kv_len`` keys.
+
+    A 4D mask is sliced. Without a mask (SDPA on unpadded input), one row needs none; several rows
+    get an explicit bottom-right causal mask, because SDPA's ``is_causal`` is top-left aligned.
+    """
+    if mask is not None:
+        return mask[:, :, -r:, :]
+    if r == 1:
+        return None
+    rows = torch.arange(kv_len - r, kv_len, device=like.device)[:, None]
+    allowed = (torch.arange(kv_len, device=like.device)[None, :] <= rows)[None, None]
+    if attn.config._attn_implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(
+            ~allowed, torch.finfo(like.dtype).min
+        )
+    return allowed
+
+
+def _scaled_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+    **kwargs,
+):
+    """Attention forward with channel scaling (bound to the attention module of a chosen layer).
+
+    Rows ``0 .. T-r-1`` are the normal causal attention of unscaled ``q``, ``k``, ``v``; the last
+    ``r`` rows are ``softmax(q~ k~^T / sqrt(head_dim) + mask) v`` (paper eq. for ``z_l``; code
+    ``last_recompute_tokens``). The cache receives ``k~`` and the unscaled ``v``.
+
+    Raises:
+        RuntimeError: more than ``r`` new rows over a non-empty cache (chunked prefill, prefix
+            reuse): their normal attention would need the unscaled keys the cache no longer holds.
+    """
+    state: _ScalingState = self._ragfix_channel_scaling
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    bsz, t, _ = hidden_states.shape
+    r = min(state.rows, t)
+    d, s = state.channel, state.factor
+    rope = _rope(self)
+    cos, sin = position_embeddings
+    q_lin = self.q_proj(hidden_states)
+    k_lin = self.k_proj(hidden_states)
+    v = _heads(self, self.v_proj(hidden_states), None)
+    q_s = _heads(
+        self, _rank1(q_lin[:, -r:], hidden_states[:, -r:], self.q_proj, d, s), _norm(self, "q")
+    )
+    k_s = _heads(self, _rank1(k_lin, hidden_states, self.k_proj, d, s), _norm(self, "k"))
+    if r == t:  # decoding (or teacher-forced rows only): every row is scaled
+        q_s, k_s = rope(q_s, k_s, cos, sin)
+    else:
+        q_s, _ = rope(q_s, q_s, cos[:, -r:], sin[:, -r:])
+        _, k_s = rope(k_s, k_s, cos, sin)
+    if cache is not None:
+        if r < t and cache.get_seq_length(self.layer_idx) > 0:
+            raise RuntimeError(
+                "channel-scaled: a multi-token forward over a non-empty KV cache (chunked prefill "
+                "or prefix reuse) is not supported; prefill the whole prompt at once"
+            )
+        keys, values = cache.update(k_s, v, self.layer_idx, kwargs=kwargs)
+    else:
+        keys, values = k_s, v
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, sys.modules[type(self).__module__].eager_attention_forward
+    )
+    rows, _ = interface(
+        self,
+        q_s,
+        keys,
+        values,
+        _rows_mask(attention_mask, r, keys.shape[-2], self, q_s),
+        dropout=0.0,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    if r < t:
+        q, k = rope(
+            _heads(self, q_lin, _norm(self, "q")), _heads(self, k_lin, _norm(self, "k")), cos, sin
+        )
+        out, _ = interface(
+            self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
+        out[:, -r:] = rows
+    else:
+        out = rows
+    return self.o_proj(out.reshape(bsz, t, -1).contiguous()), None
+
+
+class ChannelScaling:
+    """Handle of an applied channel scaling: :meth:`remove` restores the original forwards;
+    :meth:`rows` sets how many final rows of a forward use the scaled attention.
+
+    Use as a context manager to remove on exit.
+    """
+
+    def __init__(self, model, state: _ScalingState, modules: list):
+        self.model = model
+        self.state = state
+        self._modules = modules
+
+    @contextlib.contextmanager
+    def rows(self, r: int) -> Iterator[None]:
+        """Within the block, the last ``r`` rows of each forward use the scaled attention (the
+        code's ``last_recompute_tokens``; teacher forcing an answer of ``n`` tokens needs
+        ``n + 1``)."""
+        old, self.state.rows = self.state.rows, r
+        try:
+            yield
+        finally:
+            self.state.rows = old
+
+    def remove(self) -> None:
+        """Restore the original attention forwards (idempotent)."""
+        for m in self._modules:
+            if "_ragfix_channel_scaling" in m.__dict__:
+                del m.forward
+                del m._ragfix_channel_scaling
+        self._modules = []
+
+    def __enter__(self) -> ChannelScaling:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def attention_modules(model) -> list:
+    """The self-attention modules of the decoder layers, in order."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def apply_channel_scaling(
+    model, channel: int, layers: list[int], factor: float, rows: int = 1
+) -> ChannelScaling:
+    """Patch the attention of ``layers`` so that channel ``channel`` of the attention input is
+    scaled by ``factor`` in the last token's query and in all keys (arXiv 2406.02536, sec. 3).
+
+    Args:
+        model: a transformers 5 causal LM of the Llama, Mistral, Qwen2, Qwen3 or Gemma family.
+        channel: index into ``hidden_size``.
+        layers: 0-based decoder layer indices.
+        factor: the scale (1 leaves the model unchanged).
+        rows: final rows of each forward that use the scaled attention.
+
+    Returns:
+        a :class:`ChannelScaling` handle (``remove()`` undoes the patch).
+
+    Raises:
+        ValueError: unsupported architecture or attention implementation, channel or layer out of
+            range, or the model is already patched.
+    """
+    cfg = model.config
+    impl = cfg._attn_implementation
+    mods = attention_modules(model) if hasattr(getattr(model, "model", None), "layers") else []
+    kind = type(mods[0]).__name__ if mods else type(model).__name__
+    if not mods or kind not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"channel scaling supports {', '.join(SUPPORTED_ATTENTION)}; this model has {kind}"
+        )
+    if impl not in SUPPORTED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"channel scaling supports attn_implementation {' or '.join(SUPPORTED_IMPLEMENTATIONS)}"
+            f", not {impl!r}"
+        )
+    if not 0 <= channel < cfg.hidden_size:
+        raise ValueError(f"channel {channel} out of range 0..{cfg.hidden_size - 1}")
+    bad = [i for i in layers if not 0 <= i < len(mods)]
+    if bad or not layers:
+        raise ValueError(f"layers {bad or layers} out of range 0..{len(mods) - 1}")
+    if any("_ragfix_channel_scaling" in m.__dict__ for m in mods):
+        raise ValueError("the model already has a channel scaling applied; remove it first")
+    state = _ScalingState(channel, float(factor), rows, sorted(layers))
+    patched = []
+    for i in state.layers:
+        m = mods[i]
+        m._ragfix_channel_scaling = state
+        m.forward = types.MethodType(_scaled_forward, m)
+        patched.append(m)
+    return ChannelScaling(model, state, patched)
+
+
+# --------------------------------------------------------------------------- the artefact
+class CandidateScore(BaseModel):
+    """One candidate channel of the calibration.
+
+    Attributes:
+        channel: index into ``hidden_size``.
+        monotone_layers: layers where the channel's mean curve is monotone in position.
+        smoothness: sum of squared second differences of the smoothed curve (lower = smoother),
+            the minimum over ``monotone_layers``.
+        loss: teacher-forced answer loss on the calibration prompts with the channel scaled by the
+            search factor (nats per token); ``None`` if not ranked by loss.
+    """
+
+    channel: int
+    monotone_layers: list[int]
+    smoothness: float
+    loss: float | None = None
+
+
+class ChannelScalingCalibration(BaseModel):
+    """The calibration artefact written by ``ragfix calibrate`` (JSON).
+
+    Attributes:
+        format: ``"ragfix.channel-scaling/1"``.
+        model: :func:`ragfix.models.model_identity` of the calibrated model.
+        channel, layers, factor: the chosen settings.
+        baseline_loss: calibration loss of the unmodified model (nats per answer token).
+        factor_losses: factor (as a string) -> calibration loss for the chosen channel.
+        candidates: every screened candidate, smoothest first, with its loss.
+        settings: the sizes and seeds that produced the file.
+        minutes: wall time of the calibration.
+    """
+
+    format: Literal["ragfix.channel-scaling/1"] = CALIBRATION_FORMAT
+    model: dict
+    channel: int = Field(ge=0)
+    layers: list[int] = Field(min_length=1)
+    factor: float
+    baseline_loss: float
+    factor_losses: dict[str, float]
+    candidates: list[CandidateScore]
+    settings: dict
+    minutes: float
+
+    def save(self, path: str | Path) -> None:
+        """Write the artefact as JSON, atomically (a reader never sees half a file)."""
+        atomic_write_json(path, self.model_dump(mode="json"))
+
+    @classmethod
+    def load(cls, path: str | Path, model=None) -> ChannelScalingCalibration:
+        """Read an artefact; with ``model``, check that it was calibrated for that model.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ragfix.connectors.jsonl.DataError: not JSON, or a field is missing/invalid (the
+                message names the file and the field).
+            ValueError: the file belongs to another model (both identities are named).
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"calibration file not found: {p}")
+        try:
+            raw = json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(p, e.lineno, None, f"not JSON: {e.msg}") from None
+        try:
+            cal = cls.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first["loc"]) or None
+            raise DataError(p, None, loc, first["msg"]) from None
+        if model is not None:
+            mine = model_identity(model)
+            if cal.model.get("fingerprint") != mine["fingerprint"]:
+                raise ValueError(
+                    f"{p}: calibrated for model {cal.model.get('name')!r} "
+                    f"(fingerprint {cal.model.get('fingerprint')}), not for {mine['name']!r} "
+                    f"(fingerprint {mine['fingerprint']}); run `ragfix calibrate` for this model"
+                )
+        return cal
+
+
+# --------------------------------------------------------------------------- the backend
+class ChannelScalingOptions(BackendOptions):
+    """Options of the ``channel-scaled`` backend.
+
+    Attributes:
+        calibration: path of a calibration JSON from ``ragfix calibrate``.
+        preset: a published setting (one of :data:`PRESETS`).
+        channel, layers, factor: explicit settings; each overrides the calibration file / preset.
+            ``layers`` is a list or a string like ``"10-25"``; without any source, layers default
+            to the middle layers (:func:`default_layers`) and the factor to 0.
+    """
+
+    calibration: str | None = None
+    preset: str | None = None
+    channel: int | None = Field(default=None, ge=0)
+    layers: list[int] | str | int | None = None
+    factor: float | None = None
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v.lower() not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of: {', '.join(PRESETS)}")
+        return v.lower() if v else v
+
+    @field_validator("layers")
+    @classmethod
+    def _parse_layers(cls, v):
+        return None if v is None else parse_layers(v)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.calibration and self.preset:
+            raise ValueError("give either calibration or preset, not both")
+        if not (self.calibration or self.preset) and self.channel is None:
+            raise ValueError(
+                "channel-scaled needs a calibration file (ragfix calibrate), a preset or a channel"
+            )
+        return self
+
+
+class ChannelScalingBackend(Backend):
+    """The model with one positional hidden-state channel scaled in the middle layers
+    (arXiv 2406.02536). See the module docstring.
+
+    Attributes:
+        scaling: the applied :class:`ChannelScaling` (``scaling.state`` has channel, layers,
+            factor).
+        source: where the settings came from (``"calibration:<path>"``, ``"preset:<name>"``,
+            ``"options"``).
+
+    Raises (constructor):
+        pydantic.ValidationError: invalid options.
+        FileNotFoundError, DataError, ValueError: a bad calibration file, a file or preset for
+            another model, an unsupported architecture.
+    """
+
+    name = "channel-scaled"
+    options_model = ChannelScalingOptions
+    #: the cache holds scaled keys, but the prompt rows after a reused prefix need unscaled ones
+    supports_prefix_reuse: ClassVar[bool] = False
+
+    def __init__(self, model, tokenizer, **options):
+        super().__init__(model, tokenizer, **options)
+        o = self.options
+        n_layers = model.config.num_hidden_layers
+        channel, layers, factor, self.source = None, default_layers(n_layers), 0.0, "options"
+        if o.calibration:
+            cal = ChannelScalingCalibration.load(o.calibration, model)
+            channel, layers, factor = cal.channel, cal.layers, cal.factor
+            self.source = f"calibration:{o.calibration}"
+        elif o.preset:
+            p = PRESETS[o.preset]
+            if (p.hidden_size, p.num_layers) != (model.config.hidden_size, n_layers):
+                raise ValueError(
+                    f"preset {o.preset!r} is for a model with hidden_size {p.hidden_size} and "
+                    f"{p.num_layers} layers; this model has {model.config.hidden_size} and "
+                    f"{n_layers}"
+                )
+            channel, layers, factor = p.channel, list(p.layers), p.factor
+            self.source = f"preset:{o.preset}"
+        self.scaling = apply_channel_scaling(
+            model,
+            o.channel if o.channel is not None else channel,
+            o.layers if o.layers is not None else layers,
+            o.factor if o.factor is not None else factor,
+        )
+
+    def identity(self) -> dict:
+        """Model identity, backend options and the applied channel, layers and factor."""
+        st = self.scaling.state
+        return {
+            **super().identity(),
+            "scaling": {
+                "channel": st.channel,
+                "layers": st.layers,
+                "factor": st.factor,
+                "source": self.source,
+            },
+        }

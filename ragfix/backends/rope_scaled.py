@@ -1,0 +1,80 @@
+"""The ``rope-scaled`` backend: transformers' own RoPE scaling, the baselines GALI is compared to.
+
+Each variant rebuilds the model's rotary embedding from a copy of its config with
+``rope_parameters`` set for a window of ``train_window`` tokens stretched ``factor`` times:
+
+* ``linear``: position interpolation, positions divided by ``factor`` (Chen et al., arXiv
+  2306.15595);
+* ``dynamic``: dynamic NTK scaling, the RoPE base grows with the sequence length once it exceeds
+  ``train_window`` (bloc97's "Dynamically Scaled RoPE", used by transformers' ``dynamic`` type);
+* ``yarn``: YaRN, per-frequency interpolation plus attention temperature (Peng et al., arXiv
+  2309.00071).
+
+The settings follow GALI's baselines (arXiv 2502.02659, Table 10: factor = target / trained
+window). The weights are untouched; only cos/sin change, so generation goes through the shared
+path of :class:`~ragfix.backends.base.Backend`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+from pydantic import Field
+
+from ragfix.backends.base import Backend, BackendOptions
+
+
+class RopeScaledOptions(BackendOptions):
+    """Options of the ``rope-scaled`` backend.
+
+    Attributes:
+        rope_type: ``linear``, ``dynamic`` (NTK) or ``yarn``.
+        factor: the window stretch; the reported ``context_window`` is ``factor * train_window``.
+        train_window: the trained window the scaling starts from (default: the model's
+            ``max_position_embeddings``; lower it to compare with GALI at the same lowered window).
+    """
+
+    rope_type: Literal["linear", "dynamic", "yarn"] = "yarn"
+    factor: float = Field(4.0, gt=1.0)
+    train_window: int | None = Field(None, ge=2)
+
+
+class RopeScaledBackend(Backend):
+    """The model with a transformers RoPE-scaling variant at ``factor`` x its trained window.
+
+    Raises (constructor):
+        ValueError: the model has no ``rotary_emb`` or uses a non-default RoPE already.
+    """
+
+    name = "rope-scaled"
+    options_model = RopeScaledOptions
+
+    def __init__(self, model, tokenizer, **options):
+        super().__init__(model, tokenizer, **options)
+        o = self.options
+        decoder = model.get_decoder()
+        rotary = getattr(decoder, "rotary_emb", None)
+        if rotary is None:
+            raise ValueError(f"{model.config.model_type} has no rotary embedding to scale")
+        params = dict(model.config.rope_parameters or {})
+        if params.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"the model already uses rope_type {params['rope_type']!r}; rope-scaled starts "
+                "from plain RoPE"
+            )
+        self.train_window = o.train_window or int(model.config.max_position_embeddings)
+        cfg = copy.deepcopy(model.config)
+        cfg.max_position_embeddings = self.train_window
+        cfg.rope_parameters = {
+            **params,
+            "rope_type": o.rope_type,
+            "factor": o.factor,
+            "original_max_position_embeddings": self.train_window,
+        }
+        decoder.rotary_emb = type(rotary)(config=cfg).to(self.device)
+
+    @property
+    def context_window(self) -> int:
+        """``factor * train_window`` tokens."""
+        return int(self.options.factor * self.train_window)

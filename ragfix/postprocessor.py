@@ -1,0 +1,151 @@
+"""``RagFixPostprocessor``: correct and reorder retrieved nodes before the LLM reads them.
+
+Add it as the LAST node postprocessor of a LlamaIndex query engine (a reranker after it would undo
+the order it sets)::
+
+    from ragfix import RagFixLLM, RagFixPostprocessor
+
+    post = RagFixPostprocessor(strategy="bias-profile", profile="runs/nq10/summary.json",
+                               backend=backend)
+    engine = index.as_query_engine(llm=RagFixLLM(backend), similarity_top_k=10,
+                                   node_postprocessors=[reranker, post])
+
+Steps, on the nodes in the order they arrive (that order is the retrieval rank; scores are not
+needed):
+
+1. correct: drop near-duplicate nodes (:func:`ragfix.correct.drop_near_duplicates`), then fit the
+   nodes to the backend's token budget, dropping the lowest-ranked whole nodes first
+   (:func:`ragfix.correct.fit_budget`; the best node is never cut: an error is raised instead);
+2. reorder with the chosen strategy (:mod:`ragfix.reorder`).
+"""
+
+from __future__ import annotations
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from ragfix.correct import drop_near_duplicates, fit_budget
+from ragfix.reorder import (
+    STRATEGIES,
+    attention_sort_order,
+    check_strategy,
+    load_profile,
+    static_order,
+)
+from ragfix.types import Passage
+
+
+class RagFixPostprocessor(BaseNodePostprocessor):
+    """Drop near-duplicates, fit the token budget, then reorder the nodes for the model.
+
+    Args:
+        strategy: one of ``none``, ``lost-in-the-middle``, ``reverse``, ``bias-profile``,
+            ``attention-sort`` (see :mod:`ragfix.reorder`).
+        profile: for ``bias-profile``: a sweep's ``summary.json`` path or a list of accuracies per
+            prompt position; it is checked against the backend's model and ``num_docs``.
+        profile_curve: which curve of the summary to use when it holds several.
+        num_docs: the number of nodes the profile must cover (checked when set; otherwise the
+            profile's length must equal the number of nodes that reach the reorder step).
+        dedup_threshold: word-3-gram Jaccard similarity at which a node counts as a duplicate of a
+            higher-ranked one (``None`` keeps duplicates).
+        token_budget: tokens the nodes may take; default: the backend's context window minus
+            ``reserve_tokens`` (``None`` without a backend: no budget fitting).
+        reserve_tokens: tokens kept for the template, the question and the answer.
+        attention_rounds: sorting rounds of ``attention-sort``.
+        backend: a :class:`ragfix.backends.Backend` (token counting, model identity,
+            attention-sort); kept as a private attribute.
+
+    Raises:
+        ValueError: unknown strategy, ``bias-profile`` without a profile, ``attention-sort``
+            without a backend.
+        ragfix.reorder.ProfileError: a profile of another model or number of documents.
+        ragfix.correct.BudgetError: (when run) the best node alone exceeds the token budget.
+    """
+
+    strategy: str = Field(default="lost-in-the-middle", description=", ".join(STRATEGIES))
+    profile: str | list[float] | None = Field(default=None, description="bias-profile source")
+    profile_curve: str | None = Field(default=None, description="curve label in summary.json")
+    num_docs: int | None = Field(default=None, gt=0, description="nodes the profile must cover")
+    dedup_threshold: float | None = Field(default=0.9, gt=0, le=1)
+    token_budget: int | None = Field(default=None, gt=0)
+    reserve_tokens: int = Field(default=512, ge=0)
+    attention_rounds: int = Field(default=2, ge=1)
+
+    _backend = PrivateAttr(default=None)
+    _accuracies: list[float] | None = PrivateAttr(default=None)
+    _last_report: dict = PrivateAttr(default_factory=dict)
+
+    def __init__(self, backend=None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._backend = backend
+        if self.strategy == "bias-profile":
+            if self.profile is None:
+                raise ValueError("strategy 'bias-profile' needs profile= (summary.json path)")
+            model = backend.model_name if backend is not None else None
+            self._accuracies = load_profile(self.profile, model, self.num_docs, self.profile_curve)
+        if self.strategy == "attention-sort" and backend is None:
+            raise ValueError("strategy 'attention-sort' needs backend= (it reads the attention)")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        return check_strategy(v)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RagFixPostprocessor"
+
+    @property
+    def last_report(self) -> dict:
+        """What the last call did: ``dropped_duplicates`` and ``dropped_budget`` (node ids),
+        ``order`` (rank at each prompt position, ranks of the kept nodes) and, for
+        attention-sort, ``attention`` (per round, per kept rank)."""
+        return self._last_report
+
+    def _budget(self) -> int | None:
+        if self.token_budget is not None:
+            return self.token_budget
+        if self._backend is None:
+            return None
+        return self._backend.context_window - self.reserve_tokens
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
+        report: dict = {"dropped_duplicates": [], "dropped_budget": []}
+        keep = list(range(len(nodes)))
+        if self.dedup_threshold is not None:
+            keep = drop_near_duplicates(texts, self.dedup_threshold)
+            report["dropped_duplicates"] = [
+                nodes[i].node.node_id for i in sorted(set(range(len(nodes))) - set(keep))
+            ]
+        budget = self._budget()
+        if budget is not None and keep:
+            if self._backend is None:
+                raise ValueError("token_budget needs backend= to count tokens")
+            fit = fit_budget([texts[i] for i in keep], budget, self._backend.count_tokens)
+            report["dropped_budget"] = [
+                nodes[keep[j]].node.node_id for j in range(len(fit), len(keep))
+            ]
+            keep = [keep[j] for j in fit]
+        kept = [nodes[i] for i in keep]
+        if self.strategy == "attention-sort":
+            query = query_bundle.query_str if query_bundle is not None else ""
+            passages = [
+                Passage(
+                    title=str(n.node.metadata.get("title", "")),
+                    text=n.node.get_content(metadata_mode=MetadataMode.NONE),
+                )
+                for n in kept
+            ]
+            order, attention = attention_sort_order(
+                self._backend, query, passages, self.attention_rounds
+            )
+            report["attention"] = attention
+        else:
+            order = static_order(self.strategy, len(kept), self._accuracies)
+        report["order"] = order
+        self._last_report = report
+        return [kept[r] for r in order]

@@ -1,0 +1,279 @@
+"""Reorder strategies: where each retrieved passage goes in the prompt.
+
+Every strategy maps retrieval ranks to prompt positions. Ranks and positions are 0-based here
+(rank 0 = the retriever's best passage, position 0 = the first document of the prompt); the
+functions return ``order``, a permutation of ``range(n)`` where ``order[j]`` is the rank of the
+passage placed at prompt position ``j``.
+
+* ``none``: the retriever's order.
+* ``lost-in-the-middle``: the best passages at the two ends of the context, the weakest in the
+  middle (Liu et al., "Lost in the Middle", TACL 2024, Fig. 1; the placement of LlamaIndex's
+  ``LongContextReorder``), but stable: rank 0 is first whatever the count.
+* ``reverse``: the best passage last, next to the question.
+* ``bias-profile``: measured, not assumed. Given a position curve of this model (accuracy per
+  prompt position from ``ragfix eval``), rank ``r`` goes to the ``r``-th most accurate position.
+* ``attention-sort``: the model reads the context once; the passages are sorted by the attention
+  the final prompt token pays them, ascending, so the most attended passage ends up last, next to
+  the question; repeated for a few rounds (Peysakhovich & Lerer, "Attention Sorting Combats Recency
+  Bias In Long Context Language Models", arXiv 2310.01427, Sec. 3). Which layers and heads to
+  average is not specified in the paper; we average all layers and heads and sum over each
+  passage's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ragfix.prompts import QA_INSTRUCTION, render_document
+from ragfix.types import Passage
+
+STRATEGIES = ("none", "lost-in-the-middle", "reverse", "bias-profile", "attention-sort")
+
+
+class ProfileError(ValueError):
+    """A bias profile that cannot be used (wrong model, wrong number of documents, bad file)."""
+
+
+def check_strategy(name: str) -> str:
+    """``name`` if it is a known strategy.
+
+    Raises:
+        ValueError: unknown strategy (the message lists the known ones).
+    """
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"unknown reorder strategy {name!r}; choose one of: {', '.join(STRATEGIES)}"
+        )
+    return name
+
+
+def none_order(n: int) -> list[int]:
+    """The retriever's order: ``[0, 1, ..., n-1]``."""
+    return list(range(n))
+
+
+def reverse_order(n: int) -> list[int]:
+    """Best passage last: ``[n-1, ..., 1, 0]``."""
+    return list(range(n - 1, -1, -1))
+
+
+def lost_in_the_middle_order(n: int) -> list[int]:
+    """Best at the ends, weakest in the middle; rank 0 always first.
+
+    Even ranks fill the context from the front, odd ranks from the back: for ``n = 5`` the order
+    is ``[0, 2, 4, 3, 1]``, for ``n = 6`` it is ``[0, 2, 4, 5, 3, 1]``.
+    """
+    front = list(range(0, n, 2))
+    back = list(range(1, n, 2))
+    return front + back[::-1]
+
+
+def bias_profile_order(accuracies: Sequence[float]) -> list[int]:
+    """Rank ``r`` goes to the ``r``-th most accurate position of the profile.
+
+    Args:
+        accuracies: accuracy per prompt position (length ``n``, position 0 first). Ties keep the
+            earlier position first.
+
+    Returns:
+        ``order`` of length ``n`` (``order[position] = rank``).
+    """
+    by_accuracy = sorted(range(len(accuracies)), key=lambda p: (-accuracies[p], p))
+    order = [0] * len(accuracies)
+    for rank, pos in enumerate(by_accuracy):
+        order[pos] = rank
+    return order
+
+
+def load_profile(
+    source: str | Path | Sequence[float],
+    model: str | None = None,
+    num_docs: int | None = None,
+    curve: str | None = None,
+) -> list[float]:
+    """Accuracy per prompt position, from a sweep's ``summary.json`` or given directly.
+
+    Args:
+        source: path of a ``summary.json`` written by ``ragfix eval`` (raw-model sweep, x-axis
+            prompt position; or a pipeline sweep, whose ``none`` curve is used), or a list of
+            accuracies (position 0 first).
+        model: the model the profile must belong to (checked against the summary's ``model``).
+        num_docs: the number of documents it must cover.
+        curve: the curve label to use when the summary holds several (default: the only one, else
+            the backend's curve without a strategy).
+
+    Raises:
+        ProfileError: unreadable file, another model, another number of documents, missing
+            positions, or an ambiguous curve.
+    """
+    if not isinstance(source, (str, Path)):
+        acc = [float(a) for a in source]
+        where = "the given profile"
+    else:
+        path = Path(source)
+        try:
+            summary = json.loads(path.read_text())
+            curves = summary["curves"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ProfileError(f"{path}: not a ragfix summary.json ({e})") from None
+        if model is not None and summary.get("model") not in (None, model):
+            raise ProfileError(
+                f"{path}: profile of model {summary.get('model')!r}, not {model!r}; "
+                f"run `ragfix eval ... --model {model}` to measure this model's profile"
+            )
+        if num_docs is not None and summary.get("num_docs") != num_docs:
+            raise ProfileError(
+                f"{path}: profile for {summary.get('num_docs')} documents, not {num_docs}; "
+                f"measure it with `ragfix eval ... --num-docs {num_docs}`"
+            )
+        plain = [k for k in curves if "/" not in k]
+        if curve is None:
+            if len(curves) == 1:
+                curve = next(iter(curves))
+            elif len(plain) == 1:
+                curve = plain[0]
+            else:
+                raise ProfileError(f"{path}: several curves ({', '.join(curves)}); name one")
+        if curve not in curves:
+            raise ProfileError(f"{path}: no curve {curve!r} (has {', '.join(curves)})")
+        stats = {int(p["position"]): float(p["accuracy"]) for p in curves[curve]["positions"]}
+        n = num_docs or summary.get("num_docs") or len(stats)
+        missing = [p for p in range(n) if p not in stats]
+        if missing:
+            raise ProfileError(f"{path}: curve {curve!r} lacks positions {missing}")
+        acc = [stats[p] for p in range(n)]
+        where = f"{path}"
+    if num_docs is not None and len(acc) != num_docs:
+        raise ProfileError(f"{where}: {len(acc)} positions, not {num_docs}")
+    if not acc:
+        raise ProfileError(f"{where}: empty profile")
+    return acc
+
+
+def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) -> list[int]:
+    """The order of a content-blind strategy for ``n`` passages.
+
+    Raises:
+        ValueError: unknown strategy, ``attention-sort`` (needs a model), ``bias-profile``
+            without a profile or with a profile of another length.
+    """
+    check_strategy(strategy)
+    if strategy == "none":
+        return none_order(n)
+    if strategy == "reverse":
+        return reverse_order(n)
+    if strategy == "lost-in-the-middle":
+        return lost_in_the_middle_order(n)
+    if strategy == "bias-profile":
+        if profile is None:
+            raise ValueError("bias-profile needs a profile (summary.json or accuracies)")
+        if len(profile) != n:
+            raise ProfileError(
+                f"bias profile covers {len(profile)} documents but {n} passages were given "
+                f"(after dropping near-duplicates and over-budget passages); measure a profile "
+                f"with {n} documents or set dedup_threshold=None"
+            )
+        return bias_profile_order(profile)
+    raise ValueError("attention-sort reads the passages with a model: use attention_sort_order")
+
+
+def _encode_spans(backend, pieces: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of the concatenated ``pieces`` and the ``[start, end)`` span of each piece."""
+    ids: list[int] = []
+    spans = []
+    for piece in pieces:
+        toks = backend.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        spans.append((len(ids), len(ids) + len(toks)))
+        ids.extend(toks)
+    return ids, spans
+
+
+def qa_pieces(backend, question: str, passages: Sequence[Passage]) -> list[str]:
+    """The multi-document QA prompt (Lost-in-the-Middle template, chat-wrapped) cut into
+    ``[head, doc_1, ..., doc_n, tail]`` so each document's tokens can be located."""
+    marker = "\x00DOCS\x00"
+    user = f"{QA_INSTRUCTION}\n\n{marker}\n\nQuestion: {question}\nAnswer:"
+    head, tail = backend.chat_prompt(user).split(marker)
+    docs = [
+        render_document(i + 1, p) + ("\n" if i < len(passages) - 1 else "")
+        for i, p in enumerate(passages)
+    ]
+    return [head, *docs, tail]
+
+
+@torch.no_grad()
+def last_token_attention(backend, ids: list[int], spans: list[tuple[int, int]]) -> list[float]:
+    """Attention mass the final prompt token gives each span, averaged over layers and heads.
+
+    The prompt minus its last token is prefilled with the model's own attention kernel; the last
+    token is then run with eager attention to read its attention weights ``[layers, heads, 1, T]``.
+
+    Returns:
+        one float per span: the summed attention probability over its tokens (0..1).
+
+    Raises:
+        RuntimeError: the model returned no attention weights (a patched attention that does not
+            expose them).
+    """
+    from transformers import DynamicCache
+
+    model = backend.model
+    dev = backend.device
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([ids[:-1]], device=dev), past_key_values=cache, use_cache=True)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model(
+            input_ids=torch.tensor([ids[-1:]], device=dev),
+            past_key_values=cache,
+            use_cache=True,
+            output_attentions=True,
+        )
+    finally:
+        model.set_attn_implementation(before)
+    if not out.attentions or out.attentions[0] is None:
+        raise RuntimeError(f"backend {backend.name!r} exposes no attention weights")
+    # [layers, heads, T] -> mean over layers and heads -> [T]
+    att = torch.stack([a[0, :, -1, :].float() for a in out.attentions]).mean(dim=(0, 1)).cpu()
+    return [float(att[s:e].sum()) for s, e in spans]
+
+
+def attention_sort_order(
+    backend, question: str, passages: Sequence[Passage], rounds: int = 2
+) -> tuple[list[int], list[list[float]]]:
+    """Attention sorting (Peysakhovich & Lerer 2023, arXiv 2310.01427, Sec. 3).
+
+    Each round builds the QA prompt with the current order, reads the attention the final prompt
+    token pays each passage (:func:`last_token_attention`) and sorts the passages by it,
+    ascending (stable), so the most attended passage is last.
+
+    Args:
+        backend: a :class:`ragfix.backends.Backend` (its model and tokenizer are used as they are).
+        question: the question.
+        passages: the passages in retrieval order (index = rank).
+        rounds: sorting rounds (>= 1).
+
+    Returns:
+        ``(order, attention)``: ``order[position] = rank``; ``attention`` holds each round's
+        attention per rank (``rounds`` lists of ``n`` floats).
+    """
+    if rounds < 1:
+        raise ValueError("attention-sort needs at least one round")
+    order = none_order(len(passages))
+    history = []
+    for _ in range(rounds):
+        pieces = qa_pieces(backend, question, [passages[r] for r in order])
+        ids, spans = _encode_spans(backend, pieces)
+        mass = last_token_attention(backend, ids, spans[1:-1])
+        by_rank = [0.0] * len(passages)
+        for pos, rank in enumerate(order):
+            by_rank[rank] = mass[pos]
+        history.append(by_rank)
+        new = sorted(range(len(order)), key=lambda j: mass[j])
+        order = [order[j] for j in new]
+    return order, history

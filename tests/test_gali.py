@@ -1,0 +1,286 @@
+"""GALI backend (arXiv 2502.02659) and the RoPE-scaling baselines: position IDs, the interpolated
+attention against a direct two-matrix reference, blocking, noise, and real SmolLM2 checks."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from conftest import shared_file, tiny_model
+from pydantic import ValidationError
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from ragfix.backends import load_backend
+from ragfix.backends.gali import (
+    GaliBackend,
+    chunk_sizes,
+    gali_layout,
+    gali_positions,
+    paper_logits,
+)
+from ragfix.backends.rope_scaled import RopeScaledBackend
+from ragfix.backends.truncated import TruncatedBackend, truncate_middle
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _vanilla_logprobs(model, ids: list[int]) -> torch.Tensor:
+    x = torch.tensor([ids])
+    logp = torch.log_softmax(model(x).logits[0].float(), dim=-1)[:-1]
+    return logp.gather(1, x[0, 1:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def _reference_logprobs(model, ids: list[int], big_l: int, w: int, s: int) -> torch.Tensor:
+    """GALI written out directly: chunk loop, whole-sequence positions per chunk, pre-RoPE cache,
+    the paper's two logit matrices (:func:`paper_logits`) per layer, repeat_kv for GQA."""
+    dec = model.get_decoder()
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    out, done = [], 0
+    for size in chunk_sizes(len(ids), big_l, s):
+        layout = gali_layout(done + size, big_l, w)
+        h = dec.embed_tokens(torch.tensor([ids[done : done + size]]))
+        for i, layer in enumerate(dec.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            shape = (1, size, -1, a.head_dim)
+            q, k = a.q_proj(x).view(shape), a.k_proj(x).view(shape)
+            if hasattr(a, "q_norm"):
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = a.v_proj(x).view(shape).transpose(1, 2)
+            if i in cache:
+                k, v = torch.cat([cache[i][0], k], 2), torch.cat([cache[i][1], v], 2)
+            cache[i] = (k, v)
+            g = a.num_key_value_groups
+            logits = paper_logits(q, repeat_kv(k, g), layout, dec.rotary_emb, a.scaling, done)
+            future = torch.arange(done + size)[None, :] > torch.arange(done, done + size)[:, None]
+            probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+            o = (probs @ repeat_kv(v, g)).transpose(1, 2).reshape(1, size, -1)
+            h = h + a.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        out.append(torch.log_softmax(model.lm_head(dec.norm(h))[0].float(), dim=-1))
+        done += size
+    logp = torch.cat(out)[:-1]
+    return logp.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def tok(smol):
+    return smol.tokenizer
+
+
+# ---------------------------------------------------------------- position IDs and chunks
+def test_positions_worked_example():
+    assert gali_positions(10, 8, 2).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 5, 6, 7]
+
+
+def test_positions_paper_scale():
+    # L=8192, W=128, T=16000: g = 2 and a 384-token integer tail ending at L-1
+    lay = gali_layout(16000, 8192, 128)
+    pos = lay.positions
+    assert len(pos) == 16000 and pos[-1] == 8191 and pos.max() < 8192
+    tail = int((lay.frac == 0).flip(0).cumprod(0).sum())  # trailing integer run incl. 7808 -> 8191
+    assert tail >= 384 and pos[-384] == 8192 - 384
+    assert torch.equal(pos[-384:], torch.arange(7808, 8192, dtype=torch.float64))
+    assert pos[1] == 0.5  # head compressed with step 1/g = 1/2
+
+
+@pytest.mark.parametrize("total", [9, 17, 40, 100, 333])
+def test_positions_invariants(total):
+    lay = gali_layout(total, 8, 2)
+    p = lay.positions
+    assert p[-1] == 7 and torch.all(p[1:] > p[:-1]) and p[0] == 0
+    assert torch.allclose(lay.ceil.double() - lay.frac, p, rtol=0, atol=1e-12)
+    assert torch.equal(lay.floor, torch.floor(p).long())
+    # at least W = 2 most recent tokens keep unit spacing
+    assert torch.equal(p[-2:], torch.tensor([6.0, 7.0], dtype=torch.float64))
+
+
+def test_positions_within_window_and_errors():
+    assert gali_positions(5, 8, 2).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="local_window"):
+        gali_layout(20, 8, 8)
+
+
+def test_chunk_sizes():
+    assert chunk_sizes(10, 4, 3) == [4, 3, 3]
+    assert chunk_sizes(12, 4, 3) == [4, 3, 3, 2]
+    assert chunk_sizes(4, 4, 3) == [4]
+
+
+# ---------------------------------------------------------------- attention
+@pytest.mark.parametrize("arch", ARCHS)
+def test_within_window_equals_vanilla(arch, tok):
+    model = tiny_model(arch, seed=0)
+    b = GaliBackend(model, tok, train_window=256, query_block=7)
+    ids = _ids(60)
+    assert torch.allclose(b.token_logprobs(ids), _vanilla_logprobs(model, ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_beyond_window_equals_direct_reference(arch, tok):
+    model = tiny_model(arch, seed=0)
+    b = GaliBackend(model, tok, train_window=16, chunk_size=5, local_window=3, noise=False)
+    ids = _ids(57)
+    got = b.token_logprobs(ids)
+    ref = _reference_logprobs(model, ids, 16, 3, 5)
+    assert torch.allclose(got, ref, atol=1e-5)
+    # and GALI is not the vanilla model beyond L
+    assert (got - _vanilla_logprobs(model, ids)).abs().max() > 1e-3
+
+
+def test_paper_logits_are_the_key_interpolation():
+    # frac depends on the key only, so A_lo + frac (A_hi - A_lo) = q_c . lerp(k_c, k_f, frac)
+    model = tiny_model("llama", seed=0)
+    rot = model.get_decoder().rotary_emb
+    lay = gali_layout(30, 8, 2)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 4, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
+    got = paper_logits(q, k, lay, rot, 0.25, 26)
+    cos_c, sin_c = rot(q, lay.ceil[None])
+    cos_f, sin_f = rot(q, lay.floor[None])
+
+    def rope(x, c, s):
+        return x * c + torch.cat((-x[..., 8:], x[..., :8]), -1) * s
+
+    kk = torch.lerp(
+        rope(k, cos_c[0], sin_c[0]), rope(k, cos_f[0], sin_f[0]), lay.frac[:, None].float()
+    )
+    ref = rope(q, cos_c[0, 26:], sin_c[0, 26:]) @ kk.transpose(-1, -2) * 0.25
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_blocked_equals_unblocked(tok):
+    model = tiny_model("qwen2", seed=3)
+    ids = _ids(70, seed=4)
+    opts = dict(train_window=16, chunk_size=9, local_window=2, noise=False)
+    blocked = GaliBackend(model, tok, query_block=3, **opts).token_logprobs(ids)
+    whole = GaliBackend(model, tok, query_block=None, **opts).token_logprobs(ids)
+    assert torch.allclose(blocked, whole, atol=1e-5)
+
+
+def test_noise_off_deterministic_noise_seeded(tok):
+    model = tiny_model("llama", seed=0)
+    ids = _ids(50)
+    base = dict(train_window=16, chunk_size=6, local_window=2)
+    off = GaliBackend(model, tok, noise=False, **base)
+    assert torch.equal(off.token_logprobs(ids), off.token_logprobs(ids))
+    s0 = GaliBackend(model, tok, noise=True, seed=0, **base)
+    a, b = s0.token_logprobs(ids), s0.token_logprobs(ids)
+    assert torch.equal(a, b)  # same seed, same noise
+    c = GaliBackend(model, tok, noise=True, seed=1, **base).token_logprobs(ids)
+    assert not torch.equal(a, c)
+    assert not torch.equal(a, off.token_logprobs(ids))
+    # noise only touches logits beyond the window: the first chunk (L tokens) is unchanged
+    assert torch.equal(a[:15], off.token_logprobs(ids)[:15])
+
+
+def test_generate_batch_matches_single(tok):
+    model = tiny_model("llama", seed=0)
+    b = GaliBackend(model, tok, train_window=16, chunk_size=6, noise=False)
+    p1, p2, p3 = _ids(30, 1), _ids(30, 2), _ids(23, 3)
+    batch = b.generate_ids([p1, p2, p3], max_new_tokens=5, stop_at_newline=False)
+    singles = [
+        b.generate_ids([p], max_new_tokens=5, stop_at_newline=False)[0] for p in (p1, p2, p3)
+    ]
+    assert [g.text for g in batch] == [g.text for g in singles]
+    assert all(
+        g.new_tokens == 5 and g.prefill_tokens == len(p)
+        for g, p in zip(batch, (p1, p2, p3), strict=True)
+    )
+
+
+def test_decode_steps_equal_chunked_prefill(tok):
+    # with chunk_size=1 a prefill beyond L feeds one token per step, exactly like decoding: the
+    # greedy continuation of ids + [t1] must be t2, t3, ... (positions recomputed every step)
+    model = tiny_model("llama", seed=0)
+    b = GaliBackend(model, tok, train_window=16, chunk_size=1, local_window=2, noise=False)
+    ids = torch.tensor([_ids(20)])
+    toks = [t[0] for t, _ in b._greedy(ids, 4, stop_at_newline=False)]
+    again = [t[0] for t, _ in b._greedy(torch.cat([ids, torch.tensor([toks[:1]])], 1), 3, False)]
+    assert again == toks[1:]
+
+
+def test_errors(tok):
+    with pytest.raises(ValueError, match="exceeds the model's trained window"):
+        GaliBackend(tiny_model("llama"), tok, train_window=1000)
+    with pytest.raises(ValueError, match="local_window"):
+        GaliBackend(tiny_model("llama"), tok, train_window=16, local_window=16)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="gali supports llama"):
+        GaliBackend(gpt2, tok)
+
+
+# ---------------------------------------------------------------- real SmolLM2
+def _essay_ids(tok, n: int) -> list[int]:
+    with gzip.open(shared_file("needle_paul_graham_essays.jsonl.gz"), "rt") as f:
+        text = json.loads(f.readline())["text"]
+    return tok(text, add_special_tokens=False)["input_ids"][:n]
+
+
+def test_smollm2_within_window_is_vanilla(smol):
+    g = GaliBackend(smol.model, smol.tokenizer, train_window=512)
+    prompt = smol.chat_prompt("What is the capital of France? Answer in one word.")
+    assert torch.equal(g.next_token_logprobs(prompt), smol.next_token_logprobs(prompt))
+    ids = smol.encode(prompt)
+    assert g.generate_ids([ids], 8)[0].text == smol.generate_ids([ids], 8)[0].text
+    assert g.context_window == 2048 and smol.context_window == 8192
+
+
+def test_smollm2_beyond_window_perplexity(smol):
+    # at 2x a lowered window (L=128), GALI's perplexity stays near the model's own at full
+    # positions (SmolLM2 was trained to 8192, so vanilla here is the in-window reference)
+    ids = _essay_ids(smol.tokenizer, 256)
+    g = GaliBackend(smol.model, smol.tokenizer, train_window=128)
+    ppl_g = torch.exp(-g.token_logprobs(ids).mean()).item()
+    ppl_v = torch.exp(-_vanilla_logprobs(smol.model, ids).mean()).item()
+    ppl_in = torch.exp(-_vanilla_logprobs(smol.model, ids[:128]).mean()).item()
+    assert ppl_g < 1.25 * ppl_v
+    assert ppl_g < ppl_in  # more context still helps under GALI
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn"])
+def test_rope_scaled_baselines(rope_type, tok):
+    model = tiny_model("llama", seed=0)
+    ids = _ids(40)
+    ref = _vanilla_logprobs(model, ids)
+    b = RopeScaledBackend(model, tok, rope_type=rope_type, factor=4, train_window=16)
+    assert b.context_window == 64
+    got = _vanilla_logprobs(b.model, ids)
+    assert (got[16:] - ref[16:]).abs().max() > 1e-4
+    if rope_type == "dynamic":  # dynamic NTK leaves sequences within the window unchanged
+        assert torch.allclose(_vanilla_logprobs(b.model, ids[:12]), ref[:11], atol=1e-5)
+
+
+def test_rope_scaled_bad_option():
+    with pytest.raises(ValidationError, match="rope_type"):
+        load_backend("rope-scaled", rope_type="bogus")
+
+
+# ---------------------------------------------------------------- truncated baseline
+def test_truncate_middle():
+    assert truncate_middle(list(range(10)), 4) == [0, 1, 8, 9]
+    assert truncate_middle(list(range(10)), 5) == [0, 1, 7, 8, 9]
+    assert truncate_middle([1, 2], 5) == [1, 2]
+    with pytest.raises(ValueError, match="budget"):
+        truncate_middle([1], 0)
+
+
+def test_truncated_backend_reads_the_cut_prompt(tok):
+    model = tiny_model("llama", seed=0)
+    t = TruncatedBackend(model, tok, train_window=24)
+    ids = _ids(40)
+    got = t.generate_ids([ids], max_new_tokens=4, stop_at_newline=False)[0]
+    cut = truncate_middle(ids, 20)
+    ref = t.generate_ids([cut], max_new_tokens=4, stop_at_newline=False)[0]
+    assert got.text == ref.text and got.prompt_tokens == 40 and got.prefill_tokens == 20
+    assert t.context_window == 24 and not t.supports_prefix_reuse

@@ -1,0 +1,427 @@
+"""Pairwise judge: verdict parsing, unswapping, metrics on hand-built verdicts, the order-free
+verdicts, readers on the shared files, and the real SmolLM2 judge end to end."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import math
+
+import pytest
+from conftest import shared_file
+from sklearn.metrics import cohen_kappa_score
+
+from ragfix.connectors.jsonl import DataError
+from ragfix.connectors.pairwise import (
+    detect_format,
+    load_llmbar,
+    load_pairs,
+    load_pandalm,
+    load_simple,
+    load_swap_judgments,
+)
+from ragfix.judge import (
+    JudgePair,
+    PairwiseJudge,
+    agreement,
+    cohen_kappa,
+    logit_verdict,
+    next_token_logprobs_batch,
+    order_metrics,
+    parse_verdict,
+    repetition_stability,
+    summarize,
+    summarize_swap_judgments,
+    swap_aggregate,
+    unswap,
+)
+
+# ------------------------------------------------------------------ parsing (real replies)
+
+# replies seen from SmolLM2-135M (verdict style: after the "[[" prefix; explain style: whole)
+# and the free forms of larger judges (LLMBar's GPT-4 completions are "Output (a)")
+REAL_REPLIES = [
+    ("[[" + "A]]", "A"),
+    ("[[" + "A]]\nThe", "A"),
+    ("[[" + "B]]", "B"),
+    ("[[" + "C]]", "tie"),
+    ("[[" + "MALE] was", "invalid"),
+    ("[[" + "The", "invalid"),
+    ("[[" + "A", "A"),  # cut by the token budget right after the letter
+    ("[[" + "Assistant B]]", "B"),
+    ("[[" + "Ass", "invalid"),
+    ("The answer to the user's question is: 19", "invalid"),
+    (
+        "Your evaluation is thorough and objective. The two responses provided are both "
+        "excellent and well-written.",
+        "invalid",
+    ),
+    ("Both answers are fine. Final verdict: [[B]]", "B"),
+    ('Output "[[A]]" if assistant A is better, "[[B]]" if assistant B is better', "invalid"),
+    ("Output (a)", "A"),
+    ("Output (b)", "B"),
+    ("Verdict: Assistant B", "B"),
+    ("Assistant A's answer is better because it is correct.", "A"),
+    ("tie", "tie"),
+    ("B.", "B"),
+    ("", "invalid"),
+]
+
+
+@pytest.mark.parametrize(("reply", "expected"), REAL_REPLIES)
+def test_parse_verdict_on_real_replies(reply, expected):
+    assert parse_verdict(reply) == expected
+
+
+def test_unswap():
+    assert [unswap(v) for v in ("A", "B", "tie", "invalid")] == ["B", "A", "tie", "invalid"]
+
+
+# ------------------------------------------------------------------ metrics, hand-built
+
+
+def test_every_slot_pair_is_classified_once():
+    cases = {
+        ("A", "B"): "consistent",
+        ("B", "A"): "consistent",
+        ("tie", "tie"): "consistent",
+        ("A", "A"): "primacy",
+        ("A", "tie"): "primacy",
+        ("tie", "A"): "primacy",
+        ("B", "B"): "recency",
+        ("B", "tie"): "recency",
+        ("tie", "B"): "recency",
+    }
+    for v1, v2 in itertools.product(("A", "B", "tie", "invalid"), repeat=2):
+        m = order_metrics([(v1, v2)])
+        if "invalid" in (v1, v2):
+            assert m["valid_pairs"] == 0 and m["position_consistency"] is None
+            continue
+        kind = cases[(v1, v2)]
+        assert m["consistent_pairs"] == (kind == "consistent")
+        assert m["primacy_pairs"] == (kind == "primacy")
+        assert m["recency_pairs"] == (kind == "recency")
+        assert (
+            m["preference_fairness"] == {"consistent": 0.0, "primacy": -1.0, "recency": 1.0}[kind]
+        )
+
+
+def test_preference_fairness_and_rates_worked_example():
+    # 2 primacy (AA, AC), 1 recency (BB), 1 consistent (AB), 1 with an unreadable order
+    m = order_metrics([("A", "A"), ("A", "tie"), ("B", "B"), ("A", "B"), ("invalid", "A")])
+    assert m["pairs"] == 5 and m["valid_pairs"] == 4
+    assert m["position_consistency"] == pytest.approx(1 / 4)
+    # PF_raw = rc*rp - pc*pp = 1*(1/3) - 2*(2/3) = -1; scaled by n = 4
+    assert m["preference_fairness"] == pytest.approx(-1 / 4)
+    assert m["invalid_rate"] == pytest.approx(1 / 10)
+    assert m["tie_rate"] == pytest.approx(1 / 9)
+    # decisive single verdicts: A A, B B, A B, A -> 5 of 8 pick the first slot
+    assert m["first_slot_win_rate"] == pytest.approx(5 / 8)
+    assert 0 < m["pc_low"] < 0.25 < m["pc_high"] < 1
+
+
+def test_unbiased_judge_has_half_first_slot_wins():
+    m = order_metrics([("A", "B"), ("B", "A"), ("A", "B")])
+    assert m["position_consistency"] == 1.0
+    assert m["first_slot_win_rate"] == 0.5
+    assert m["preference_fairness"] == 0.0
+
+
+def test_judge_that_never_parses_is_reported_not_crashed():
+    m = order_metrics([("invalid", "invalid")] * 3)
+    assert m["invalid_rate"] == 1.0
+    assert m["position_consistency"] is None and m["first_slot_win_rate"] is None
+
+
+def test_swap_aggregate_is_mtbench_rule():
+    assert swap_aggregate("A", "A") == "A"
+    assert swap_aggregate("B", "B") == "B"
+    assert swap_aggregate("A", "B") == "tie"
+    assert swap_aggregate("A", "tie") == "tie"
+    assert swap_aggregate("tie", "tie") == "tie"
+    assert swap_aggregate("invalid", "A") == "invalid"
+
+
+def test_cohen_kappa_matches_sklearn_and_agreement():
+    y1 = ["A", "B", "A", "tie", "invalid", "B", "A"]
+    y2 = ["A", "B", "B", "tie", "A", "B", "B"]
+    assert cohen_kappa(y1, y2) == pytest.approx(cohen_kappa_score(y1, y2))
+    assert cohen_kappa(["A", "A"], ["A", "A"]) is None
+    g = agreement(y1, [*y2[:-1], None])
+    assert g["n"] == 6 and g["accuracy"] == pytest.approx(4 / 6) and g["invalid"] == 1
+    assert agreement(["A", "B"], [None, None]) is None
+
+
+def test_repetition_stability():
+    assert repetition_stability([["A", "A", "A"], ["A", "B", "A"]]) == pytest.approx(
+        (1 + 2 / 3) / 2
+    )
+    assert repetition_stability([]) is None
+
+
+# ------------------------------------------------------------------ logit verdict
+
+
+def test_logit_verdict_is_exactly_order_symmetric():
+    probs = [(0.46, 0.12), (0.47, 0.10), (0.25, 0.077), (0.9, 0.0001), (1e-9, 3e-9)]
+    for x, y in itertools.permutations(probs, 2):
+        v_ab, p_ab = logit_verdict(x, y)
+        v_ba, p_ba = logit_verdict(y, x)
+        assert v_ba == unswap(v_ab)
+        # p(b better) for (a, b) is bit-identical to p(a better) for (b, a)
+        p_b = (x[1] / (x[0] + x[1]) + y[0] / (y[0] + y[1])) / 2
+        assert p_ba == p_b
+    # a judge that always prefers slot A by the same odds gives an exact tie
+    assert logit_verdict((0.6, 0.2), (0.6, 0.2)) == ("tie", pytest.approx(0.5))
+    assert logit_verdict((0.0, 0.0), (0.5, 0.1))[0] == "invalid"
+    # (0.46 / 0.58 + 0.10 / 0.57) / 2 = (0.79310 + 0.17544) / 2
+    assert logit_verdict((0.46, 0.12), (0.47, 0.10)) == ("B", pytest.approx(0.484271, abs=1e-6))
+
+
+# ------------------------------------------------------------------ readers (shared files)
+
+
+def test_readers_on_shared_files():
+    llmbar = load_pairs(shared_file("llmbar_pairs.jsonl.gz"))
+    assert len(llmbar) == 885
+    assert llmbar[0].pair_id == "llmbar:LLMBar/Natural:0" and llmbar[0].label == "A"
+    assert sum(p.label == "A" for p in llmbar) == 440
+    panda = load_pairs(shared_file("pandalm_testset_v1.jsonl.gz"))
+    assert len(panda) == 999
+    labels = [p.label for p in panda]
+    assert (labels.count("A"), labels.count("B"), labels.count("tie")) == (422, 472, 105)
+    assert sum("empty_answer_a" in p.flags or "empty_answer_b" in p.flags for p in panda) == 54
+    assert panda[157].answer_a == "True"  # stored as a JSON boolean in the source
+    shared_file("mtbench_question.jsonl")
+    mt = load_pairs(shared_file("mtbench_model_answers_31models.jsonl.gz"))
+    assert len(mt) == 80 and sum(p.reference is not None for p in mt) == 30
+    assert mt[0].pair_id == "mtbench:81:gpt-4:gpt-3.5-turbo" and mt[0].label is None
+
+
+def test_shared_swap_judgments_reproduce_gpt4_consistency():
+    per_judge = load_swap_judgments(shared_file("llmbar_vanilla_swap_judgments.jsonl.gz"))
+    assert sorted(per_judge) == sorted(
+        ["GPT-4", "ChatGPT", "ChatGPT-0301", "PaLM2", "LLaMA2", "Falcon"]
+    )
+    gpt4 = summarize_swap_judgments(per_judge["GPT-4"])["generated"]
+    assert (gpt4["consistent_pairs"], gpt4["pairs"]) == (389, 419)
+    palm = summarize_swap_judgments(per_judge["PaLM2"])["generated"]
+    assert palm["valid_pairs"] == 415  # four items with an unreadable order
+
+
+def _write_jsonl(path, records):
+    with gzip.open(path, "wt") if str(path).endswith(".gz") else open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def test_bad_input_names_file_line_field(tmp_path):
+    good = {"question": "q", "answer_a": "x", "answer_b": "y"}
+    p = _write_jsonl(tmp_path / "p.jsonl", [good, {**good, "label": "first"}])
+    with pytest.raises(DataError, match=r"p\.jsonl:2: label: unknown label 'first'"):
+        load_simple(p)
+    p = _write_jsonl(tmp_path / "m.jsonl", [{"question": "q", "answer_a": "x"}])
+    with pytest.raises(DataError, match=r"m\.jsonl:1: answer_b: missing"):
+        load_pairs(p)
+    p = _write_jsonl(tmp_path / "u.jsonl", [{"prompt": "q"}])
+    with pytest.raises(DataError, match=r"u\.jsonl:1: not a pairwise record"):
+        detect_format(p)
+    bar = {"input": "q", "output_1": "x", "output_2": "y", "label": 3}
+    p = _write_jsonl(tmp_path / "b.jsonl", [bar])
+    with pytest.raises(DataError, match=r"b\.jsonl:1: label: unknown label 3"):
+        load_llmbar(p)
+    panda = {"instruction": "q", "response1": "x", "response2": "y"}
+    p = _write_jsonl(tmp_path / "pd.jsonl", [{**panda, "annotator1": 1, "annotator2": 5}])
+    with pytest.raises(DataError, match=r"pd\.jsonl:1: annotator2: unknown vote 5"):
+        load_pandalm(p)
+    # all three annotators differ: no majority, no label
+    p = _write_jsonl(
+        tmp_path / "pd2.jsonl", [{**panda, "annotator1": 0, "annotator2": 1, "annotator3": 2}]
+    )
+    assert load_pandalm(p)[0].label is None
+
+
+def test_flags_and_missing_labels(tmp_path):
+    p = _write_jsonl(
+        tmp_path / "f.jsonl",
+        [
+            {"question": "q", "answer_a": "", "answer_b": "y", "label": "B"},
+            {"question": "q", "answer_a": "same", "answer_b": "same ", "label": "tie"},
+            {"question": "q", "answer_a": "x", "answer_b": "y"},
+        ],
+    )
+    pairs = load_simple(p)
+    assert pairs[0].flags == ["empty_answer_a"]
+    assert pairs[1].flags == ["identical_answers"]
+    assert pairs[2].label is None
+    assert pairs[0].pair_id != pairs[2].pair_id
+
+
+# ------------------------------------------------------------------ the real judge (SmolLM2)
+
+PAIRS = [
+    JudgePair(
+        pair_id="capital",
+        question="What is the capital of France?",
+        answer_a="Paris is the capital of France.",
+        answer_b="The capital of France is Berlin.",
+        label="A",
+    ),
+    JudgePair(
+        pair_id="sum",
+        question="What is 2 + 3?",
+        answer_a="2 + 3 = 6",
+        answer_b="2 + 3 = 5",
+        label="B",
+    ),
+    JudgePair(
+        pair_id="same",
+        question="Name a colour.",
+        answer_a="Blue.",
+        answer_b="Blue.",
+        label="tie",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def judged(smol):
+    judge = PairwiseJudge(smol, repeats=3, batch_size=4)
+    swapped = [
+        p.model_copy(update={"answer_a": p.answer_b, "answer_b": p.answer_a}) for p in PAIRS[:2]
+    ]
+    return judge, judge.judge_pairs(PAIRS), judge.judge_pairs(swapped)
+
+
+def test_real_judge_both_orders_and_logit_symmetry(judged):
+    _, res, swapped = judged
+    for r, s in zip(res[:2], swapped, strict=True):
+        assert r.original.raw == r.original.raw.strip()
+        assert r.verdict_original == r.original.slot_verdict
+        assert r.original.slot_verdict in ("A", "B", "tie", "invalid")
+        assert r.verdict_swapped == unswap(r.swapped.slot_verdict)
+        assert 0 < r.original.p_a < 1 and 0 < r.original.p_b < 1
+        # judging (b, a) mirrors judging (a, b): same prompts, roles exchanged
+        assert s.logit_verdict == unswap(r.logit_verdict)
+        assert s.logit_p_a == pytest.approx(1 - r.logit_p_a, abs=1e-5)
+        assert len(r.original.samples) == 3
+    same = res[2]
+    assert same.flags == ["identical_answers"]
+    assert same.swap_verdict == "tie" and same.logit_verdict == "tie" and same.consistent
+
+
+def test_summary_of_real_judgments(judged):
+    _, res, _ = judged
+    s = summarize([r.model_dump(mode="json") for r in res])
+    assert s["pairs"] == 3 and s["labelled"] == 3
+    assert s["flags"] == {"identical_answers": 1}
+    assert s["agreement"]["logit_calibrated"]["n"] == 3
+    assert 0 < s["letter_mass"] <= 1
+    assert 1 / 3 <= s["repetition_stability"] <= 1
+    for kind in ("generated", "logit"):
+        assert s[kind]["pairs"] == 3
+
+
+def test_batched_logprobs_match_single(smol):
+    prompts = [smol.encode(smol.chat_prompt("Say yes.", "[[")), smol.encode("Hello there, my")]
+    batch = next_token_logprobs_batch(smol, prompts)
+    assert batch.shape == (2, smol.model.config.vocab_size)
+    for i, ids in enumerate(prompts):
+        single = smol.next_token_logprobs(smol.tokenizer.decode(ids))
+        assert batch[i].argmax() == single.argmax()
+        assert (batch[i] - single).abs().max() < 1e-3
+
+
+def test_llamaindex_evaluator(judged):
+    from llama_index.core.evaluation import BaseEvaluator, EvaluationResult
+
+    from ragfix.judge import RagfixPairwiseEvaluator
+
+    judge, res, _ = judged
+    ev = RagfixPairwiseEvaluator(judge)
+    assert isinstance(ev, BaseEvaluator)
+    out = ev.evaluate(
+        query=PAIRS[0].question,
+        response=PAIRS[0].answer_a,
+        second_response=PAIRS[0].answer_b,
+    )
+    assert isinstance(out, EvaluationResult)
+    assert out.score == {"A": 1.0, "B": 0.0, "tie": 0.5}[res[0].logit_verdict]
+    assert "original order" in out.feedback
+    tie = ev.evaluate(query="Name a colour.", response="Blue.", second_response="Blue.")
+    assert tie.score == 0.5 and tie.passing is None and tie.pairwise_source == "original"
+    with pytest.raises(ValueError, match="second_response"):
+        ev.evaluate(query="q", response="a")
+    with pytest.raises(ValueError, match="style='verdict'"):
+        RagfixPairwiseEvaluator(PairwiseJudge(judge.backend, style="explain"))
+
+
+def test_explain_style_generates_and_parses(smol):
+    judge = PairwiseJudge(smol, style="explain", max_new_tokens=6)
+    r = judge.judge("What is 2 + 3?", "5", "6")
+    assert r.original.p_a is None and r.logit_verdict is None
+    assert r.original.slot_verdict == parse_verdict(r.original.raw)
+    with pytest.raises(ValueError, match="--style verdict"):
+        PairwiseJudge(smol, style="explain", repeats=2)
+
+
+# ------------------------------------------------------------------ CLI end to end
+
+
+def test_cli_judge_end_to_end_and_resume(tmp_path):
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+
+    data = _write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {
+                "question": p.question,
+                "answer_a": p.answer_a,
+                "answer_b": p.answer_b,
+                "label": p.label,
+            }  # fmt: skip
+            for p in PAIRS
+        ],
+    )
+    out = tmp_path / "run"
+    args = ["judge", str(data), "--out", str(out), "--device", "cpu", "--limit", "2"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "position bias" in r.output and "agreement with human labels" in r.output
+    lines = (out / "judgments.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    rec = json.loads(lines[0])
+    assert {"original", "swapped", "swap_verdict", "logit_verdict"} <= set(rec)
+    assert "raw" in rec["original"] and "slot_verdict" in rec["swapped"]
+    summary = json.loads((out / "summary.json").read_text())
+    s = next(iter(summary["judges"].values()))
+    assert s["pairs"] == 2
+    assert (out / "judge.png").read_bytes()[:4] == b"\x89PNG"
+    # resume: the two judged pairs are skipped, the third is judged
+    r = CliRunner().invoke(app, args[:-1] + ["3"])
+    assert r.exit_code == 0, r.output
+    assert "resuming: 2 of 3" in r.output
+    assert len((out / "judgments.jsonl").read_text().splitlines()) == 3
+    # other settings into the same folder: a one-line error
+    r = CliRunner().invoke(app, [*args, "--tie-margin", "0.1"])
+    assert r.exit_code == 2 and "other settings" in r.output
+
+
+def test_cli_from_judgments(tmp_path):
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+
+    data = shared_file("llmbar_vanilla_swap_judgments.jsonl.gz")
+    r = CliRunner().invoke(app, ["judge", str(data), "--from-judgments", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    judges = json.loads((tmp_path / "summary.json").read_text())["judges"]
+    assert judges["GPT-4"]["generated"]["consistent_pairs"] == 389
+    assert math.isclose(
+        judges["GPT-4"]["generated"]["position_consistency"], 389 / 419, rel_tol=1e-12
+    )
+    assert (tmp_path / "judge.png").exists()

@@ -1,0 +1,91 @@
+"""The position sweep through the real LlamaIndex pipeline, on a handful of cells of real NQ
+passages (bundled demo corpus) with the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
+from ragfix.eval.pipeline import candidates_with_gold_at, run_pipeline_sweep
+from ragfix.reorder import ProfileError
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """The first 12 passages of the bundled NQ demo corpus and two of their questions; the
+    second question's gold passage is swapped for one that retrieval will not rank in the top 3
+    (so the sweep must add it)."""
+    d = tmp_path_factory.mktemp("nq")
+    corpus = d / "corpus.jsonl"
+    corpus.write_text("".join(DEMO_CORPUS.read_text().splitlines(keepends=True)[:12]))
+    qs = [json.loads(x) for x in DEMO_QUESTIONS.read_text().splitlines()[:2]]
+    qs[1]["gold_doc_id"] = qs[0]["gold_doc_id"]
+    (d / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in qs))
+    return corpus, d / "questions.jsonl"
+
+
+def test_candidates_put_gold_at_each_rank():
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    res = [
+        NodeWithScore(node=TextNode(text=t, id_=t), score=s)
+        for t, s in zip("abcd", [4, 3, 2, 1], strict=True)
+    ]
+    gold = res[2]
+    for r in range(4):
+        c = candidates_with_gold_at(res, gold, r)
+        assert [n.node.node_id for n in c].index("c") == r
+        assert [n.node.node_id for n in c if n.node.node_id != "c"] == ["a", "b", "d"]
+        assert [n.score for n in c] == [4, 3, 2, 1]
+    outside = NodeWithScore(node=TextNode(text="g", id_="g"))
+    assert [n.node.node_id for n in candidates_with_gold_at(res, outside, 1)] == list("agbc")
+
+
+def test_sweep_through_the_pipeline(small_corpus, tmp_path, smol):
+    corpus, questions = small_corpus
+    out = tmp_path / "run"
+    summary = run_pipeline_sweep(
+        corpus=corpus,
+        questions=questions,
+        out=out,
+        strategies=["none", "reverse"],
+        top_k=3,
+        positions="0,2",
+        device="cpu",
+    )
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 * 2 * 2
+    for r in recs:
+        assert r["extra"]["llm_calls"] == 1 and not r["extra"]["context_cut"]
+        expected = r["position"] if r["strategy"] == "none" else 2 - r["position"]
+        assert r["prompt_position"] == expected
+        assert r["num_docs"] == 3 and r["answer"]
+    added = {r["sample_id"]: r["extra"]["gold_added"] for r in recs}
+    assert added == {"nq-0200": False, "nq-0201": True}
+    assert set(summary["curves"]) == {"vanilla", "vanilla/reverse"}
+    assert summary["x_axis"] == "retrieval rank" and summary["gold_added"] == 1
+    assert (out / "curve.png").stat().st_size > 0
+    # a rerun finds every cell done and computes nothing
+    before = (out / "results.jsonl").read_text()
+    run_pipeline_sweep(
+        corpus=corpus,
+        questions=questions,
+        out=out,
+        strategies=["none", "reverse"],
+        top_k=3,
+        positions="0,2",
+        device="cpu",
+    )
+    assert (out / "results.jsonl").read_text() == before
+    # a profile measured with another number of documents is refused before any work
+    with pytest.raises(ProfileError, match="for 3 documents, not 4"):
+        run_pipeline_sweep(
+            corpus=corpus,
+            questions=questions,
+            out=tmp_path / "other",
+            strategies=["bias-profile"],
+            top_k=4,
+            profile=out / "summary.json",
+        )

@@ -1,0 +1,191 @@
+"""RagFixPostprocessor, RagFixLLM and the document-folder connector, inside a real LlamaIndex
+query engine (real FAISS index, real all-MiniLM-L6-v2 embedder, real SmolLM2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from llama_index.core.schema import NodeWithScore, TextNode
+
+from ragfix.connectors.corpus import CorpusError, build_corpus, load_documents, load_questions
+from ragfix.connectors.jsonl import DataError, SkipCounter
+from ragfix.correct import BudgetError
+from ragfix.llm import RagFixLLM
+from ragfix.postprocessor import RagFixPostprocessor
+from ragfix.reorder import ProfileError
+
+TEXTS = [
+    "Berlin is the capital and largest city of Germany.",
+    "Madrid is the capital of Spain, on the river Manzanares.",
+    "Ottawa is the capital city of Canada, in Ontario.",
+    "Canberra is the capital city of Australia.",
+    "Nairobi is the capital of Kenya.",
+]
+
+
+def _nodes(scores=None):
+    return [
+        NodeWithScore(node=TextNode(text=t, id_=f"n{i}"), score=None if scores is None else s)
+        for i, (t, s) in enumerate(zip(TEXTS, scores or [None] * len(TEXTS), strict=True))
+    ]
+
+
+@pytest.mark.parametrize(
+    "strategy, expected",
+    [
+        ("none", [0, 1, 2, 3, 4]),
+        ("reverse", [4, 3, 2, 1, 0]),
+        ("lost-in-the-middle", [0, 2, 4, 3, 1]),
+    ],
+)
+def test_static_strategies_on_nodes_without_scores(strategy, expected):
+    post = RagFixPostprocessor(strategy=strategy)
+    out = post.postprocess_nodes(_nodes(), query_str="capital?")
+    assert [n.node.node_id for n in out] == [f"n{i}" for i in expected]
+    assert post.last_report["order"] == expected
+
+
+def test_async_path_matches_sync():
+    post = RagFixPostprocessor(strategy="lost-in-the-middle")
+    nodes = _nodes([0.9, 0.8, 0.7, 0.6, 0.5])
+    out = asyncio.run(post.apostprocess_nodes(nodes, query_str="capital?"))
+    assert [n.node.node_id for n in out] == ["n0", "n2", "n4", "n3", "n1"]
+    assert [n.score for n in out] == [0.9, 0.7, 0.5, 0.6, 0.8]
+
+
+def test_settings_are_pydantic_fields_and_backend_is_private(smol):
+    post = RagFixPostprocessor(strategy="reverse", backend=smol, reserve_tokens=100)
+    d = post.to_dict()
+    assert d["class_name"] == "RagFixPostprocessor" and d["strategy"] == "reverse"
+    assert "backend" not in d and "_backend" not in d
+    with pytest.raises(ValueError, match="unknown reorder strategy"):
+        RagFixPostprocessor(strategy="random")
+    with pytest.raises(ValueError, match="needs backend"):
+        RagFixPostprocessor(strategy="attention-sort")
+
+
+def test_duplicates_and_budget_keep_the_best_nodes(smol):
+    nodes = _nodes()
+    nodes.insert(2, NodeWithScore(node=TextNode(text=TEXTS[0], id_="dup")))
+    sizes = [smol.count_tokens(t) for t in TEXTS]
+    post = RagFixPostprocessor(strategy="none", backend=smol, token_budget=sum(sizes[:3]))
+    out = post.postprocess_nodes(nodes, query_str="capital?")
+    assert [n.node.node_id for n in out] == ["n0", "n1", "n2"]
+    assert post.last_report["dropped_duplicates"] == ["dup"]
+    assert post.last_report["dropped_budget"] == ["n3", "n4"]
+    tight = RagFixPostprocessor(strategy="none", backend=smol, token_budget=sizes[0] - 1)
+    with pytest.raises(BudgetError, match="best passage"):
+        tight.postprocess_nodes(nodes, query_str="capital?")
+
+
+def test_bias_profile_checks_model_and_size(tmp_path, smol):
+    summary = {
+        "model": "smollm2",
+        "num_docs": 5,
+        "curves": {
+            "vanilla": {
+                "positions": [
+                    {"position": p, "accuracy": a} for p, a in enumerate([0.9, 0.2, 0.3, 0.4, 0.8])
+                ]
+            }
+        },
+    }
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary))
+    post = RagFixPostprocessor(strategy="bias-profile", profile=str(path), backend=smol)
+    out = post.postprocess_nodes(_nodes(), query_str="capital?")
+    # positions by accuracy 0, 4, 3, 2, 1 receive ranks 0..4
+    assert [n.node.node_id for n in out] == ["n0", "n4", "n3", "n2", "n1"]
+    with pytest.raises(ProfileError, match="for 5 documents, not 10"):
+        RagFixPostprocessor(strategy="bias-profile", profile=str(path), backend=smol, num_docs=10)
+    summary["model"] = "qwen"
+    path.write_text(json.dumps(summary))
+    with pytest.raises(ProfileError, match="model 'qwen', not 'smollm2'"):
+        RagFixPostprocessor(strategy="bias-profile", profile=str(path), backend=smol)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i, t in enumerate(TEXTS[:3]):
+        (d / f"doc{i}.txt").write_text(t)
+    (d / "doc3.md").write_text(f"# Australia\n\n{TEXTS[3]}")
+    (d / "doc4.html").write_text(f"<html><body><p>{TEXTS[4]}</p></body></html>")
+    (d / "blob.txt").write_bytes(b"\x00\x01\x02binary")
+    (d / "notes.csv").write_text("ignored,file")
+    return d
+
+
+def test_folder_reading_skips_and_counts_bad_files(folder, tmp_path):
+    skipped = SkipCounter()
+    docs = load_documents(folder, skipped)
+    assert sorted(d.id_ for d in docs) == [
+        f"doc{i}.{e}" for i, e in enumerate(["txt", "txt", "txt", "md", "html"])
+    ]
+    assert skipped.count == 1 and "blob.txt" in skipped.examples[0]
+    html = next(d for d in docs if d.id_ == "doc4.html")
+    assert html.text.strip() == TEXTS[4]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="no readable documents"):
+        load_documents(tmp_path / "empty")
+
+
+def test_query_engine_passes_nodes_in_strategy_order(folder, smol):
+    corpus = build_corpus(folder, chunk_size=64, chunk_overlap=0)
+    assert len(corpus.nodes) == 5
+    assert not build_corpus(folder, chunk_size=64, chunk_overlap=0).rebuilt  # persisted index
+    with pytest.raises(CorpusError, match="top-k 6 is larger than the corpus"):
+        corpus.retriever("faiss", 6)
+    llm = RagFixLLM(smol, max_new_tokens=8, stop_at_newline=True)
+    post = RagFixPostprocessor(strategy="reverse", backend=smol)
+    engine = corpus.index.as_query_engine(
+        llm=llm, similarity_top_k=4, node_postprocessors=[post], response_mode="compact"
+    )
+    resp = engine.query("What is the capital of Germany?")
+    assert llm.calls == 1
+    retrieved = corpus.retriever("faiss", 4).retrieve("What is the capital of Germany?")
+    assert retrieved[0].node.metadata["doc_id"] == "doc0.txt"  # the embedder finds Berlin
+    expected = [n.node.get_content() for n in reversed(retrieved)]
+    assert [n.node.get_content() for n in resp.source_nodes] == expected
+    flat = " ".join(llm.last_prompt.split())  # synthesis may re-space the context
+    where = [flat.index(" ".join(t.split())) for t in expected]
+    assert where == sorted(where)  # the LLM read them in the reversed order
+    assert llm.last_prompt.startswith("<|im_start|>system")
+    bm25 = corpus.retriever("bm25", 2).retrieve("capital of Kenya")
+    assert bm25[0].node.metadata["doc_id"] == "doc4.html"
+
+
+def test_questions_with_missing_gold_are_clear_errors(folder, tmp_path):
+    corpus = build_corpus(folder, chunk_size=64, chunk_overlap=0)
+    q = tmp_path / "q.jsonl"
+    q.write_text(
+        json.dumps(
+            {"question": "capital of Kenya?", "answers": ["Nairobi"], "gold_doc_id": "doc4.html"}
+        )
+        + "\n"
+        + json.dumps(
+            {"question": "capital of Peru?", "answers": ["Lima"], "gold_text": "Lima is in Peru."}
+        )
+        + "\n"
+    )
+    with pytest.raises(DataError, match=r"q.jsonl:2: gold_text: gold passage not found"):
+        load_questions(q, corpus.nodes)
+    skipped = SkipCounter()
+    qs = load_questions(q, corpus.nodes, skip_invalid=True, skipped=skipped)
+    assert [x.gold_node_id for x in qs] == ["doc4.html#0"] and skipped.count == 1
+
+
+def test_llm_metadata_and_streaming(smol):
+    llm = RagFixLLM(smol, max_new_tokens=12)
+    meta = llm.metadata
+    assert meta.context_window == smol.model.config.max_position_embeddings == 8192
+    assert meta.num_output == 12 and meta.model_name == "smollm2 (vanilla)"
+    prompt = "What is the capital of France? Answer in one sentence."
+    full = llm.complete(prompt).text
+    pieces = list(llm.stream_complete(prompt))
+    assert len(pieces) > 1  # token by token, not one block
+    assert "".join(p.delta for p in pieces).strip() == full
+    assert pieces[-1].text.strip() == full
+    assert "Paris" in full
