@@ -15,7 +15,6 @@ import hashlib
 from pathlib import Path
 
 from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require
-
 from ragfix.metrics import normalize_answer
 from ragfix.types import Passage, QASample
 
