@@ -7,14 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from ragfix.cli.common import (
@@ -28,20 +20,6 @@ from ragfix.cli.common import (
     parse_options,
     user_errors,
 )
-
-
-def progress_bar(disable: bool = False) -> Progress:
-    """The progress bar every long ragfix command shows (``disable`` on non-zero ranks)."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=disable,
-    )
 
 
 def backend_options(
@@ -83,7 +61,7 @@ def run_eval(
     from ragfix.bundled import bundled_path
     from ragfix.connectors.jsonl import DataError, SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
-    from ragfix.eval.report import print_summary, write_report
+    from ragfix.eval.report import print_summary, progress_bar, write_report
     from ragfix.eval.shard import assign_groups, distributed_state, merge_shards
     from ragfix.eval.sweep import SweepConfig, open_store, parse_positions, plan_cells, run_cells
     from ragfix.models import resolve_device, resolve_model
@@ -142,7 +120,7 @@ def run_eval(
         bs = batch_size or (16 if on_gpu else 1)
         reuse = prefix_reuse and bs == 1
         right = [0]
-        with progress_bar(disable=rank != 0) as bar:
+        with progress_bar(console, disable=rank != 0) as bar:
             task = bar.add_task(f"{backend} sweep", total=len(todo), status="")
 
             def on_record(rec) -> None:
@@ -159,7 +137,7 @@ def run_eval(
         if rank != 0:
             return {}
     merge_shards(out)
-    records = store.load()
+    records = open_store(out).load()
     mine = [records[c.cell_id] for c in cells if c.cell_id in records]
     summary = write_report(out, mine, {"skipped_records": skipped.count})
     print_summary(summary, console, title=f"{model} · {backend} · {num_docs} docs")

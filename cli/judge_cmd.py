@@ -95,9 +95,9 @@ def run_judge(
         DataError, UserError, ValueError, ModelNotFoundError: bad input (one line).
     """
     from ragfix.backends import backend_class, load_backend
-    from ragfix.cli.eval_cmd import progress_bar
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.pairwise import detect_format, load_pairs
+    from ragfix.eval.report import progress_bar
     from ragfix.io import JsonlStore
     from ragfix.judge import PairwiseJudge, summarize
     from ragfix.models import resolve_device, resolve_model
@@ -149,7 +149,7 @@ def run_judge(
             batch_size=batch_size or (32 if on_gpu else 4),
         )
         counts = {"consistent": 0, "first": 0, "n": 0}
-        with progress_bar() as bar:
+        with progress_bar(console) as bar:
             task = bar.add_task(f"judging ({backend})", total=len(todo), status="")
 
             def on_result(res) -> None:

@@ -28,19 +28,11 @@ from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from ragfix.connectors.corpus import build_corpus, load_questions, resolve_demo
 from ragfix.connectors.jsonl import DataError, SkipCounter
-from ragfix.eval.report import print_summary, write_report
+from ragfix.eval.report import print_summary, progress_bar, write_report
 from ragfix.eval.sweep import SweepConfig, open_store, parse_positions
 from ragfix.io import atomic_write_json
 from ragfix.metrics import best_subspan_em
@@ -271,15 +263,7 @@ def run_pipeline_sweep(
 
         planned = sorted((plan(c) + (c,) for c in todo), key=lambda x: x[0])
         right = 0
-        progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-        )
+        progress = progress_bar(console)
         with progress:
             task = progress.add_task("pipeline sweep", total=len(planned), status="")
             for i, (_key, cands, (q, r, s, cell)) in enumerate(planned, 1):

@@ -11,6 +11,14 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from ragfix.io import atomic_write_bytes, atomic_write_json
@@ -18,6 +26,22 @@ from ragfix.metrics import CurveSummary, position_curve
 
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "curve.png"
+
+
+def progress_bar(console: Console | None = None, disable: bool = False) -> Progress:
+    """The progress bar every long ragfix run shows: description, bar, done/total, a status
+    field (``status=`` in ``add_task``/``update``), elapsed and remaining time. ``disable`` hides
+    it (non-zero ranks of a multi-process run)."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=disable,
+    )
 
 
 def curves_from_records(records: list[dict]) -> dict[str, CurveSummary]:

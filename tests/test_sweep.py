@@ -135,7 +135,7 @@ def test_output_folder_of_another_config_is_refused(finished_run):
         (["/no/such.jsonl"], "file not found"),
         ([NQ, "--positions", "0,12"], "12 is out of range 0..9"),
         ([NQ, "--positions", "start"], "'start' is not 'all'"),
-        ([NQ, "--num-docs", "30"], "needs 29 distractors"),
+        ([NQ, "--num-docs", "80"], "needs 79 distractors"),
         ([NQ, "--model", "./missing-model"], "model path not found"),
         ([NQ, "--backend", "nope"], "unknown backend 'nope'"),
     ],
