@@ -255,10 +255,10 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo_cmd(
         out: Annotated[Path, typer.Option("--out", "-o", help="run folder")] = Path("runs/demo"),
-        limit: Annotated[int, typer.Option(help="samples")] = 12,
+        limit: Annotated[int, typer.Option(help="samples")] = 6,
         device: DeviceOpt = "auto",
     ) -> None:
-        """The lost-in-the-middle curve in ~2 minutes on a CPU: the embedded SmolLM2 on the
+        """The lost-in-the-middle curve in ~3 minutes on a CPU: the embedded SmolLM2 on the
         bundled KV-retrieval sample (8 pairs, gold at every position)."""
         with user_errors():
             run_eval(Path("kv-sample"), out, num_docs=8, limit=limit, device=device)
