@@ -235,11 +235,20 @@ def model_identity(model) -> dict:
 
     Returns:
         dict with ``name`` (the name it was loaded by), ``architecture``, ``hidden_size``,
-        ``num_hidden_layers``, ``vocab_size`` and ``fingerprint`` (sha1 of those config values plus
-        the first embedding row rounded to 2 decimals, stable across fp32/bf16 loads).
+        ``num_hidden_layers``, ``vocab_size`` and ``fingerprint``: sha1 of those config values
+        plus the sign bits of 256 entries, spread evenly, of each of three weight matrices (the
+        input embedding and the first and last other 2-D parameters). Rounding to bf16 or fp16
+        never changes a sign bit, so the fingerprint is the same for every dtype and device; models
+        with different weights (other seeds, other checkpoints) differ.
     """
     cfg = model.config
-    emb = model.get_input_embeddings().weight[0, :64].detach().float().cpu()
+    emb = model.get_input_embeddings().weight
+    mats = [p for p in model.parameters() if p.dim() == 2 and p is not emb]
+    bits = []
+    for w in (emb, *mats[:1], *mats[-1:]):
+        flat = w.detach().reshape(-1)
+        idx = torch.arange(256, device=flat.device) * (flat.numel() - 1) // 255
+        bits.append(torch.signbit(flat[idx]).cpu().numpy().tobytes())
     fields = {
         "name": getattr(model, "ragfix_name", getattr(cfg, "name_or_path", "")),
         "architecture": (cfg.architectures or [type(model).__name__])[0],
@@ -247,9 +256,10 @@ def model_identity(model) -> dict:
         "num_hidden_layers": cfg.num_hidden_layers,
         "vocab_size": cfg.vocab_size,
     }
-    raw = repr(sorted((k, v) for k, v in fields.items() if k != "name"))
-    raw += ",".join(f"{x:.2f}" for x in emb.tolist())
-    fields["fingerprint"] = hashlib.sha1(raw.encode()).hexdigest()[:16]
+    digest = hashlib.sha1(repr(sorted((k, v) for k, v in fields.items() if k != "name")).encode())
+    for b in bits:
+        digest.update(b)
+    fields["fingerprint"] = digest.hexdigest()[:16]
     return fields
 
 

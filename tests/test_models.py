@@ -1,4 +1,6 @@
 import pytest
+import torch
+from conftest import tiny_model
 
 from ragfix.models import ModelNotFoundError, model_identity, resolve_model
 from ragfix.prompts import TaskPrompt, qa_prompt, task_prompt
@@ -57,3 +59,11 @@ def test_kv_prompt_is_prefilled_with_the_answer_opening(smol):
     text = smol.chat_prompt(tp.user, tp.assistant_prefix)
     assert text.endswith('<|im_start|>assistant\nThe value of key "k1" is "')
     assert '{"k0": "v0",\n "k1": "v1"}' in tp.user
+
+
+def test_fingerprint_tells_weights_apart_and_ignores_dtype():
+    a, b = tiny_model(seed=1), tiny_model(seed=2)
+    fa = model_identity(a)["fingerprint"]
+    assert fa != model_identity(b)["fingerprint"]
+    assert fa == model_identity(tiny_model(seed=1).to(torch.bfloat16))["fingerprint"]
+    assert fa != model_identity(tiny_model("qwen2", seed=1))["fingerprint"]
