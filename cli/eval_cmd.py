@@ -271,20 +271,36 @@ def register(app: typer.Typer) -> None:
         ),
         title: Annotated[str | None, typer.Option(help="plot title")] = None,
     ) -> None:
-        """Print the tables of several runs and draw their curves on one plot."""
-        from ragfix.eval.report import SUMMARY_FILE, plot_curves, print_summary
+        """Print the tables of several runs and draw their curves on one plot.
+
+        When there are two curves or more (several runs, or one run with several strategies),
+        every curve is also compared with the first on the cells they share: the difference per
+        position and the exact McNemar p-value."""
+        from ragfix.eval.report import (
+            SUMMARY_FILE,
+            cells_by_curve,
+            plot_curves,
+            print_paired,
+            print_summary,
+        )
+        from ragfix.eval.sweep import open_store
 
         with user_errors():
-            loaded = []
+            loaded, curves = [], []
             for r in runs:
-                path = r / SUMMARY_FILE if r.is_dir() else r
+                folder = r if r.is_dir() else r.parent
+                path = folder / SUMMARY_FILE
                 if not path.exists():
                     raise UserError(f"{path}: no summary (run `ragfix eval ... --out {r}` first)")
                 summary = json.loads(path.read_text())
-                print_summary(summary, console, title=str(r))
-                loaded.append((r.name if r.is_dir() else r.parent.name, summary))
+                print_summary(summary, console, title=str(folder))
+                loaded.append((folder.name, summary))
+                records = list(open_store(folder).load().values())
+                curves += [(f"{folder.name}:{k}", v) for k, v in cells_by_curve(records).items()]
             plot_curves(loaded, out, title)
             console.print(f"plot: {out}")
+            if len(curves) > 1:
+                print_paired(curves, console)
 
     @app.command("models")
     def models_cmd(

@@ -22,7 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from ragfix.io import atomic_write_bytes, atomic_write_json
-from ragfix.metrics import CurveSummary, position_curve
+from ragfix.metrics import CurveSummary, paired_comparison, position_curve
 
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "curve.png"
@@ -49,13 +49,74 @@ def curves_from_records(records: list[dict]) -> dict[str, CurveSummary]:
     ``"vanilla/lost-in-the-middle"`` when a reorder strategy is set)."""
     groups: dict[str, list[tuple[int, bool]]] = {}
     for r in records:
-        label = (
-            r["backend"]
-            if r.get("strategy", "none") == "none"
-            else (f"{r['backend']}/{r['strategy']}")
-        )
-        groups.setdefault(label, []).append((int(r["position"]), bool(r["correct"])))
+        groups.setdefault(curve_label(r), []).append((int(r["position"]), bool(r["correct"])))
     return {label: position_curve(pairs) for label, pairs in sorted(groups.items())}
+
+
+def curve_label(record: dict) -> str:
+    """The curve a record belongs to: its backend, plus ``/strategy`` for a reorder strategy."""
+    strategy = record.get("strategy", "none")
+    return record["backend"] if strategy == "none" else f"{record['backend']}/{strategy}"
+
+
+def cells_by_curve(records: list[dict]) -> dict[str, dict[tuple[str, int], bool]]:
+    """``{curve label: {(sample_id, position): correct}}``, for paired comparisons."""
+    out: dict[str, dict[tuple[str, int], bool]] = {}
+    for r in records:
+        out.setdefault(curve_label(r), {})[(r["sample_id"], int(r["position"]))] = bool(
+            r["correct"]
+        )
+    return dict(sorted(out.items()))
+
+
+def print_paired(curves: list[tuple[str, dict]], console: Console | None = None) -> dict:
+    """Compare every curve with the first on the cells they share; print one table (accuracy per
+    position, the difference in brackets) and, per curve, the mean difference, the discordant
+    cells and the exact McNemar p-value.
+
+    Args:
+        curves: ``(name, {(sample_id, position): correct})``, the baseline first.
+
+    Returns:
+        ``{name: PairedComparison dict}`` for every curve after the first that shares cells.
+    """
+    console = console or Console()
+    (base_name, base), others = curves[0], curves[1:]
+    results = {}
+    for name, cells in others:
+        try:
+            results[name] = paired_comparison(base, cells)
+        except ValueError:
+            console.print(f"{name}: no cell in common with {base_name}; not compared")
+    if not results:
+        return {}
+    t = Table(title=f"paired against {base_name} (same samples and positions)")
+    t.add_column("position", justify="right")
+    t.add_column(base_name, justify="right")
+    for name in results:
+        t.add_column(name, justify="right")
+    positions = sorted({p.position for c in results.values() for p in c.positions})
+    for pos in positions:
+        row, base_acc = [str(pos)], None
+        for c in results.values():
+            p = next((p for p in c.positions if p.position == pos), None)
+            if p is None:
+                row.append("")
+                continue
+            base_acc = base_acc if base_acc is not None else p.baseline_correct / p.n
+            row.append(
+                f"{p.other_correct / p.n:.3f} ({(p.other_correct - p.baseline_correct) / p.n:+.3f})"
+            )
+        t.add_row(row[0], "" if base_acc is None else f"{base_acc:.3f}", *row[1:])
+    console.print(t)
+    for name, c in results.items():
+        console.print(
+            f"{name} vs {base_name}: {c.cells} cells, mean difference {c.mean_diff:+.3f}, "
+            f"right only in {name} {c.only_other}, only in {base_name} {c.only_baseline}, "
+            f"McNemar p = {c.p_value:.3g}",
+            highlight=False,
+        )
+    return {name: c.model_dump() for name, c in results.items()}
 
 
 def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> dict:

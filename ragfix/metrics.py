@@ -106,3 +106,76 @@ def position_curve(pairs: list[tuple[int, bool]]) -> CurveSummary:
         best=best.accuracy,
         gap=best.accuracy - worst.accuracy,
     )
+
+
+class PairedPosition(BaseModel):
+    """One position of a paired comparison: ``n`` cells both runs scored, and how many each got
+    right."""
+
+    position: int
+    n: int
+    baseline_correct: int
+    other_correct: int
+
+
+class PairedComparison(BaseModel):
+    """Two curves compared on the cells they share (same sample, same position).
+
+    ``mean_diff`` is the unweighted mean over positions of (other - baseline) accuracy, in
+    accuracy units (0..1). ``only_other`` / ``only_baseline`` count the discordant cells, and
+    ``p_value`` is the exact two-sided McNemar test on them: the probability of a split at least
+    this uneven if both systems were equally good on every cell.
+    """
+
+    cells: int
+    positions: list[PairedPosition]
+    mean_diff: float
+    only_other: int
+    only_baseline: int
+    p_value: float
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value for ``b`` and ``c`` discordant pairs (binomial test of
+    ``min(b, c)`` successes in ``b + c`` trials at p = 1/2; 1.0 when there are none)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_comparison(
+    baseline: dict[tuple[str, int], bool], other: dict[tuple[str, int], bool]
+) -> PairedComparison:
+    """Compare two runs cell by cell.
+
+    Args:
+        baseline, other: ``{(sample_id, position): correct}`` of each run.
+
+    Raises:
+        ValueError: the runs share no cell.
+    """
+    shared = sorted(set(baseline) & set(other), key=lambda k: (k[1], k[0]))
+    if not shared:
+        raise ValueError("the two runs share no (sample, position) cell")
+    rows: dict[int, PairedPosition] = {}
+    for key in shared:
+        pos = rows.setdefault(
+            key[1], PairedPosition(position=key[1], n=0, baseline_correct=0, other_correct=0)
+        )
+        pos.n += 1
+        pos.baseline_correct += int(baseline[key])
+        pos.other_correct += int(other[key])
+    positions = [rows[p] for p in sorted(rows)]
+    b = sum(1 for k in shared if other[k] and not baseline[k])
+    c = sum(1 for k in shared if baseline[k] and not other[k])
+    diff = sum((r.other_correct - r.baseline_correct) / r.n for r in positions) / len(positions)
+    return PairedComparison(
+        cells=len(shared),
+        positions=positions,
+        mean_diff=diff,
+        only_other=b,
+        only_baseline=c,
+        p_value=mcnemar_exact(b, c),
+    )

@@ -3,7 +3,9 @@ import pytest
 from ragfix.metrics import (
     best_subspan_em,
     kv_match,
+    mcnemar_exact,
     normalize_answer,
+    paired_comparison,
     position_curve,
     wilson_interval,
 )
@@ -51,3 +53,21 @@ def test_position_curve_summary():
     assert (c.best_position, c.worst_position, c.gap) == (0, 2, 1.0)
     with pytest.raises(ValueError):
         position_curve([])
+
+
+def test_mcnemar_exact_known_values():
+    assert mcnemar_exact(0, 6) == pytest.approx(2 / 64)
+    assert mcnemar_exact(1, 9) == pytest.approx(2 * 11 / 1024)
+    assert mcnemar_exact(3, 3) == 1.0 and mcnemar_exact(0, 0) == 1.0
+
+
+def test_paired_comparison_uses_only_shared_cells():
+    base = {("a", 0): True, ("b", 0): False, ("a", 1): False, ("b", 1): False, ("c", 1): True}
+    other = {("a", 0): True, ("b", 0): True, ("a", 1): True, ("b", 1): False, ("d", 1): True}
+    c = paired_comparison(base, other)
+    assert c.cells == 4 and [p.n for p in c.positions] == [2, 2]
+    assert (c.only_other, c.only_baseline) == (2, 0)
+    assert c.mean_diff == pytest.approx(0.5)  # +1/2 at both positions
+    assert c.p_value == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="share no"):
+        paired_comparison(base, {("z", 0): True})

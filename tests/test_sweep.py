@@ -8,7 +8,9 @@ from typer.testing import CliRunner
 
 from ragfix.cli.app import app
 from ragfix.connectors.litm import load_samples
+from ragfix.eval.report import write_report
 from ragfix.eval.sweep import SweepConfig, open_store, parse_positions, plan_cells, run_cells
+from ragfix.metrics import mcnemar_exact
 
 NQ = str(BUNDLED / "nq_10docs_sample.jsonl.gz")
 runner = CliRunner()
@@ -82,6 +84,28 @@ def test_rerun_skips_finished_cells_and_resumes_after_a_crash(finished_run, tmp_
     # a rerun of a finished run computes nothing and loads no model
     res = _eval(out)
     assert "resuming: 9 of 9" in res.output and len(_lines(out)) == 9
+
+
+def test_report_compares_runs_cell_by_cell(finished_run, tmp_path):
+    out, _ = finished_run
+    other = tmp_path / "other"
+    other.mkdir()
+    recs = _lines(out)
+    flipped = {recs[0]["cell_id"], recs[4]["cell_id"]}
+    for r in recs:  # a second system that differs from the first on two cells
+        r["correct"] = not r["correct"] if r["cell_id"] in flipped else r["correct"]
+        r["backend"] = "other"
+    (other / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    write_report(other, recs)
+    png = tmp_path / "cmp.png"
+    res = runner.invoke(app, ["report", str(out), str(other), "--out", str(png)])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    gained = sum(r["correct"] for r in recs if r["cell_id"] in flipped)
+    assert "9 cells" in text and f"right only in other:other {gained}" in text
+    p = mcnemar_exact(gained, 2 - gained)
+    assert f"only in nq3:vanilla {2 - gained}" in text and f"McNemar p = {p:.3g}" in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_interrupted_sweep_keeps_every_finished_cell(smol, tmp_path):
