@@ -27,13 +27,22 @@ CandidatesOpt = Annotated[
 def _load(
     files: list[Path], num_docs: int, offset: int, candidates: int | None, max_words: int | None
 ):
+    from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import load_samples
     from ragfix.distill import shorten_sample
 
     out = []
     for f in files:
         limit = None if candidates is None else offset + candidates
-        out += [shorten_sample(s, max_words) for s in load_samples(f, num_docs, limit)[offset:]]
+        skipped = SkipCounter()
+        loaded = load_samples(f, num_docs, limit, skip_invalid=True, skipped=skipped)
+        out += [shorten_sample(s, max_words) for s in loaded[offset:]]
+        if skipped.count:
+            console.print(
+                f"[yellow]{f}: skipped {skipped.count} unusable record(s)[/yellow]; first: "
+                f"{skipped.examples[0]}",
+                highlight=False,
+            )
     return out
 
 

@@ -114,7 +114,8 @@ def load_qa(
         num_docs: passages per prompt (gold included), >= 1.
         limit: read at most this many valid samples (the first ones).
         distractor_pool: optional second file in the same format.
-        skip_invalid: skip (and count in ``skipped``) malformed records instead of failing.
+        skip_invalid: skip (and count in ``skipped``) malformed records, and records with too
+            few distractors, instead of failing.
 
     Raises:
         DataError: malformed record (file, line and field named), or not enough distractors.
@@ -159,13 +160,18 @@ def load_qa(
                 distractors.append(p)
                 used.add((p.title, p.text))
         if len(distractors) < need:
-            raise DataError(
+            err = DataError(
                 path,
                 line,
                 "ctxs",
                 f"--num-docs {num_docs} needs {need} distractors, "
                 f"only {len(distractors)} available",
             )
+            if not skip_invalid:
+                raise err
+            if skipped is not None:
+                skipped.add(err)
+            continue
         samples.append(
             QASample(
                 id=sample_id(question, gold.text),

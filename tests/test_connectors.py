@@ -97,6 +97,15 @@ def test_too_many_docs_is_refused(tmp_path):
         f.write(GOOD + "\n" + GOOD.replace("q1", "q2").replace("a1 is here", "other") + "\n")
     with pytest.raises(DataError, match="needs 4 distractors"):
         load_qa(p, 5)
+    # the real oracle record whose one-letter answer ("S") is in nearly every passage
+    oracle = shared_file("litm_nq_open_oracle.jsonl.gz")
+    with pytest.raises(DataError, match=r"oracle\.jsonl\.gz:1841: ctxs: --num-docs 10 needs 9"):
+        load_qa(oracle, 10)
+    skipped = SkipCounter()
+    samples = load_qa(oracle, 10, skip_invalid=True, skipped=skipped)
+    assert skipped.count >= 1 and ":1841:" in skipped.examples[0]
+    assert "atlantic ocean's shape" not in [s.question for s in samples]
+    assert len(samples) == 2000 - skipped.count
 
 
 def test_missing_file():
