@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require
+from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require, skip_or_raise
 from ragfix.correct import jaccard, shingles
 from ragfix.io import atomic_write_json
 from ragfix.metrics import normalize_answer
@@ -355,10 +355,7 @@ def load_questions(
                 field = "gold_doc_id" if gold_doc is not None else "gold_text"
                 raise DataError(path, line, field, "gold passage not found in the corpus")
         except DataError as e:
-            if not skip_invalid:
-                raise
-            if skipped is not None:
-                skipped.add(e)
+            skip_or_raise(e, skip_invalid, skipped)
             continue
         qid = str(rec.get("id") or hashlib.sha1(q.encode()).hexdigest()[:12])
         out.append(

@@ -36,6 +36,19 @@ class SkipCounter:
             self.examples.append(str(err))
 
 
+def skip_or_raise(err: DataError, skip_invalid: bool, skipped: SkipCounter | None) -> None:
+    """The one policy for a bad record: raise ``err``, or, with ``skip_invalid``, count it in
+    ``skipped`` (when given) so the caller can move on to the next record.
+
+    Raises:
+        DataError: ``err``, when ``skip_invalid`` is false.
+    """
+    if not skip_invalid:
+        raise err from None
+    if skipped is not None:
+        skipped.add(err)
+
+
 def open_text(path: str | Path) -> io.TextIOBase:
     """Open a plain or gzip (``.gz``) text file as UTF-8.
 
@@ -76,10 +89,7 @@ def read_jsonl(
                             path, n, None, f"malformed JSON ({e.msg} at column {e.colno})"
                         )
                     )
-                    if not skip_invalid:
-                        raise err from None
-                    if skipped is not None:
-                        skipped.add(err)
+                    skip_or_raise(err, skip_invalid, skipped)
                     continue
                 yield n, rec
     except (OSError, EOFError, UnicodeDecodeError) as e:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require
+from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require, skip_or_raise
 from ragfix.metrics import normalize_answer
 from ragfix.types import Passage, QASample
 
@@ -127,10 +127,7 @@ def load_qa(
         try:
             records.append((line, *_parse_qa(rec, path, line)))
         except DataError as e:
-            if not skip_invalid:
-                raise
-            if skipped is not None:
-                skipped.add(e)
+            skip_or_raise(e, skip_invalid, skipped)
     if not records:
         raise DataError(path, None, None, "no valid records")
     pool = bm25 = None
@@ -167,10 +164,7 @@ def load_qa(
                 f"--num-docs {num_docs} needs {need} distractors, "
                 f"only {len(distractors)} available",
             )
-            if not skip_invalid:
-                raise err
-            if skipped is not None:
-                skipped.add(err)
+            skip_or_raise(err, skip_invalid, skipped)
             continue
         samples.append(
             QASample(
@@ -228,10 +222,7 @@ def load_kv(
                     f"only {len(others)} available",
                 )
         except DataError as e:
-            if not skip_invalid:
-                raise
-            if skipped is not None:
-                skipped.add(e)
+            skip_or_raise(e, skip_invalid, skipped)
             continue
         samples.append(
             QASample(

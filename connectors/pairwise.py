@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require
+from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require, skip_or_raise
 from ragfix.judge import JudgePair, pair_id
 
 FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "swap_judgments")
@@ -121,10 +121,7 @@ def _read(path, limit, skip_invalid, skipped, parse) -> list[JudgePair]:
         try:
             out.append(parse(rec, line))
         except DataError as e:
-            if not skip_invalid:
-                raise
-            if skipped is not None:
-                skipped.add(e)
+            skip_or_raise(e, skip_invalid, skipped)
     return out
 
 
