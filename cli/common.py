@@ -11,7 +11,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from ragfix.connectors.jsonl import DataError
+from ragfix.errors import DataError
 from ragfix.models import ModelNotFoundError
 
 console = Console()

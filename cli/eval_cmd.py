@@ -59,7 +59,8 @@ def run_eval(
     """
     from ragfix.backends import backend_class, load_backend
     from ragfix.bundled import bundled_path
-    from ragfix.connectors.jsonl import DataError, SkipCounter
+    from ragfix.errors import DataError
+from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.eval.report import print_summary, progress_bar, write_report
     from ragfix.eval.shard import assign_groups, distributed_state, merge_shards

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require, skip_or_raise
+from ragfix.errors import DataError
+from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
 from ragfix.correct import jaccard, shingles
 from ragfix.io import atomic_write_json
 from ragfix.metrics import normalize_answer

@@ -13,14 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-
-class DataError(ValueError):
-    """A bad input record or file. ``str()`` is one line: ``path:line: field: message``."""
-
-    def __init__(self, path: str | Path, line: int | None, field: str | None, message: str):
-        self.path, self.line, self.field, self.message = str(path), line, field, message
-        where = self.path if line is None else f"{self.path}:{line}"
-        super().__init__(f"{where}: {field + ': ' if field else ''}{message}")
+from ragfix.errors import DataError
 
 
 class SkipCounter:

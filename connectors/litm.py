@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require, skip_or_raise
+from ragfix.errors import DataError
+from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
 from ragfix.metrics import normalize_answer
 from ragfix.types import Passage, QASample
 

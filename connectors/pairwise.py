@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ragfix.connectors.jsonl import DataError, SkipCounter, read_jsonl, require, skip_or_raise
+from ragfix.errors import DataError
+from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
 from ragfix.judge import JudgePair, pair_id
 
 FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "swap_judgments")

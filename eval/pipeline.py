@@ -31,7 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ragfix.connectors.corpus import build_corpus, load_questions, resolve_demo
-from ragfix.connectors.jsonl import DataError, SkipCounter
+from ragfix.errors import DataError
+from ragfix.connectors.jsonl import SkipCounter
 from ragfix.eval.report import print_summary, progress_bar, write_report
 from ragfix.eval.sweep import SweepConfig, open_store, parse_positions
 from ragfix.io import atomic_write_json

@@ -21,7 +21,8 @@ import torch
 
 from ragfix.backends import Backend, load_backend
 from ragfix.backends.gali import GaliBackend
-from ragfix.connectors.jsonl import DataError, read_jsonl, require
+from ragfix.connectors.jsonl import read_jsonl, require
+from ragfix.errors import DataError
 from ragfix.io import atomic_write_json, atomic_write_text
 
 #: method name -> (backend, options); rope factors are filled in from the longest ratio

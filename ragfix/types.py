@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,13 +74,18 @@ class Generation(BaseModel):
         prefill_tokens: prompt tokens actually computed (fewer than ``prompt_tokens`` when a cached
             prefix was reused).
         seconds: wall time for this output (for a batch, the batch time divided by its size).
+        first_logprobs: when asked for, the first answer step's next-token log-probabilities
+            (float32 ``[vocab_size]`` tensor on the CPU); not serialised.
     """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     text: str
     prompt_tokens: int
     new_tokens: int
     prefill_tokens: int
     seconds: float
+    first_logprobs: Any = Field(default=None, exclude=True, repr=False)
 
 
 class SweepRecord(BaseModel):

@@ -27,7 +27,7 @@ from ragfix.calibrate import (
     random_text_ids,
     screen_channels,
 )
-from ragfix.connectors.jsonl import DataError
+from ragfix.errors import DataError
 
 
 def test_screen_finds_a_planted_positional_channel():

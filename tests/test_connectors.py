@@ -4,7 +4,8 @@ import json
 import pytest
 from conftest import BUNDLED, shared_file
 
-from ragfix.connectors.jsonl import DataError, SkipCounter
+from ragfix.errors import DataError
+from ragfix.connectors.jsonl import SkipCounter
 from ragfix.connectors.litm import detect_format, load_kv, load_qa, load_samples
 
 

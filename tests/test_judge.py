@@ -12,7 +12,7 @@ import pytest
 from conftest import shared_file
 from sklearn.metrics import cohen_kappa_score
 
-from ragfix.connectors.jsonl import DataError
+from ragfix.errors import DataError
 from ragfix.connectors.pairwise import (
     detect_format,
     load_llmbar,

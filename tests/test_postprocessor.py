@@ -10,7 +10,8 @@ import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from ragfix.connectors.corpus import CorpusError, build_corpus, load_documents, load_questions
-from ragfix.connectors.jsonl import DataError, SkipCounter
+from ragfix.errors import DataError
+from ragfix.connectors.jsonl import SkipCounter
 from ragfix.correct import BudgetError
 from ragfix.llm import RagFixLLM
 from ragfix.postprocessor import RagFixPostprocessor

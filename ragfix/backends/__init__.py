@@ -1,35 +1,127 @@
-"""Backend registry: ``load_backend(name, model=..., **options)``.
+"""The backend registry: ``load_backend(name, model=..., adapter=..., **options)``.
 
-Each backend lives in its own module and is imported only when asked for.
+A backend is registered under a name with its options model and a factory
+(:func:`register_backend`); the built-in ones live in their own modules and are imported only
+when asked for. Loading validates the options first (before any weights are read), loads the
+model (:func:`ragfix.models.load_model`), applies an adapter if one is given
+(:func:`ragfix.adapters.load_adapter`: every backend takes one) and builds the backend.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
-from ragfix.backends.base import Backend, BackendOptions, PrefixReuser
-
-#: registry name -> "module:Class"
-BACKENDS: dict[str, str] = {
-    "vanilla": "ragfix.backends.vanilla:VanillaBackend",
-    "channel-scaled": "ragfix.backends.channel_scaling:ChannelScalingBackend",
-    "gali": "ragfix.backends.gali:GaliBackend",
-    "rope-scaled": "ragfix.backends.rope_scaled:RopeScaledBackend",
-    "truncated": "ragfix.backends.truncated:TruncatedBackend",
-    "pos2distill": "ragfix.backends.pos2distill:Pos2DistillBackend",
-}
+from ragfix.backends.base import Backend, BackendOptions, Prompt
+from ragfix.errors import ConfigError
 
 
-def backend_class(name: str) -> type[Backend]:
-    """The class registered under ``name``.
+@dataclass(frozen=True)
+class BackendSpec:
+    """A registered backend.
+
+    Attributes:
+        name: the registry name.
+        target: the backend class, or ``"module:Class"`` imported on first use. The class has
+            ``options_model``, ``load_kwargs(options)`` and is built as
+            ``cls(model, tokenizer, adapter=info, **options)``.
+        requires_adapter: the backend is an adapter over the vanilla model (``pos2distill``).
+        summary: one line for ``--help``.
+    """
+
+    name: str
+    target: type | str
+    requires_adapter: bool = False
+    summary: str = ""
+
+    def resolve(self) -> type:
+        """The backend class."""
+        if isinstance(self.target, str):
+            module, cls = self.target.split(":")
+            return getattr(importlib.import_module(module), cls)
+        return self.target
+
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def register_backend(
+    name: str,
+    target: type | str,
+    *,
+    requires_adapter: bool = False,
+    summary: str = "",
+) -> None:
+    """Register a backend class under ``name`` (a later registration replaces an earlier one).
+
+    Args:
+        name: the registry name (``--backend NAME``).
+        target: a :class:`~ragfix.backends.hf.HFBackend` subclass (its ``options_model`` holds
+            the options, frozen once built) or its ``"module:Class"`` path.
+        requires_adapter: refuse to load without ``adapter=``.
+        summary: one line shown in ``--help``.
+    """
+    _REGISTRY[name] = BackendSpec(name, target, requires_adapter, summary)
+
+
+register_backend("vanilla", "ragfix.backends.hf:HFBackend", summary="the model as it is")
+register_backend(
+    "channel-scaled",
+    "ragfix.backends.channel_scaling:ChannelScalingBackend",
+    summary="positional channel scaling (arXiv 2406.02536)",
+)
+register_backend(
+    "gali", "ragfix.backends.gali:GaliBackend", summary="GALI past the window (arXiv 2502.02659)"
+)
+register_backend(
+    "rope-scaled",
+    "ragfix.backends.rope_scaled:RopeScaledBackend",
+    summary="RoPE scaling baselines (linear, dynamic NTK, YaRN)",
+)
+register_backend(
+    "truncated",
+    "ragfix.backends.truncated:TruncatedBackend",
+    summary="middle truncation to the window (baseline)",
+)
+register_backend(
+    "pos2distill",
+    "ragfix.backends.hf:HFBackend",
+    requires_adapter=True,
+    summary="vanilla with a Pos2Distill adapter (arXiv 2508.15709); needs --adapter",
+)
+
+
+def backend_names() -> list[str]:
+    """Registered backend names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The spec registered under ``name``.
 
     Raises:
-        ValueError: unknown backend (the message lists the known ones).
+        ConfigError: unknown backend (the message lists the known ones).
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(sorted(BACKENDS))}")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown backend {name!r}; choose one of: {', '.join(backend_names())}")
+    return _REGISTRY[name]
+
+
+def validate_backend(name: str, adapter: str | None = None, **options) -> BackendOptions:
+    """Check a backend name, its options and the adapter requirement without loading anything.
+
+    Returns:
+        the validated, frozen options.
+
+    Raises:
+        ConfigError: unknown backend, or an adapter backend without ``adapter``.
+        pydantic.ValidationError: an unknown or invalid option.
+    """
+    spec = backend_spec(name)
+    opts = spec.resolve().options_model(**options)
+    if spec.requires_adapter and not adapter:
+        raise ConfigError(f"backend {name!r} needs an adapter folder (--adapter PATH)")
+    return opts
 
 
 def load_backend(
@@ -37,21 +129,49 @@ def load_backend(
     model: str = "smollm2",
     device: str = "auto",
     dtype: str = "auto",
+    adapter: str | None = None,
     **options,
 ) -> Backend:
-    """Load ``model`` (see :func:`ragfix.models.load_model`) and wrap it in backend ``name``.
+    """Load ``model`` with ``adapter`` applied and wrap it in backend ``name``.
+
+    Args:
+        name: a registered backend (:func:`backend_names`).
+        model: see :func:`ragfix.models.load_model`.
+        device: ``"auto"`` (CUDA when present), ``"cpu"``, ``"cuda:1"`` ...
+        dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU) or a dtype name.
+        adapter: a ``ragfix distill`` or peft LoRA folder for this base model; any backend takes
+            one (the LoRA is merged into the weights before the method patches the model).
+        **options: the backend's options.
 
     Raises:
-        ValueError: unknown backend.
-        pydantic.ValidationError: invalid backend options.
-        ragfix.models.ModelNotFoundError: the model cannot be found.
+        ConfigError: unknown backend or a missing adapter.
+        pydantic.ValidationError: invalid backend options (before any weights are loaded).
+        ModelNotFoundError: the model cannot be found.
+        AdapterError: the adapter belongs to other weights or does not attach.
     """
     from ragfix.models import load_model
 
-    cls = backend_class(name)
-    cls.options_model(**options)  # fail on bad options before loading the model
-    m, tok = load_model(model, device=device, dtype=dtype, **cls.load_kwargs(options))
-    return cls(m, tok, **options)
+    opts = validate_backend(name, adapter, **options)
+    cls = backend_spec(name).resolve()
+    m, tok = load_model(model, device=device, dtype=dtype, **cls.load_kwargs(opts))
+    info = None
+    if adapter:
+        from ragfix.adapters import load_adapter
+
+        m, info = load_adapter(m, adapter)
+    backend = cls(m, tok, adapter=info, **options)
+    backend.name = name
+    return backend
 
 
-__all__ = ["BACKENDS", "Backend", "BackendOptions", "PrefixReuser", "backend_class", "load_backend"]
+__all__ = [
+    "Backend",
+    "BackendOptions",
+    "BackendSpec",
+    "Prompt",
+    "backend_names",
+    "backend_spec",
+    "load_backend",
+    "register_backend",
+    "validate_backend",
+]

@@ -24,17 +24,18 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from ragfix.backends.base import Backend, BackendOptions
-from ragfix.connectors.jsonl import DataError
+from ragfix.backends.base import BackendOptions
+from ragfix.backends.hf import HFBackend
+from ragfix.backends.patching import AttentionPatch, attention_modules, patch_attention
+from ragfix.errors import ConfigError, DataError
 from ragfix.io import atomic_write_json
 from ragfix.models import model_identity
 
@@ -270,10 +271,10 @@ class ChannelScaling:
     Use as a context manager to remove on exit.
     """
 
-    def __init__(self, model, state: _ScalingState, modules: list):
+    def __init__(self, model, state: _ScalingState, patch: AttentionPatch):
         self.model = model
         self.state = state
-        self._modules = modules
+        self._patch = patch
 
     @contextlib.contextmanager
     def rows(self, r: int) -> Iterator[None]:
@@ -288,22 +289,15 @@ class ChannelScaling:
 
     def remove(self) -> None:
         """Restore the original attention forwards (idempotent)."""
-        for m in self._modules:
-            if "_ragfix_channel_scaling" in m.__dict__:
-                del m.forward
-                del m._ragfix_channel_scaling
-        self._modules = []
+        for m in self._patch.modules:
+            m.__dict__.pop("_ragfix_channel_scaling", None)
+        self._patch.remove()
 
     def __enter__(self) -> ChannelScaling:
         return self
 
     def __exit__(self, *exc) -> None:
         self.remove()
-
-
-def attention_modules(model) -> list:
-    """The self-attention modules of the decoder layers, in order."""
-    return [layer.self_attn for layer in model.model.layers]
 
 
 def apply_channel_scaling(
@@ -323,37 +317,35 @@ def apply_channel_scaling(
         a :class:`ChannelScaling` handle (``remove()`` undoes the patch).
 
     Raises:
-        ValueError: unsupported architecture or attention implementation, channel or layer out of
-            range, or the model is already patched.
+        ConfigError: unsupported architecture or attention implementation, channel or layer
+            out of range.
+        IncompatibleMethodsError: a chosen layer's attention is already patched (by channel
+            scaling or another method).
     """
     cfg = model.config
     impl = cfg._attn_implementation
     mods = attention_modules(model) if hasattr(getattr(model, "model", None), "layers") else []
     kind = type(mods[0]).__name__ if mods else type(model).__name__
     if not mods or kind not in SUPPORTED_ATTENTION:
-        raise ValueError(
+        raise ConfigError(
             f"channel scaling supports {', '.join(SUPPORTED_ATTENTION)}; this model has {kind}"
         )
     if impl not in SUPPORTED_IMPLEMENTATIONS:
-        raise ValueError(
+        raise ConfigError(
             f"channel scaling supports attn_implementation {' or '.join(SUPPORTED_IMPLEMENTATIONS)}"
             f", not {impl!r}"
         )
     if not 0 <= channel < cfg.hidden_size:
-        raise ValueError(f"channel {channel} out of range 0..{cfg.hidden_size - 1}")
+        raise ConfigError(f"channel {channel} out of range 0..{cfg.hidden_size - 1}")
     bad = [i for i in layers if not 0 <= i < len(mods)]
     if bad or not layers:
-        raise ValueError(f"layers {bad or layers} out of range 0..{len(mods) - 1}")
-    if any("_ragfix_channel_scaling" in m.__dict__ for m in mods):
-        raise ValueError("the model already has a channel scaling applied; remove it first")
+        raise ConfigError(f"layers {bad or layers} out of range 0..{len(mods) - 1}")
     state = _ScalingState(channel, float(factor), rows, sorted(layers))
-    patched = []
-    for i in state.layers:
-        m = mods[i]
+    chosen = [mods[i] for i in state.layers]
+    patch = patch_attention("channel-scaled", chosen, _scaled_forward)
+    for m in chosen:
         m._ragfix_channel_scaling = state
-        m.forward = types.MethodType(_scaled_forward, m)
-        patched.append(m)
-    return ChannelScaling(model, state, patched)
+    return ChannelScaling(model, state, patch)
 
 
 # --------------------------------------------------------------------------- the artefact
@@ -409,14 +401,14 @@ class ChannelScalingCalibration(BaseModel):
         """Read an artefact; with ``model``, check that it was calibrated for that model.
 
         Raises:
-            FileNotFoundError: no such file.
+            ConfigError: no such file, or the file belongs to another model.
             ragfix.connectors.jsonl.DataError: not JSON, or a field is missing/invalid (the
                 message names the file and the field).
             ValueError: the file belongs to another model (both identities are named).
         """
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"calibration file not found: {p}")
+            raise ConfigError(f"calibration file not found: {p}")
         try:
             raw = json.loads(p.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
@@ -430,7 +422,7 @@ class ChannelScalingCalibration(BaseModel):
         if model is not None:
             mine = model_identity(model)
             if cal.model.get("fingerprint") != mine["fingerprint"]:
-                raise ValueError(
+                raise ConfigError(
                     f"{p}: calibrated for model {cal.model.get('name')!r} "
                     f"(fingerprint {cal.model.get('fingerprint')}), not for {mine['name']!r} "
                     f"(fingerprint {mine['fingerprint']}); run `ragfix calibrate` for this model"
@@ -479,7 +471,7 @@ class ChannelScalingOptions(BackendOptions):
         return self
 
 
-class ChannelScalingBackend(Backend):
+class ChannelScalingBackend(HFBackend):
     """The model with one positional hidden-state channel scaled in the middle layers
     (arXiv 2406.02536). See the module docstring.
 
@@ -498,10 +490,10 @@ class ChannelScalingBackend(Backend):
     name = "channel-scaled"
     options_model = ChannelScalingOptions
     #: the cache holds scaled keys, but the prompt rows after a reused prefix need unscaled ones
-    supports_prefix_reuse: ClassVar[bool] = False
+    supports_prefix_reuse = False
 
-    def __init__(self, model, tokenizer, **options):
-        super().__init__(model, tokenizer, **options)
+    def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
+        super().__init__(model, tokenizer, adapter=adapter, **options)
         o = self.options
         n_layers = model.config.num_hidden_layers
         channel, layers, factor, self.source = None, default_layers(n_layers), 0.0, "options"
@@ -512,7 +504,7 @@ class ChannelScalingBackend(Backend):
         elif o.preset:
             p = PRESETS[o.preset]
             if (p.hidden_size, p.num_layers) != (model.config.hidden_size, n_layers):
-                raise ValueError(
+                raise ConfigError(
                     f"preset {o.preset!r} is for a model with hidden_size {p.hidden_size} and "
                     f"{p.num_layers} layers; this model has {model.config.hidden_size} and "
                     f"{n_layers}"

@@ -31,7 +31,6 @@ Implementation notes (differences from the official code, same maths):
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,8 +39,10 @@ from dataclasses import dataclass
 import torch
 from pydantic import Field
 
-from ragfix.backends.base import Backend, BackendOptions
-from ragfix.prompts import TaskPrompt
+from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.hf import HFBackend
+from ragfix.backends.patching import patch_attention
+from ragfix.errors import ConfigError
 from ragfix.types import Generation
 
 #: model families whose attention module this backend knows how to replace
@@ -330,7 +331,7 @@ class GaliOptions(BackendOptions):
     query_block: int | None = Field(256, ge=1)
 
 
-class GaliBackend(Backend):
+class GaliBackend(HFBackend):
     """Greedy Attention Logit Interpolation (arXiv 2502.02659) over an unmodified model.
 
     Raises (constructor):
@@ -342,18 +343,18 @@ class GaliBackend(Backend):
     options_model = GaliOptions
     supports_prefix_reuse = False
 
-    def __init__(self, model, tokenizer, **options):
-        super().__init__(model, tokenizer, **options)
+    def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
+        super().__init__(model, tokenizer, adapter=adapter, **options)
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"gali supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not {cfg.model_type!r}"
             )
         o = self.options
         native = int(cfg.max_position_embeddings)
         big_l = o.train_window or native
         if big_l > native:
-            raise ValueError(f"train_window {big_l} exceeds the model's trained window {native}")
+            raise ConfigError(f"train_window {big_l} exceeds the model's trained window {native}")
         resolved = {
             "train_window": big_l,
             "target_window": o.target_window or 4 * big_l,
@@ -365,11 +366,11 @@ class GaliBackend(Backend):
             ),
         }
         if resolved["local_window"] >= big_l:
-            raise ValueError(
+            raise ConfigError(
                 f"local_window {resolved['local_window']} must be < train_window {big_l}"
             )
         if resolved["target_window"] < big_l:
-            raise ValueError(f"target_window {resolved['target_window']} < train_window {big_l}")
+            raise ConfigError(f"target_window {resolved['target_window']} < train_window {big_l}")
         self.options_resolved = resolved
         decoder = model.get_decoder()
         self.rotary = decoder.rotary_emb
@@ -394,15 +395,18 @@ class GaliBackend(Backend):
     # ------------------------------------------------------------------ the GALI loop
     @contextmanager
     def _patched(self, run: _GaliRun) -> Iterator[None]:
-        """Route every attention module through GALI for the duration of ``run`` (reversible:
-        the instance ``forward`` attribute is removed on exit)."""
-        for attn in self.attentions:
-            attn.forward = functools.partial(_gali_attention_forward, attn, run)
-        try:
+        """Route every attention module through GALI for the duration of ``run`` (one
+        :func:`~ragfix.backends.patching.patch_attention` handle, removed on exit).
+
+        Raises:
+            IncompatibleMethodsError: another method already patches the attention.
+        """
+
+        def forward(attn, *args, **kwargs):
+            return _gali_attention_forward(attn, run, *args, **kwargs)
+
+        with patch_attention("gali", self.attentions, forward):
             yield
-        finally:
-            for attn in self.attentions:
-                del attn.forward
 
     def _prefill(self, run: _GaliRun, ids: torch.Tensor, logits_to_keep: int) -> Iterator:
         """Feed ``ids`` ``[B, n]`` chunk by chunk; yield each chunk's logits."""
@@ -413,15 +417,8 @@ class GaliBackend(Backend):
             start += size
 
     @torch.no_grad()
-    def token_logprobs(self, ids: list[int]) -> torch.Tensor:
-        """Log-probability of each token given the ones before it, under GALI.
-
-        Args:
-            ids: one token sequence of length ``n >= 2``.
-
-        Returns:
-            float32 ``[n - 1]`` on the CPU: ``log p(ids[t] | ids[:t])`` for ``t = 1..n-1``.
-        """
+    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
+        """``log p(ids[t] | ids[:t])`` for ``t = 1..n-1`` under GALI, float32 ``[n - 1]``."""
         x = torch.tensor([ids], device=self.device)
         run = _GaliRun(self)
         parts = []
@@ -432,21 +429,22 @@ class GaliBackend(Backend):
         return logp.gather(1, x[0, 1:, None]).squeeze(1).cpu()
 
     @torch.no_grad()
-    def prefill_logits(self, ids: list[int]) -> torch.Tensor:
-        """GALI prefill of one prompt (at any length); the next-token logits ``[vocab_size]``."""
-        run = _GaliRun(self)
-        with self._patched(run):
-            *_, logits = self._prefill(run, torch.tensor([ids], device=self.device), 1)
-        return logits[0, -1]
-
-    @torch.no_grad()
-    def next_token_logprobs(self, prompt: TaskPrompt | str) -> torch.Tensor:
-        """Log-probabilities ``[vocab_size]`` (float32, CPU) of the next token; the unmodified
-        model within the window, GALI beyond it."""
-        ids = self.encode(prompt)
-        if len(ids) <= self.train_window:
-            return super().next_token_logprobs(prompt)
-        return torch.log_softmax(self.prefill_logits(ids).float(), dim=-1).cpu()
+    def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
+        """``[B, vocab]`` next-token log-probabilities: the unmodified model (batched) for
+        prompts within the trained window, GALI prefill (one prompt at a time) beyond it."""
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        inside = [i for i, x in enumerate(batch) if len(x) <= self.train_window]
+        if inside:
+            lps = super()._next_logprobs_ids([batch[i] for i in inside])
+            for i, lp in zip(inside, lps, strict=True):
+                out[i] = lp
+        for i, x in enumerate(batch):
+            if out[i] is None:
+                run = _GaliRun(self)
+                with self._patched(run):
+                    *_, logits = self._prefill(run, torch.tensor([x], device=self.device), 1)
+                out[i] = torch.log_softmax(logits[0, -1].float(), dim=-1).cpu()
+        return torch.stack(out)  # type: ignore[arg-type]
 
     def _stops(self, tok: int, stop_at_newline: bool) -> bool:
         """Whether generating ``tok`` ends a row (EOS, or a newline when asked)."""
@@ -458,17 +456,18 @@ class GaliBackend(Backend):
         """Greedy GALI decoding of ``ids`` ``[B, n]`` (equal lengths).
 
         Yields:
-            ``(tokens, alive)`` per step: the argmax ids ``[B]`` and, per row, whether the row
-            had not stopped before this token; ends when every row has stopped or after
-            ``max_new_tokens`` steps.
+            ``(tokens, alive, logprobs)`` per step: the argmax ids ``[B]``, per row whether the
+            row had not stopped before this token, and the step's log-probabilities
+            ``[B, vocab]``; ends when every row has stopped or after ``max_new_tokens`` steps.
         """
         run = _GaliRun(self)
         alive = [True] * ids.shape[0]
         with self._patched(run):
             *_, logits = self._prefill(run, ids, 1)
             for step in range(max_new_tokens):
-                nxt = logits[:, -1].argmax(-1)
-                yield nxt.tolist(), list(alive)
+                last = logits[:, -1].float()
+                nxt = last.argmax(-1)
+                yield nxt.tolist(), list(alive), torch.log_softmax(last, dim=-1)
                 alive = [
                     a and not self._stops(t, stop_at_newline)
                     for a, t in zip(alive, nxt.tolist(), strict=True)
@@ -478,25 +477,25 @@ class GaliBackend(Backend):
                 logits = run.step(nxt[:, None], 1)
 
     @torch.no_grad()
-    def generate_ids(
+    def _generate_ids(
         self,
         batch: list[list[int]],
-        max_new_tokens: int = 32,
-        stop_at_newline: bool = True,
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        first_logprobs: bool = False,
     ) -> list[Generation]:
         """Greedy decoding of ``B`` token-id prompts.
 
         Prompts whose answer fits in the trained window run through the unmodified model
-        (batched, :meth:`Backend.generate_ids`); the others run GALI, one batch per prompt
-        length (equal lengths share their position IDs).
-
-        Returns:
-            ``B`` :class:`Generation` objects in order; ``seconds`` is each group's time / size.
+        (batched); the others run GALI, one batch per prompt length (equal lengths share their
+        position IDs). ``seconds`` is each group's time / its size.
         """
         results: list[Generation | None] = [None] * len(batch)
         inside = [i for i, x in enumerate(batch) if len(x) + max_new_tokens <= self.train_window]
         if inside:
-            gens = super().generate_ids([batch[i] for i in inside], max_new_tokens, stop_at_newline)
+            gens = super()._generate_ids(
+                [batch[i] for i in inside], max_new_tokens, stop_at_newline, first_logprobs
+            )
             for i, g in zip(inside, gens, strict=True):
                 results[i] = g
         groups: dict[int, list[int]] = {}
@@ -508,32 +507,38 @@ class GaliBackend(Backend):
             start = time.perf_counter()
             ids = torch.tensor([batch[i] for i in members], device=self.device)
             rows: list[list[int]] = [[] for _ in members]
-            for toks, alive in self._greedy(ids, max_new_tokens, stop_at_newline):
+            first = None
+            for toks, alive, lps in self._greedy(ids, max_new_tokens, stop_at_newline):
+                first = lps.cpu() if first is None else first
                 for row, tok, a in zip(rows, toks, alive, strict=True):
                     row.append(tok if a else pad)
             secs = (time.perf_counter() - start) / len(members)
-            for i, row in zip(members, rows, strict=True):
-                text, n_new = self._decode(row, stop_at_newline)
+            for k, (i, row) in enumerate(zip(members, rows, strict=True)):
+                text, n_new = self._decode_answer(row, stop_at_newline)
                 results[i] = Generation(
                     text=text,
                     prompt_tokens=len(batch[i]),
                     new_tokens=n_new,
                     prefill_tokens=len(batch[i]),
                     seconds=secs,
+                    first_logprobs=first[k] if first_logprobs else None,
                 )
         return results  # type: ignore[return-value]
 
-    def stream(self, prompt: TaskPrompt | str, max_new_tokens: int = 256) -> Iterator[str]:
-        """Yield the answer to one prompt piece by piece (greedy; GALI beyond the window)."""
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+    ) -> Iterator[str]:
+        """Yield the answer to one prompt piece by piece (greedy; GALI beyond the window);
+        closing the iterator stops decoding at once."""
         ids = self.encode(prompt)
         if len(ids) + max_new_tokens <= self.train_window:
-            yield from super().stream(prompt, max_new_tokens)
+            yield from super().stream(prompt, max_new_tokens, stop_at_newline)
             return
         new: list[int] = []
         shown = ""
         x = torch.tensor([ids], device=self.device)
         with torch.no_grad():
-            for toks, _ in self._greedy(x, max_new_tokens, stop_at_newline=False):
+            for toks, _, _ in self._greedy(x, max_new_tokens, stop_at_newline):
                 new.append(toks[0])
                 text = self.tokenizer.decode(new, skip_special_tokens=True)
                 if len(text) > len(shown):

@@ -12,7 +12,8 @@ Each variant rebuilds the model's rotary embedding from a copy of its config wit
 
 The settings follow GALI's baselines (arXiv 2502.02659, Table 10: factor = target / trained
 window). The weights are untouched; only cos/sin change, so generation goes through the shared
-path of :class:`~ragfix.backends.base.Backend`.
+path of :class:`~ragfix.backends.hf.HFBackend` (dynamic NTK one prompt at a time: its RoPE
+base depends on the batch's longest sequence).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from ragfix.backends.base import Backend, BackendOptions
+from ragfix.backends.base import BackendOptions
+from ragfix.backends.hf import HFBackend
+from ragfix.errors import ConfigError
 
 
 class RopeScaledOptions(BackendOptions):
@@ -40,7 +43,7 @@ class RopeScaledOptions(BackendOptions):
     train_window: int | None = Field(None, ge=2)
 
 
-class RopeScaledBackend(Backend):
+class RopeScaledBackend(HFBackend):
     """The model with a transformers RoPE-scaling variant at ``factor`` x its trained window.
 
     Raises (constructor):
@@ -50,16 +53,16 @@ class RopeScaledBackend(Backend):
     name = "rope-scaled"
     options_model = RopeScaledOptions
 
-    def __init__(self, model, tokenizer, **options):
-        super().__init__(model, tokenizer, **options)
+    def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
+        super().__init__(model, tokenizer, adapter=adapter, **options)
         o = self.options
         decoder = model.get_decoder()
         rotary = getattr(decoder, "rotary_emb", None)
         if rotary is None:
-            raise ValueError(f"{model.config.model_type} has no rotary embedding to scale")
+            raise ConfigError(f"{model.config.model_type} has no rotary embedding to scale")
         params = dict(model.config.rope_parameters or {})
         if params.get("rope_type", "default") != "default":
-            raise ValueError(
+            raise ConfigError(
                 f"the model already uses rope_type {params['rope_type']!r}; rope-scaled starts "
                 "from plain RoPE"
             )
@@ -73,6 +76,12 @@ class RopeScaledBackend(Backend):
             "original_max_position_embeddings": self.train_window,
         }
         decoder.rotary_emb = type(rotary)(config=cfg).to(self.device)
+        # dynamic NTK picks its RoPE base from the longest sequence of the batch, so a prompt's
+        # answer would depend on its batch mates: run one prompt at a time
+        self.supports_batching = o.rope_type != "dynamic"
+        # and from the length of the whole cached sequence: a reused prefix was rotated for
+        # another length
+        self.supports_prefix_reuse = o.rope_type != "dynamic"
 
     @property
     def context_window(self) -> int:

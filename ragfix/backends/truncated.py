@@ -9,9 +9,12 @@ the end survive; passages in the middle are dropped.
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 
-from ragfix.backends.base import Backend, BackendOptions
+from ragfix.backends.base import BackendOptions
+from ragfix.backends.hf import HFBackend
+from ragfix.errors import ConfigError
 from ragfix.types import Generation
 
 
@@ -41,8 +44,12 @@ def truncate_middle(ids: list[int], budget: int) -> list[int]:
     return list(ids[:head]) + list(ids[len(ids) - (budget - head) :])
 
 
-class TruncatedBackend(Backend):
-    """The model with prompts middle-truncated to ``train_window - max_new_tokens`` tokens."""
+class TruncatedBackend(HFBackend):
+    """The model with prompts middle-truncated to ``train_window - max_new_tokens`` tokens.
+
+    Answers, first-step log-probabilities and next-token log-probabilities all come from the
+    cut prompt, so a judge's verdict text and its letter probabilities read the same input.
+    """
 
     name = "truncated"
     options_model = TruncatedOptions
@@ -53,22 +60,37 @@ class TruncatedBackend(Backend):
         """``train_window`` (default: the model's trained window)."""
         return self.options.train_window or int(self.model.config.max_position_embeddings)
 
-    def generate_ids(
+    def _budget(self, reserved: int) -> int:
+        budget = self.context_window - reserved
+        if budget < 1:
+            raise ConfigError(
+                f"an answer budget of {reserved} tokens leaves no room in the {self.context_window}"
+                "-token window"
+            )
+        return budget
+
+    def _generate_ids(
         self,
         batch: list[list[int]],
-        max_new_tokens: int = 32,
-        stop_at_newline: bool = True,
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        first_logprobs: bool = False,
     ) -> list[Generation]:
-        """:meth:`Backend.generate_ids` on the middle-truncated prompts; ``prompt_tokens`` is
-        the original length, ``prefill_tokens`` the length actually read.
+        """Greedy decoding of the middle-truncated prompts; ``prompt_tokens`` is the original
+        length, ``prefill_tokens`` the length actually read.
 
         Raises:
-            ValueError: ``max_new_tokens`` leaves no room in the window.
+            ConfigError: ``max_new_tokens`` leaves no room in the window.
         """
-        budget = self.context_window - max_new_tokens
+        budget = self._budget(max_new_tokens)
         cut = [truncate_middle(ids, budget) for ids in batch]
-        gens = super().generate_ids(cut, max_new_tokens, stop_at_newline)
+        gens = super()._generate_ids(cut, max_new_tokens, stop_at_newline, first_logprobs)
         return [
             g.model_copy(update={"prompt_tokens": len(ids), "prefill_tokens": len(c)})
             for g, ids, c in zip(gens, batch, cut, strict=True)
         ]
+
+    def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
+        """Next-token log-probabilities after the prompts cut to ``train_window - 1`` tokens."""
+        budget = self._budget(1)
+        return super()._next_logprobs_ids([truncate_middle(ids, budget) for ids in batch])

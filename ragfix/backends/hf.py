@@ -1,0 +1,384 @@
+"""The Hugging Face implementation of the model interface, which every local method builds on.
+
+:class:`HFBackend` wraps a ``transformers`` causal LM and its tokenizer: batched greedy decoding
+with left padding through ``generate``, batched next-token log-probabilities, rolling token
+log-probabilities, streaming, and KV-cache prefix reuse. A method changes the model (an attention
+patch through :mod:`ragfix.backends.patching`, a RoPE variant) and, where it needs its own
+decoding loop (GALI) or its own input (truncation), overrides the protected ``_generate_ids`` /
+``_next_logprobs_ids`` / ``_token_logprobs_ids`` hooks. Consumers use only the public
+:class:`~ragfix.backends.base.Backend` methods.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import torch
+
+from ragfix.backends.base import Backend, BackendOptions, Prompt
+from ragfix.errors import RagfixError
+from ragfix.models import model_identity
+from ragfix.prompts import TaskPrompt
+from ragfix.types import Generation
+
+#: answer budget and stop rule of a plain-string prompt
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+class HFBackend(Backend):
+    """A ``transformers`` causal LM ready to answer prompts (the ``vanilla`` backend as it is;
+    the base class of every local method).
+
+    Args:
+        model: a ``transformers`` causal LM in eval mode (as from
+            :func:`ragfix.models.load_model`).
+        tokenizer: its tokenizer (left padding, with a pad token).
+        adapter: what :func:`ragfix.adapters.load_adapter` applied to ``model`` (recorded in
+            :meth:`identity`), or ``None``.
+        **options: the backend's options (:attr:`options_model`).
+
+    Raises:
+        pydantic.ValidationError: an unknown or invalid option.
+    """
+
+    name: ClassVar[str] = "vanilla"
+    options_model: ClassVar[type[BackendOptions]] = BackendOptions
+
+    @classmethod
+    def load_kwargs(cls, options: BackendOptions) -> dict:
+        """Extra keyword arguments for :func:`ragfix.models.load_model` (e.g. an attention
+        implementation the method needs). None for most backends."""
+        return {}
+
+    def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = adapter
+        self.options = self.options_model(**options)
+        self._reuse_cache = None
+        self._reuse_ids: list[int] = []
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's weights."""
+        return next(self.model.parameters()).device
+
+    @property
+    def model_name(self) -> str:
+        """The name the model was loaded by (``smollm2``, a hub id, a path)."""
+        return getattr(self.model, "ragfix_name", self.model.config.name_or_path)
+
+    @property
+    def context_window(self) -> int:
+        """The model's trained window (``max_position_embeddings``)."""
+        return int(self.model.config.max_position_embeddings)
+
+    def identity(self) -> dict:
+        """Model fingerprint, backend name, options and the applied adapter (if any)."""
+        out = {
+            "model": model_identity(self.model),
+            "backend": self.name,
+            "options": self.options.model_dump(mode="json"),
+        }
+        if self.adapter is not None:
+            out["adapter"] = self.adapter
+        return out
+
+    # ------------------------------------------------------------------ text and tokens
+    def format_prompt(self, prompt: Prompt) -> str:
+        """A :class:`TaskPrompt`'s user turn in the model's chat template (plain ``user + "\\n"``
+        for a model without one), assistant turn opened and prefilled; a string as it is."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt.user}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        else:
+            text = prompt.user + "\n"
+        return text + prompt.assistant_prefix
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens: the chat template carries them)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` without special tokens."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ generation
+    def _generation_config(self, max_new_tokens: int, stop_at_newline: bool, **extra):
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            stop_strings=["\n"] if stop_at_newline else None,
+            **extra,
+        )
+
+    def _decode_answer(self, new_ids: Sequence[int], stop_at_newline: bool) -> tuple[str, int]:
+        """Answer text and number of generated tokens (padding after EOS dropped)."""
+        ids = [i for i in new_ids if i != self.tokenizer.pad_token_id]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if stop_at_newline:
+            text = text.strip().split("\n")[0]
+        return text.strip(), len(ids)
+
+    def _left_pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` input ids and attention mask, left padded to the longest prompt."""
+        width = max(len(x) for x in batch)
+        pad = self.tokenizer.pad_token_id
+        ids = [[pad] * (width - len(x)) + list(x) for x in batch]
+        mask = [[0] * (width - len(x)) + [1] * len(x) for x in batch]
+        return (
+            torch.tensor(ids, device=self.device),
+            torch.tensor(mask, device=self.device),
+        )
+
+    @torch.no_grad()
+    def _generate_ids(
+        self,
+        batch: list[list[int]],
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        first_logprobs: bool = False,
+    ) -> list[Generation]:
+        """Greedy decoding of ``B`` token-id prompts in one left-padded batch (the hook a method
+        with its own decoding loop or its own input overrides)."""
+        start = time.perf_counter()
+        ids, mask = self._left_pad(batch)
+        cfg = self._generation_config(
+            max_new_tokens,
+            stop_at_newline,
+            return_dict_in_generate=True,
+            output_logits=first_logprobs,
+        )
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=cfg, tokenizer=self.tokenizer
+        )
+        firsts = (
+            torch.log_softmax(out.logits[0].float(), dim=-1).cpu() if first_logprobs else None
+        )
+        secs = (time.perf_counter() - start) / len(batch)
+        width = ids.shape[1]
+        gens = []
+        for i, (row, prompt) in enumerate(
+            zip(out.sequences[:, width:].tolist(), batch, strict=True)
+        ):
+            text, n_new = self._decode_answer(row, stop_at_newline)
+            gens.append(
+                Generation(
+                    text=text,
+                    prompt_tokens=len(prompt),
+                    new_tokens=n_new,
+                    prefill_tokens=len(prompt),
+                    seconds=secs,
+                    first_logprobs=None if firsts is None else firsts[i],
+                )
+            )
+        return gens
+
+    @torch.no_grad()
+    def _generate_reusing(
+        self, ids: list[int], max_new_tokens: int, stop_at_newline: bool
+    ) -> Generation:
+        """Greedy answer to one prompt, reusing the KV cache of the longest common token prefix
+        with the previous reusing call (prompt plus answer). Greedy answers equal the batched
+        path's up to floating-point differences of the shorter matmuls."""
+        from transformers import DynamicCache
+
+        start = time.perf_counter()
+        if self._reuse_cache is None:
+            self._reuse_cache = DynamicCache(config=self.model.config)
+            self._reuse_ids = []
+        common = 0
+        for a, c in zip(ids, self._reuse_ids, strict=False):
+            if a != c:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # at least one token must be fed to get logits
+        excess = self._reuse_cache.get_seq_length() - common
+        if excess > 0:
+            self._reuse_cache.crop(-excess)
+        inp = torch.tensor([ids], device=self.device)
+        out = self.model.generate(
+            input_ids=inp,
+            attention_mask=torch.ones_like(inp),
+            cache=self._reuse_cache,
+            generation_config=self._generation_config(max_new_tokens, stop_at_newline),
+            tokenizer=self.tokenizer,
+        )
+        seq = out[0].tolist()
+        self._reuse_ids = seq[: self._reuse_cache.get_seq_length()]
+        text, n_new = self._decode_answer(seq[len(ids) :], stop_at_newline)
+        return Generation(
+            text=text,
+            prompt_tokens=len(ids),
+            new_tokens=n_new,
+            prefill_tokens=len(ids) - common,
+            seconds=time.perf_counter() - start,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        batch_size: int = 8,
+        max_new_tokens: int | None = None,
+        stop_at_newline: bool | None = None,
+        first_logprobs: bool = False,
+        prefix_reuse: bool = False,
+    ) -> list[Generation]:
+        """Greedy answers (see :meth:`Backend.generate`). Batches are formed from prompts of
+        similar length that share a budget and stop rule; with ``prefix_reuse`` (and without
+        ``first_logprobs``) prompts run one at a time over a KV cache kept between calls."""
+        items = []
+        for p in prompts:
+            if isinstance(p, TaskPrompt):
+                mnt = max_new_tokens or p.max_new_tokens
+                stop = p.stop_at_newline if stop_at_newline is None else stop_at_newline
+            else:
+                mnt = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+                stop = True if stop_at_newline is None else stop_at_newline
+            items.append((self.encode(p), mnt, stop))
+        if prefix_reuse and self.supports_prefix_reuse and not first_logprobs:
+            return [self._generate_reusing(*item) for item in items]
+        size = batch_size if self.supports_batching else 1
+        order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
+        results: list[Generation | None] = [None] * len(items)
+        i = 0
+        while i < len(order):
+            _, mnt, stop = items[order[i]]
+            group = [order[i]]
+            i += 1
+            while i < len(order) and len(group) < size and items[order[i]][1:] == (mnt, stop):
+                group.append(order[i])
+                i += 1
+            gens = self._generate_ids([items[j][0] for j in group], mnt, stop, first_logprobs)
+            for j, g in zip(group, gens, strict=True):
+                results[j] = g
+        return results  # type: ignore[return-value]
+
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+    ) -> Iterator[str]:
+        """Yield the greedy answer to one prompt piece by piece. Closing the iterator (or the
+        stop rule) stops the generation thread at its next token."""
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+        stop = threading.Event()
+
+        class _Closed(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return stop.is_set()
+
+        ids = torch.tensor([self.encode(prompt)], device=self.device)
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        thread = threading.Thread(
+            target=self.model.generate,
+            kwargs={
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "streamer": streamer,
+                "generation_config": self._generation_config(max_new_tokens, stop_at_newline),
+                "tokenizer": self.tokenizer,
+                "stopping_criteria": StoppingCriteriaList([_Closed()]),
+            },
+            daemon=True,
+        )
+        thread.start()
+        try:
+            yield from streamer
+        finally:
+            stop.set()
+            for _ in streamer:  # let the thread put its last pieces, then end
+                pass
+            thread.join()
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
+        """``[B, vocab]`` next-token log-probabilities, one left-padded forward pass with position
+        IDs counted from each prompt's first real token."""
+        ids, mask = self._left_pad(batch)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+        return torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()
+
+    def next_token_logprobs(self, prompts: Sequence[Prompt], *, batch_size: int = 8):
+        """See :meth:`Backend.next_token_logprobs`: float32 ``[B, vocab_size]`` on the CPU."""
+        encoded = [self.encode(p) for p in prompts]
+        size = batch_size if self.supports_batching else 1
+        parts = [
+            self._next_logprobs_ids(encoded[i : i + size]) for i in range(0, len(encoded), size)
+        ]
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
+        x = torch.tensor([ids], device=self.device)
+        logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), dim=-1)
+        return logp.gather(1, x[0, 1:, None]).squeeze(1).cpu()
+
+    def token_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
+        """See :meth:`Backend.token_logprobs`: float32 ``[n - 1]`` on the CPU.
+
+        Raises:
+            ValueError: fewer than two tokens.
+        """
+        if len(ids) < 2:
+            raise ValueError("token_logprobs needs at least two tokens")
+        return self._token_logprobs_ids(list(ids))
+
+    # ------------------------------------------------------------------ attention
+    @torch.no_grad()
+    def span_attention(self, pieces: Sequence[str]) -> list[float]:
+        """Attention mass the final token of ``"".join(pieces)`` gives each piece, averaged
+        over layers and heads (for attention sorting, Peysakhovich & Lerer 2023, Sec. 3).
+
+        The text minus its last token is prefilled with the model's own attention kernel; the
+        last token runs with eager attention to read its weights ``[layers, heads, 1, T]``.
+
+        Returns:
+            one float per piece: the summed attention probability over its tokens (0..1).
+
+        Raises:
+            RagfixError: the model's (patched) attention returns no weights.
+        """
+        from transformers import DynamicCache
+
+        ids: list[int] = []
+        spans = []
+        for piece in pieces:
+            toks = self.tokenize(piece)
+            spans.append((len(ids), len(ids) + len(toks)))
+            ids.extend(toks)
+        model = self.model
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([ids[:-1]], device=self.device), cache=cache)
+        before = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        try:
+            out = model(
+                input_ids=torch.tensor([ids[-1:]], device=self.device),
+                cache=cache,
+                output_attentions=True,
+            )
+        finally:
+            model.set_attn_implementation(before)
+        if not out.attentions or out.attentions[0] is None:
+            raise RagfixError(f"backend {self.name!r} exposes no attention weights")
+        att = torch.stack([a[0, :, -1, :].float() for a in out.attentions]).mean(dim=(0, 1)).cpu()
+        return [float(att[s:e].sum()) for s, e in spans]
+
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "HFBackend"]

@@ -1,0 +1,55 @@
+"""The error family for mistakes a user can fix (bottom layer: imports nothing of ragfix).
+
+Every error that names a user's mistake (a bad file, a bad setting, a missing model, a run folder
+holding another configuration) derives from :class:`RagfixError`. The CLI prints exactly these as
+one line with exit code 2; any other exception is a bug and keeps its traceback.
+
+``RagfixError`` derives from ``ValueError`` so that code catching ``ValueError`` around a bad
+input keeps working.
+"""
+
+from __future__ import annotations
+
+
+class RagfixError(ValueError):
+    """A mistake the user can fix; its message names the file, line, field or setting."""
+
+
+class DataError(RagfixError):
+    """A bad input record or file. ``str()`` is one line: ``path:line: field: message``.
+
+    Attributes:
+        path, line, field, message: where the fault is and what it is (``line`` / ``field``
+            may be ``None`` for a fault of the whole file).
+    """
+
+    def __init__(self, path, line: int | None, field: str | None, message: str):
+        self.path, self.line, self.field, self.message = str(path), line, field, message
+        where = self.path if line is None else f"{self.path}:{line}"
+        super().__init__(f"{where}: {field + ': ' if field else ''}{message}")
+
+
+class ConfigError(RagfixError):
+    """A setting that cannot work (unknown, out of range, or incompatible with the model)."""
+
+
+class ModelNotFoundError(RagfixError):
+    """A model name that is neither embedded, cached, a local folder / GGUF file, nor a hub id."""
+
+
+class AdapterError(RagfixError):
+    """An adapter that does not belong to the model, or whose tensors do not attach to it."""
+
+
+class IncompatibleMethodsError(RagfixError):
+    """Two methods that cannot be combined on the same model (e.g. two attention patches)."""
+
+
+__all__ = [
+    "AdapterError",
+    "ConfigError",
+    "DataError",
+    "IncompatibleMethodsError",
+    "ModelNotFoundError",
+    "RagfixError",
+]
