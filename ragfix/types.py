@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -109,3 +110,42 @@ class SweepRecord(BaseModel):
     correct: bool
     seconds: float
     extra: dict = Field(default_factory=dict)
+
+
+class JudgePair(BaseModel):
+    """One pair for a pairwise judge (read by :mod:`ragfix.connectors.pairwise`, judged by
+    :class:`ragfix.judge.PairwiseJudge`).
+
+    Attributes:
+        pair_id: a deterministic id (the key of ``judgments.jsonl``).
+        question: the user question (instruction plus input).
+        answer_a, answer_b: the two answers; ``answer_a`` goes first in the original order.
+        reference: an optional reference answer (MT-bench math/reasoning/coding).
+        label: the human verdict as an answer verdict (``"A"``, ``"B"``, ``"tie"``), or None.
+        source: where the pair came from (``file:line``).
+    """
+
+    pair_id: str
+    question: str
+    answer_a: str
+    answer_b: str
+    reference: str | None = None
+    label: Literal["A", "B", "tie"] | None = None
+    source: str = ""
+
+    @property
+    def flags(self) -> list[str]:
+        """Input problems: ``empty_answer_a``, ``empty_answer_b``, ``identical_answers``."""
+        out = []
+        if not self.answer_a.strip():
+            out.append("empty_answer_a")
+        if not self.answer_b.strip():
+            out.append("empty_answer_b")
+        if self.answer_a.strip() == self.answer_b.strip():
+            out.append("identical_answers")
+        return out
+
+
+def pair_id(*parts: str) -> str:
+    """A short deterministic id from the texts of a pair (sha1, 16 hex digits)."""
+    return hashlib.sha1("\x1f".join(parts).encode()).hexdigest()[:16]

@@ -22,6 +22,7 @@ from ragfix.backends.gali import (
 )
 from ragfix.backends.rope_scaled import RopeScaledBackend
 from ragfix.backends.truncated import TruncatedBackend, truncate_middle
+from ragfix.prompts import TaskPrompt
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -186,10 +187,8 @@ def test_generate_batch_matches_single(tok):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=6, noise=False)
     p1, p2, p3 = _ids(30, 1), _ids(30, 2), _ids(23, 3)
-    batch = b.generate_ids([p1, p2, p3], max_new_tokens=5, stop_at_newline=False)
-    singles = [
-        b.generate_ids([p], max_new_tokens=5, stop_at_newline=False)[0] for p in (p1, p2, p3)
-    ]
+    batch = b._generate_ids([p1, p2, p3], 5, False)
+    singles = [b._generate_ids([p], 5, False)[0] for p in (p1, p2, p3)]
     assert [g.text for g in batch] == [g.text for g in singles]
     assert all(
         g.new_tokens == 5 and g.prefill_tokens == len(p)
@@ -203,8 +202,8 @@ def test_decode_steps_equal_chunked_prefill(tok):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=1, local_window=2, noise=False)
     ids = torch.tensor([_ids(20)])
-    toks = [t[0] for t, _ in b._greedy(ids, 4, stop_at_newline=False)]
-    again = [t[0] for t, _ in b._greedy(torch.cat([ids, torch.tensor([toks[:1]])], 1), 3, False)]
+    toks = [t[0] for t, _, _ in b._greedy(ids, 4, stop_at_newline=False)]
+    again = [t[0] for t, _, _ in b._greedy(torch.cat([ids, torch.tensor([toks[:1]])], 1), 3, False)]
     assert again == toks[1:]
 
 
@@ -229,10 +228,9 @@ def _essay_ids(tok, n: int) -> list[int]:
 
 def test_smollm2_within_window_is_vanilla(smol):
     g = GaliBackend(smol.model, smol.tokenizer, train_window=512)
-    prompt = smol.chat_prompt("What is the capital of France? Answer in one word.")
-    assert torch.equal(g.next_token_logprobs(prompt), smol.next_token_logprobs(prompt))
-    ids = smol.encode(prompt)
-    assert g.generate_ids([ids], 8)[0].text == smol.generate_ids([ids], 8)[0].text
+    prompt = TaskPrompt(user="What is the capital of France? Answer in one word.")
+    assert torch.equal(g.next_token_logprobs([prompt]), smol.next_token_logprobs([prompt]))
+    assert g.generate([prompt])[0].text == smol.generate([prompt])[0].text
     assert g.context_window == 2048 and smol.context_window == 8192
 
 
@@ -279,8 +277,18 @@ def test_truncated_backend_reads_the_cut_prompt(tok):
     model = tiny_model("llama", seed=0)
     t = TruncatedBackend(model, tok, train_window=24)
     ids = _ids(40)
-    got = t.generate_ids([ids], max_new_tokens=4, stop_at_newline=False)[0]
+    got = t._generate_ids([ids], 4, False, first_logprobs=True)[0]
     cut = truncate_middle(ids, 20)
-    ref = t.generate_ids([cut], max_new_tokens=4, stop_at_newline=False)[0]
+    ref = t._generate_ids([cut], 4, False, first_logprobs=True)[0]
     assert got.text == ref.text and got.prompt_tokens == 40 and got.prefill_tokens == 20
+    # the first-step log-probs (a judge's letter probabilities) come from the same cut prompt
+    assert torch.equal(got.first_logprobs, ref.first_logprobs)
     assert t.context_window == 24 and not t.supports_prefix_reuse
+
+
+def test_gali_first_logprobs_beyond_window_equal_next_token_logprobs(tok):
+    model = tiny_model("llama", seed=0)
+    b = GaliBackend(model, tok, train_window=16, chunk_size=6, noise=False)
+    ids = _ids(30, 4)
+    [gen] = b._generate_ids([ids], 3, False, first_logprobs=True)
+    torch.testing.assert_close(gen.first_logprobs, b._next_logprobs_ids([ids])[0])

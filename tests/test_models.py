@@ -56,7 +56,7 @@ def test_kv_prompt_is_prefilled_with_the_answer_opening(smol):
         distractors=[Passage(title="k0", text="v0")],
     )
     tp = task_prompt(s, s.passages_with_gold_at(1))
-    text = smol.chat_prompt(tp.user, tp.assistant_prefix)
+    text = smol.format_prompt(tp)
     assert text.endswith('<|im_start|>assistant\nThe value of key "k1" is "')
     assert '{"k0": "v0",\n "k1": "v1"}' in tp.user
 

@@ -179,7 +179,8 @@ class Backend(ABC):
             RagfixError: the backend cannot expose attention weights (the default).
         """
         raise RagfixError(
-            f"backend {self.name!r} exposes no attention weights; attention-sort needs a local model"
+            f"backend {self.name!r} exposes no attention weights; "
+            "attention-sort needs a local model"
         )
 
 

@@ -165,9 +165,7 @@ class HFBackend(Backend):
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, generation_config=cfg, tokenizer=self.tokenizer
         )
-        firsts = (
-            torch.log_softmax(out.logits[0].float(), dim=-1).cpu() if first_logprobs else None
-        )
+        firsts = torch.log_softmax(out.logits[0].float(), dim=-1).cpu() if first_logprobs else None
         secs = (time.perf_counter() - start) / len(batch)
         width = ids.shape[1]
         gens = []
