@@ -13,11 +13,11 @@ weight file, which goes into the backend's identity and so into every run and ca
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from ragfix.errors import AdapterError
+from ragfix.io import file_fingerprint
 from ragfix.models import model_identity
 
 #: adapter metadata file written next to the peft adapter files by ``ragfix distill``
@@ -72,15 +72,6 @@ def check_base(meta: dict, model, where: str | Path) -> None:
             f"model is {have.get('name')!r} ({have.get('architecture')}, fingerprint "
             f"{have.get('fingerprint')}); differing: {', '.join(diff)}"
         )
-
-
-def file_fingerprint(path: str | Path) -> str:
-    """First 16 hex digits of the SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
 
 
 def _attach_lora(model, adapter_dir: Path):
@@ -155,7 +146,6 @@ __all__ = [
     "LORA_WEIGHTS_FILE",
     "METADATA_FILE",
     "check_base",
-    "file_fingerprint",
     "load_adapter",
     "read_metadata",
 ]

@@ -37,6 +37,11 @@ class ModelNotFoundError(RagfixError):
     """A model name that is neither embedded, cached, a local folder / GGUF file, nor a hub id."""
 
 
+class ModelLoadError(RagfixError):
+    """A model file that exists but cannot be loaded (not a complete GGUF file, an unsupported
+    architecture); the message names the file and the reason."""
+
+
 class AdapterError(RagfixError):
     """An adapter that does not belong to the model, or whose tensors do not attach to it."""
 
@@ -50,6 +55,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "IncompatibleMethodsError",
+    "ModelLoadError",
     "ModelNotFoundError",
     "RagfixError",
 ]

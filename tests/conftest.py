@@ -13,10 +13,11 @@ BUNDLED = Path(__file__).resolve().parents[1] / "ragfix" / "data"
 
 
 def shared_file(name: str) -> Path:
-    """A file of ``../shared/data``; the test is skipped when that folder is absent."""
+    """A file of ``../shared/data`` (the public data sets beside the repository; sources in its
+    README). A missing file fails the test: it must never pass by skipping."""
     p = SHARED_DATA / name
     if not p.exists():
-        pytest.skip(f"shared data not available: {p}")
+        pytest.fail(f"shared data not available: {p} (see README, 'Data')")
     return p
 
 

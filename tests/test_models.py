@@ -2,7 +2,16 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from ragfix.models import ModelNotFoundError, model_identity, resolve_model
+from ragfix.backends.hf import NO_CHAT_TEMPLATE, HFBackend
+from ragfix.errors import ModelLoadError
+from ragfix.models import (
+    ModelNotFoundError,
+    check_gguf,
+    converted_dir,
+    load_model,
+    model_identity,
+    resolve_model,
+)
 from ragfix.prompts import TaskPrompt, qa_prompt, task_prompt
 from ragfix.types import Passage
 
@@ -67,3 +76,100 @@ def test_fingerprint_tells_weights_apart_and_ignores_dtype():
     assert fa != model_identity(b)["fingerprint"]
     assert fa == model_identity(tiny_model(seed=1).to(torch.bfloat16))["fingerprint"]
     assert fa != model_identity(tiny_model("qwen2", seed=1))["fingerprint"]
+
+
+# ---------------------------------------------------------------- model files (cases 16, 17, 22)
+def _write_gguf(path, arch: str) -> None:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch=arch)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+def test_gguf_cache_is_keyed_by_content_not_name_and_size(tmp_path, monkeypatch):
+    # case 22: same file name, same size, different bytes -> different converted checkpoints
+    monkeypatch.setenv("RAGFIX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    a.write_bytes(b"GGUF" + bytes(100))
+    b.write_bytes(b"GGUF" + bytes(99) + b"\x01")
+    assert a.stat().st_size == b.stat().st_size
+    assert converted_dir(a) != converted_dir(b)
+    before = converted_dir(a)
+    a.write_bytes(b"GGUF" + bytes(99) + b"\x02")  # changed in place, same size
+    assert converted_dir(a) != before
+
+
+def test_bad_gguf_files_fail_in_one_line_naming_the_file(tmp_path):
+    # case 17
+    _write_gguf(tmp_path / "unsupported_arch.gguf", "notarealarch")
+    with pytest.raises(ModelLoadError, match=r'unsupported_arch.gguf: GGUF architecture "notarea'):
+        check_gguf(tmp_path / "unsupported_arch.gguf")
+    with pytest.raises(ModelLoadError, match=r"supported: .*llama"):
+        check_gguf(tmp_path / "unsupported_arch.gguf")
+    full = (tmp_path / "unsupported_arch.gguf").read_bytes()
+    (tmp_path / "truncated.gguf").write_bytes(full[:16])
+    with pytest.raises(ModelLoadError, match="truncated.gguf: not a complete GGUF file"):
+        check_gguf(tmp_path / "truncated.gguf")
+    (tmp_path / "not_gguf.gguf").write_text("hello, I am text\n")
+    with pytest.raises(ModelLoadError, match="not_gguf.gguf: not a GGUF file .bad magic"):
+        load_model(str(tmp_path / "not_gguf.gguf"), device="cpu")
+
+
+def test_chat_template_ids_and_missing_template(smol, tmp_path):
+    # case 16: the ids sent are the template's own ids (no second BOS), and a tokenizer without a
+    # template is warned about and recorded in the identity
+    msgs = [{"role": "user", "content": "test"}]
+    want = smol.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert smol.encode(TaskPrompt(user="test")) == list(want)
+    assert smol.identity()["chat_template"] != NO_CHAT_TEMPLATE
+    import copy
+
+    tok = copy.deepcopy(smol.tokenizer)
+    tok.chat_template = None
+    with pytest.warns(UserWarning, match="no chat template"):
+        b = HFBackend(tiny_model(vocab_size=len(tok)), tok)
+    assert b.identity()["chat_template"] == NO_CHAT_TEMPLATE
+    assert b.format_prompt(TaskPrompt(user="q", assistant_prefix="A:")) == "q\nA:"
+
+
+# ---------------------------------------------------------------- batch mates, streams (24, 29)
+def test_dynamic_ntk_answers_do_not_depend_on_batch_mates(smol):
+    # case 24: dynamic NTK picks its RoPE base from the batch's longest row, so it never batches
+    from ragfix.backends.rope_scaled import RopeScaledBackend
+
+    short = TaskPrompt(user="Write one sentence about the sea.", max_new_tokens=6)
+    long_text = "The old harbour wall was repaired every spring by the fishermen. " * 12
+    long = TaskPrompt(user=long_text + "How often was the wall repaired?", max_new_tokens=6)
+    vanilla = smol.next_token_logprobs([short])[0]
+    saved = smol.model.get_decoder().rotary_emb
+    try:
+        b = RopeScaledBackend(smol.model, smol.tokenizer, rope_type="dynamic", train_window=64)
+        assert not b.supports_batching and not b.supports_prefix_reuse
+        together = [g.text for g in b.generate([short, long], batch_size=8)]
+        alone = [b.generate([p])[0].text for p in (short, long)]
+        assert together == alone
+        # within the window dynamic NTK is plain RoPE, also after a long prompt went through
+        assert (b.next_token_logprobs([short])[0] - vanilla).abs().max() < 1e-4
+    finally:
+        smol.model.get_decoder().rotary_emb = saved
+
+
+def test_closing_a_stream_stops_generation(smol):
+    # case 29: an abandoned stream must not keep the generation thread running
+    import threading
+    import time
+
+    before = threading.active_count()
+    stream = smol.stream(TaskPrompt(user="Write a long story about a lighthouse keeper."), 200)
+    first = next(stream)
+    start = time.perf_counter()
+    stream.close()
+    assert first and time.perf_counter() - start < 5
+    assert threading.active_count() == before

@@ -11,8 +11,10 @@ decoding loop (GALI) or its own input (truncation), overrides the protected ``_g
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -26,6 +28,8 @@ from ragfix.types import Generation
 
 #: answer budget and stop rule of a plain-string prompt
 DEFAULT_MAX_NEW_TOKENS = 32
+#: what :meth:`HFBackend.identity` records for a tokenizer without a chat template
+NO_CHAT_TEMPLATE = "none: user text + newline"
 
 
 class HFBackend(Backend):
@@ -60,6 +64,12 @@ class HFBackend(Backend):
         self.options = self.options_model(**options)
         self._reuse_cache = None
         self._reuse_ids: list[int] = []
+        if not tokenizer.chat_template:
+            warnings.warn(
+                f"{self.model_name}: the tokenizer has no chat template; a TaskPrompt is sent as "
+                "its user text plus a newline, then the assistant prefix (recorded in identity())",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -78,12 +88,17 @@ class HFBackend(Backend):
         return int(self.model.config.max_position_embeddings)
 
     def identity(self) -> dict:
-        """Model fingerprint, backend name, options and the applied adapter (if any)."""
+        """Model fingerprint, backend name, options, the chat template used (a hash, or
+        :data:`NO_CHAT_TEMPLATE`) and the applied adapter (if any)."""
         out = {
             "model": model_identity(self.model),
             "backend": self.name,
             "options": self.options.model_dump(mode="json"),
         }
+        template = self.tokenizer.chat_template
+        out["chat_template"] = (
+            hashlib.sha1(template.encode()).hexdigest()[:12] if template else NO_CHAT_TEMPLATE
+        )
         if self.adapter is not None:
             out["adapter"] = self.adapter
         return out
@@ -379,4 +394,4 @@ class HFBackend(Backend):
         return [float(att[s:e].sum()) for s, e in spans]
 
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "HFBackend"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "NO_CHAT_TEMPLATE", "HFBackend"]
