@@ -8,16 +8,26 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ragfix.cli.common import DeviceOpt, DtypeOpt, ModelOpt, UserError, console, user_errors
+from ragfix.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    console,
+    parse_floats,
+    user_errors,
+)
+from ragfix.errors import ConfigError
 
 
-def _floats(text: str | None) -> list[float] | None:
-    if text is None:
+def _layers(text: str | None) -> list[int] | None:
+    from ragfix.backends.channel_scaling import parse_layers
+
+    if not text:
         return None
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--factors {text!r}: expected numbers separated by commas") from None
+        return parse_layers(text)
+    except ValueError as e:
+        raise ConfigError(f"--{e}") from None
 
 
 def register(app: typer.Typer) -> None:
@@ -55,7 +65,6 @@ def register(app: typer.Typer) -> None:
         `--backend channel-scaled --calibration FILE`."""
         with user_errors():
             from ragfix.backends import load_backend
-            from ragfix.backends.channel_scaling import parse_layers
             from ragfix.calibrate import CalibrationSettings
             from ragfix.calibrate import calibrate as run_calibration
 
@@ -64,13 +73,13 @@ def register(app: typer.Typer) -> None:
                 "length": length,
                 "kv_examples": kv_examples,
                 "kv_pairs": kv_pairs,
-                "layers": parse_layers(layers) if layers else None,
-                "factors": _floats(factors),
+                "layers": _layers(layers),
+                "factors": parse_floats(factors, "--factors"),
                 "top_k": top_k,
                 "seed": seed,
             }
             backend = load_backend("vanilla", model=model, device=device, dtype=dtype)
-            settings = CalibrationSettings.for_model(backend.model, **chosen)
+            settings = CalibrationSettings.for_backend(backend, **chosen)
             console.print(
                 f"calibrating {backend.model_name}: {settings.samples} x {settings.length} "
                 f"random-text tokens, {settings.kv_examples} KV prompts of {settings.kv_pairs} "

@@ -11,20 +11,20 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from ragfix.errors import DataError
-from ragfix.models import ModelNotFoundError
+from ragfix.errors import ConfigError, RagfixError
 
 console = Console()
 err_console = Console(stderr=True)
 
 
-class UserError(Exception):
-    """An error caused by the user's input; printed as one line, exit code 2."""
-
-
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn the errors a user can cause into one line on stderr and exit code 2 (no traceback)."""
+    """Turn a user's mistake into one line on stderr (``error: ...``) and exit code 2.
+
+    Only :class:`ragfix.errors.RagfixError` (a bad file, setting, model or adapter) and
+    pydantic's ``ValidationError`` (invalid settings or backend options) are a user's mistake;
+    every other exception is a bug and propagates with its traceback. Ctrl-C exits with 130.
+    """
     try:
         yield
     except ValidationError as e:
@@ -32,7 +32,7 @@ def user_errors() -> Iterator[None]:
         loc = ".".join(str(x) for x in first["loc"]) or "options"
         err_console.print(f"[red]error:[/red] {loc}: {first['msg']}", highlight=False)
         raise typer.Exit(2) from None
-    except (UserError, DataError, ModelNotFoundError, ValueError, FileNotFoundError) as e:
+    except RagfixError as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         err_console.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -47,20 +47,34 @@ def parse_options(pairs: list[str] | None) -> dict:
     """``["key=value", ...]`` to a dict; values parsed as JSON when they can be (numbers, lists).
 
     Raises:
-        UserError: an item without ``=``.
+        ConfigError: an item without ``=``.
     """
     import json
 
     out: dict = {}
     for item in pairs or []:
         if "=" not in item:
-            raise UserError(f"--backend-opt {item!r}: expected key=value")
+            raise ConfigError(f"--backend-opt {item!r}: expected key=value")
         k, v = item.split("=", 1)
         try:
             out[k.strip().replace("-", "_")] = json.loads(v)
         except json.JSONDecodeError:
             out[k.strip().replace("-", "_")] = v
     return out
+
+
+def parse_floats(text: str | None, flag: str) -> list[float] | None:
+    """``"0.5,1,2"`` to ``[0.5, 1.0, 2.0]`` (``None`` stays ``None``; empty items are ignored).
+
+    Raises:
+        ConfigError: an item that is not a number (the message names ``flag``).
+    """
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected numbers separated by commas") from None
 
 
 ModelOpt = Annotated[

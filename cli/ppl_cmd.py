@@ -13,6 +13,7 @@ from ragfix.cli.common import (
     DtypeOpt,
     ModelOpt,
     console,
+    parse_floats,
     parse_options,
     user_errors,
 )
@@ -47,7 +48,7 @@ def register(app: typer.Typer) -> None:
                 data,
                 model=model,
                 train_window=train_window,
-                ratios=tuple(float(r) for r in ratios.split(",")),
+                ratios=tuple(parse_floats(ratios, "--ratios")),
                 methods=tuple(m.strip() for m in methods.split(",")),
                 samples=samples,
                 gali_options=parse_options(backend_opt),

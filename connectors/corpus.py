@@ -31,26 +31,25 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ragfix.errors import DataError
+from ragfix.bundled import DATA_DIR, DEMO_CORPUS, DEMO_QUESTIONS
 from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
 from ragfix.correct import jaccard, shingles
+from ragfix.errors import ConfigError, DataError, RagfixError
 from ragfix.io import atomic_write_json
 from ragfix.metrics import normalize_answer
 
 DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")
 INDEX_DIR = ".ragfix-index"
 NODE_TEXT_TEMPLATE = "Document (Title: {metadata_str}) {content}"
-BUNDLED = Path(__file__).resolve().parents[1] / "ragfix" / "data"
-DEMO_CORPUS = BUNDLED / "nq_demo_corpus.jsonl"
-DEMO_QUESTIONS = BUNDLED / "nq_demo_questions.jsonl"
 
 
-class CorpusError(ValueError):
+class CorpusError(RagfixError):
     """A corpus that cannot be used (missing, empty, too small for the requested top-k)."""
 
 
 def resolve_demo(path: Path, kind: str) -> Path:
-    """``demo`` (when no such file exists) names the bundled NQ demo corpus or its questions."""
+    """``demo`` (when no such file exists) names the bundled NQ demo corpus or its questions
+    (:data:`ragfix.bundled.DEMO_CORPUS`, :data:`~ragfix.bundled.DEMO_QUESTIONS`)."""
     if str(path) == "demo" and not path.exists():
         return DEMO_CORPUS if kind == "corpus" else DEMO_QUESTIONS
     return path
@@ -156,7 +155,7 @@ def index_dir(corpus: Path) -> Path:
 
     corpus = corpus.resolve()
     parent = corpus if corpus.is_dir() else corpus.parent
-    if os.access(parent, os.W_OK) and not str(corpus).startswith(str(BUNDLED)):
+    if os.access(parent, os.W_OK) and not corpus.is_relative_to(DATA_DIR.resolve()):
         return corpus / INDEX_DIR if corpus.is_dir() else corpus.with_name(corpus.name + INDEX_DIR)
     key = hashlib.sha1(str(corpus).encode()).hexdigest()[:12]
     return cache_dir() / "indexes" / f"{corpus.name}-{key}"
@@ -188,7 +187,7 @@ class Corpus:
 
         Raises:
             CorpusError: ``top_k`` exceeds the number of chunks.
-            ValueError: unknown retriever kind.
+            ConfigError: unknown retriever kind.
         """
         if top_k > len(self.nodes):
             raise CorpusError(
@@ -200,7 +199,7 @@ class Corpus:
             from llama_index.retrievers.bm25 import BM25Retriever
 
             return BM25Retriever.from_defaults(nodes=self.nodes, similarity_top_k=top_k)
-        raise ValueError(f"unknown retriever {kind!r}; choose faiss or bm25")
+        raise ConfigError(f"unknown retriever {kind!r}; choose faiss or bm25")
 
 
 def build_corpus(

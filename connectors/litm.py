@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ragfix.errors import DataError
 from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
+from ragfix.errors import DataError
 from ragfix.metrics import normalize_answer
 from ragfix.types import Passage, QASample
 
@@ -80,8 +80,12 @@ def _parse_qa(rec: dict, path, line: int) -> tuple[str, list[str], Passage, list
 
 
 def _bm25_pool(records, path) -> tuple[list[Passage], object]:
-    """Every gold passage of the file as a distractor pool, with a BM25 index over it."""
-    from rank_bm25 import BM25Okapi
+    """Every gold passage of the file as a distractor pool, with a BM25 index over it.
+
+    The index is ``bm25s``'s Lucene BM25 (k1 = 1.5, b = 0.75; the scoring of the pipeline's
+    ``llama-index-retrievers-bm25`` retriever) over SQuAD-normalised words, in float64.
+    """
+    import bm25s
 
     seen, pool = set(), []
     for _, _, _, gold, _ in records:
@@ -91,8 +95,11 @@ def _bm25_pool(records, path) -> tuple[list[Passage], object]:
             pool.append(gold.model_copy(update={"is_gold": False}))
     if len(pool) < 2:
         raise DataError(path, None, "ctxs", "no distractors in the file and no pool to draw from")
-    tokens = [normalize_answer(f"{p.title} {p.text}").split() for p in pool]
-    return pool, BM25Okapi(tokens)
+    index = bm25s.BM25(method="lucene", dtype="float64")
+    index.index(
+        [normalize_answer(f"{p.title} {p.text}").split() for p in pool], show_progress=False
+    )
+    return pool, index
 
 
 def load_qa(
@@ -145,7 +152,8 @@ def load_qa(
     for line, question, answers, gold, own in records[:limit]:
         distractors = own[:need]
         if len(distractors) < need:
-            scores = bm25.get_scores(normalize_answer(question).split())
+            words = normalize_answer(question).split()
+            scores = bm25.get_scores_from_ids(bm25.get_tokens_ids(words))
             used = {(p.title, p.text) for p in distractors}
             for i in sorted(range(len(pool)), key=lambda i: -scores[i]):
                 p = pool[i]

@@ -1,6 +1,6 @@
 """Readers for pairwise judgment data: pairs to judge, and verdicts other judges gave.
 
-Pairs (each becomes a :class:`ragfix.judge.JudgePair`, ``answer_a`` = the first answer of the
+Pairs (each becomes a :class:`ragfix.types.JudgePair`, ``answer_a`` = the first answer of the
 file, ``label`` as an answer verdict ``"A"`` / ``"B"`` / ``"tie"``):
 
 * ``llmbar``: LLMBar (Zeng et al., ICLR 2024) ``input``, ``output_1``, ``output_2``, ``label``
@@ -19,7 +19,7 @@ Verdicts: ``swap_judgments`` (LLMBar's evaluator outputs: ``evaluator``, ``winne
 and ``winner_swapped_order``, both in the original numbering).
 
 Bad input: a missing or mistyped field stops with ``file:line: field: message``
-(:class:`~ragfix.connectors.jsonl.DataError`); an unknown label value likewise. Empty and
+(:class:`~ragfix.errors.DataError`); an unknown label value likewise. Empty and
 identical answers are kept and flagged on the pair (:attr:`JudgePair.flags`); missing labels are
 None (agreement with humans is then not reported).
 """
@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ragfix.errors import DataError
 from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
-from ragfix.judge import JudgePair, pair_id
+from ragfix.errors import DataError
+from ragfix.types import JudgePair, pair_id
 
 FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "swap_judgments")
 

@@ -3,10 +3,11 @@ vanilla on the same prompts, in one run (one model, patched and unpatched in tur
 
 Run: ``python -m ragfix.eval.bench_channel_scaling --prompts 4 --new-tokens 32`` (prints one
 table; ``--out`` also writes the rows as JSON). The prompts are Lost-in-the-Middle multi-document
-QA prompts (gold passage first) from ``--data``. For every prompt, vanilla and channel-scaled run
-alternately (``--repeats`` times each, after one warm-up); each figure is the median. Prefill is
-one forward over the prompt; decode is a greedy loop of ``--new-tokens`` single-token forwards
-over the KV cache, so tokens/s excludes the prefill.
+QA prompts (gold passage first) from ``--data`` (default: the bundled ``nq-sample``, the first
+60 questions of ``derived_nq_20docs_bm25pool_gold_at_0`` cut to 10 documents). For every prompt,
+vanilla and channel-scaled run alternately (``--repeats`` times each, after one warm-up); each
+figure is the median. Prefill is one forward over the prompt; decode is a greedy loop of
+``--new-tokens`` single-token forwards over the KV cache, so tokens/s excludes the prefill.
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared CPU
 machine the wall clock mostly measures the other jobs; with one thread (``OMP_NUM_THREADS=1``)
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -26,16 +26,10 @@ from rich.table import Table
 
 from ragfix.backends import load_backend
 from ragfix.backends.channel_scaling import ChannelScalingBackend, apply_channel_scaling
+from ragfix.bundled import resolve_data
 from ragfix.connectors.litm import load_samples
 from ragfix.io import atomic_write_json
-from ragfix.prompts import task_prompt
-
-DATA = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "data"
-    / "derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"
-)
+from ragfix.tasks import task_prompt
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +68,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--data", default="nq-sample", help="a bundled sample name or a QA file")
     ap.add_argument("--num-docs", type=int, default=10)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -97,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             return time_prompt(model, ids, args.new_tokens, clock)
 
     clock = CLOCKS[args.clock]
-    samples = load_samples(args.data, args.num_docs, limit=args.prompts)
+    samples = load_samples(resolve_data(args.data), args.num_docs, limit=args.prompts)
     prompts = [vanilla.encode(task_prompt(s, s.passages_with_gold_at(0))) for s in samples]
     time_prompt(model, prompts[0], 4)  # warm-up
     run_scaled(prompts[0])

@@ -3,7 +3,9 @@ of one layer's blocked attention against the paper's two-full-matrices form.
 
 Run: ``python -m ragfix.eval.bench_gali --train-window 512`` (prints two tables; ``--out`` also
 writes them as JSON). Lengths are 1x, 2x, 4x the (possibly lowered) trained window ``L``, read
-from the Paul Graham essays; each prefill is timed once after a short warm-up.
+from ``--data`` (default: the Paul Graham essays of ``../shared/data``, relative to the working
+directory, as in the README's commands; they are not shipped with the package); each prefill is
+timed once after a short warm-up.
 
 Peak memory is the growth of the process's peak resident set (``VmHWM`` of
 ``/proc/self/status``, reset through ``/proc/self/clear_refs``) over its size before the call on
@@ -30,9 +32,8 @@ from ragfix.backends.gali import GaliBackend, _GaliRun, paper_logits
 from ragfix.eval.ppl import read_texts
 from ragfix.io import atomic_write_json
 
-DATA = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "needle_paul_graham_essays.jsonl.gz"
-)
+#: the default ``--data``, relative to the working directory (the repository root)
+DATA = "../shared/data/needle_paul_graham_essays.jsonl.gz"
 
 
 def _status_kb(field: str) -> int:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--attn-tokens", type=int, default=None, help="default: max ratio x L")
     ap.add_argument("--attn-chunk", type=int, default=None, help="default: gali's chunk size")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--data", default=DATA, help="JSON Lines of long texts (field 'text')")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     console = Console()
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     dev = vanilla.device
     text = read_texts(args.data)[: int(max(ratios) * big_l) * 12]
-    tokens = vanilla.tokenizer(text, add_special_tokens=False)["input_ids"]
+    tokens = vanilla.tokenize(text)
     warm = tokens[: big_l + 16]
     with torch.no_grad():
         vanilla.model(input_ids=torch.tensor([warm], device=dev), logits_to_keep=1)

@@ -21,6 +21,7 @@ from ragfix.backends import load_backend
 from ragfix.bundled import bundled_path
 from ragfix.connectors.litm import load_samples
 from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
+from ragfix.models import resolve_device
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     same_label = sum(naive[k].correct == reuse[k].correct for k in naive)
     table = Table(
         title=f"sweep prefix reuse · {args.model} · {data.name} · {args.num_docs} docs "
-        f"· {len(naive)} cells · {backend.device}"
+        f"· {len(naive)} cells · {resolve_device(args.device)}"
     )
     for col in ("mode", "prefill tokens", "wall s", "accuracy"):
         table.add_column(col, justify="right")

@@ -31,18 +31,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ragfix.connectors.corpus import build_corpus, load_questions, resolve_demo
-from ragfix.errors import DataError
 from ragfix.connectors.jsonl import SkipCounter
+from ragfix.errors import ConfigError, DataError
 from ragfix.eval.report import print_summary, progress_bar, write_report
 from ragfix.eval.sweep import SweepConfig, open_store, parse_positions
 from ragfix.io import atomic_write_json
-from ragfix.metrics import best_subspan_em
-from ragfix.prompts import QA_INSTRUCTION
 from ragfix.reorder import check_strategy, load_profile
+from ragfix.tasks import get_task
 from ragfix.types import SweepRecord
-
-#: the Lost-in-the-Middle QA template as a LlamaIndex prompt (documents joined by newlines)
-QA_TEMPLATE = f"{QA_INSTRUCTION}\n\n{{context_str}}\n\nQuestion: {{query_str}}\nAnswer:"
 
 
 def _fixed_retriever_class():
@@ -109,6 +105,7 @@ def run_pipeline_sweep(
     limit: int | None = None,
     model: str = "smollm2",
     backend: str = "vanilla",
+    adapter: str | Path | None = None,
     backend_options: dict | None = None,
     profile: Path | None = None,
     retriever: str = "faiss",
@@ -129,8 +126,9 @@ def run_pipeline_sweep(
         top_k: chunks the retriever returns (the number of documents in the prompt).
         positions: gold retrieval ranks to test (0-based; ``all``, ``first,middle,last``, ``0,4``).
         limit: use the first ``limit`` usable questions.
-        model, backend, backend_options, device, dtype: the model backend (see
-            :func:`ragfix.backends.load_backend`).
+        model, backend, adapter, backend_options, device, dtype: the model backend (see
+            :func:`ragfix.backends.load_backend`); the options and the adapter path are part of
+            the cell ids.
         profile: ``summary.json`` for ``bias-profile`` (same model, ``top_k`` documents).
         retriever: ``faiss`` or ``bm25``.
         skip_invalid: skip and count malformed questions and unreadable files.
@@ -139,33 +137,28 @@ def run_pipeline_sweep(
         attention_rounds: rounds of ``attention-sort``.
 
     Raises:
-        ValueError, DataError, CorpusError, ProfileError, ConfigMismatchError, ModelNotFoundError:
-            bad input (one line).
+        ConfigError, DataError, CorpusError, ProfileError, ConfigMismatchError,
+            ModelNotFoundError: bad input (one line).
+        pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from llama_index.core import PromptTemplate, get_response_synthesizer
-    from llama_index.core.indices.prompt_helper import PromptHelper
-    from llama_index.core.query_engine import RetrieverQueryEngine
-    from llama_index.core.schema import MetadataMode
-
-    from ragfix.backends import backend_class, load_backend
-    from ragfix.llm import RagFixLLM
+    from ragfix.backends import load_backend, validate_backend
     from ragfix.models import resolve_model
-    from ragfix.postprocessor import RagFixPostprocessor
 
     console = console or Console()
-    options = backend_options or {}
+    options = dict(backend_options or {})
+    adapter = str(adapter) if adapter else None
     corpus, questions = resolve_demo(corpus, "corpus"), resolve_demo(questions, "questions")
     strategies = [check_strategy(s) for s in dict.fromkeys(strategies)]
     if not strategies:
-        raise ValueError("--strategy: give at least one strategy")
+        raise ConfigError("--strategy: give at least one strategy")
     if retriever not in ("faiss", "bm25"):
-        raise ValueError(f"--retriever: {retriever!r} is not faiss or bm25")
-    backend_class(backend).options_model(**options)
+        raise ConfigError(f"--retriever: {retriever!r} is not faiss or bm25")
+    validate_backend(backend, adapter, **options)
     resolve_model(model)
     accuracies = None
     if "bias-profile" in strategies:
         if profile is None:
-            raise ValueError("strategy bias-profile needs --profile (a sweep's summary.json)")
+            raise ConfigError("strategy bias-profile needs --profile (a sweep's summary.json)")
         accuracies = load_profile(profile, model, top_k)
     ranks = parse_positions(positions, top_k)
     skipped = SkipCounter()
@@ -184,19 +177,13 @@ def run_pipeline_sweep(
         num_docs=top_k,
         model=model,
         backend=backend,
-        backend_options=options,
-        distractor_pool=f"retriever={retriever};chunk_size={chunk_size};synthesis=compact",
+        backend_options={**options, **({"adapter": adapter} if adapter else {})},
+        retrieval=f"retriever={retriever};chunk_size={chunk_size};synthesis=compact",
     )
+    has_config = config.check(out)
     out.mkdir(parents=True, exist_ok=True)
-    config.check_or_write(out)
     store = open_store(out)
     done = store.load()
-    settings = {
-        "strategy_settings": {
-            "profile": accuracies,
-            "attention_rounds": attention_rounds,
-        }
-    }
 
     def cid(q, r, s):
         extra = {"profile": accuracies} if s == "bias-profile" else {}
@@ -208,117 +195,31 @@ def run_pipeline_sweep(
     todo = [c for c in cells if c[3] not in done]
     if len(todo) < len(cells):
         console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
-
-    retrieved: dict[str, tuple[list, int | None]] = {}
-    for q in qs:
-        res = base.retrieve(q.question)
-        ids = [n.node.node_id for n in res]
-        natural = ids.index(q.gold_node_id) if q.gold_node_id in ids else None
-        retrieved[q.id] = (res, natural)
-
+    retrieved = {q.id: _retrieve(base, q) for q in qs}
     if todo:
-        b = load_backend(backend, model=model, device=device, dtype=dtype, **options)
-        llm = RagFixLLM(b, max_new_tokens=32, stop_at_newline=True, prefix_reuse=True)
-        helper = PromptHelper(
-            context_window=llm.metadata.context_window,
-            num_output=llm.metadata.num_output,
-            tokenizer=lambda t: b.tokenizer(t, add_special_tokens=False)["input_ids"],
+        b = load_backend(
+            backend, model=model, device=device, dtype=dtype, adapter=adapter, **options
         )
-        fixed = _fixed_retriever_class()()
-        engines, posts = {}, {}
-        for s in strategies:
-            posts[s] = RagFixPostprocessor(
-                strategy=s,
-                backend=b,
-                profile=accuracies if s == "bias-profile" else None,
-                num_docs=top_k if s == "bias-profile" else None,
-                dedup_threshold=None,  # every strategy reads the same k chunks
-                attention_rounds=attention_rounds,
-            )
-            synth = get_response_synthesizer(
-                llm=llm,
-                response_mode="compact",
-                text_qa_template=PromptTemplate(QA_TEMPLATE),
-                prompt_helper=helper,
-            )
-            engines[s] = RetrieverQueryEngine(
-                retriever=fixed, response_synthesizer=synth, node_postprocessors=[posts[s]]
-            )
-        by_id = {n.node_id: n for n in cor.nodes}
-
-        def plan(cell):
-            """Sort key: static strategies by their final node order (neighbours share long
-            prompt prefixes, which the LLM's KV-cache reuse exploits); attention-sort last."""
-            q, r, s, _ = cell
-            res, _nat = retrieved[q.id]
-            gold = next((n for n in res if n.node.node_id == q.gold_node_id), None)
-            if gold is None:
-                from llama_index.core.schema import NodeWithScore
-
-                gold = NodeWithScore(node=by_id[q.gold_node_id], score=None)
-            cands = candidates_with_gold_at(res, gold, r)
-            if s == "attention-sort":
-                return (q.id, 1, [n.node.node_id for n in cands]), cands
-            final = posts[s].postprocess_nodes(cands)
-            return (q.id, 0, [n.node.node_id for n in final]), cands
-
-        planned = sorted((plan(c) + (c,) for c in todo), key=lambda x: x[0])
+        engines = _Engines(b, strategies, accuracies, top_k, attention_rounds)
+        planned = engines.plan(todo, retrieved, {n.node_id: n for n in cor.nodes})
         right = 0
-        progress = progress_bar(console)
-        with progress:
+        with progress_bar(console) as progress:
             task = progress.add_task("pipeline sweep", total=len(planned), status="")
-            for i, (_key, cands, (q, r, s, cell)) in enumerate(planned, 1):
-                res, natural = retrieved[q.id]
-                fixed.nodes = cands
-                calls = llm.calls
-                start = time.perf_counter()
-                resp = engines[s].query(q.question)
-                secs = time.perf_counter() - start
-                final_ids = [n.node.node_id for n in resp.source_nodes]
-                prompt = " ".join((llm.last_prompt or "").split())  # white space may change
-                cut = any(
-                    " ".join(n.node.get_content(metadata_mode=MetadataMode.LLM).split())
-                    not in prompt
-                    for n in resp.source_nodes
-                )
-                gen = llm.last_generation
-                answer = str(resp.response or "")
-                ok = best_subspan_em(answer, q.answers)
-                rep = posts[s].last_report
-                rec = SweepRecord(
-                    cell_id=cell,
-                    sample_id=q.id,
-                    position=r,
-                    prompt_position=final_ids.index(q.gold_node_id)
-                    if q.gold_node_id in final_ids
-                    else -1,
-                    num_docs=top_k,
-                    backend=backend,
-                    strategy=s,
-                    prompt_tokens=gen.prompt_tokens,
-                    prefill_tokens=gen.prefill_tokens,
-                    new_tokens=gen.new_tokens,
-                    answer=answer,
-                    correct=ok,
-                    seconds=round(secs, 4),
-                    extra={
-                        "gold_added": natural is None,
-                        "natural_rank": natural,
-                        "context_cut": cut,
-                        "llm_calls": llm.calls - calls,
-                        "dropped": len(rep.get("dropped_duplicates", []))
-                        + len(rep.get("dropped_budget", [])),
-                        "order": rep.get("order"),
-                    },
-                )
+            for i, (cands, (q, r, s, cell)) in enumerate(planned, 1):
+                rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
+                if not has_config:
+                    config.write(out)
+                    has_config = True
                 store.append(rec.model_dump())
-                right += ok
+                right += rec.correct
                 progress.update(task, advance=1, status=f"{s} acc {right / i:.2f}")
 
     records = store.load()
     mine = [records[c[3]] for c in cells if c[3] in records]
     if not mine:
         raise DataError(out, None, None, "no finished cells")
+    if not config.check(out):  # results from before config.json was written
+        config.write(out)
     natural = Counter(retrieved[q.id][1] for q in qs)
     extra = {
         "skipped_inputs": skipped.count,
@@ -328,12 +229,140 @@ def run_pipeline_sweep(
         "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
         "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
         "context_cut_cells": sum(1 for r in mine if r.get("extra", {}).get("context_cut")),
-        **settings,
+        "strategy_settings": {"profile": accuracies, "attention_rounds": attention_rounds},
     }
     summary = write_report(out, mine, extra)
     summary["retrieval_weighted"] = retrieval_weighted(summary, natural)
     atomic_write_json(out / "summary.json", summary)
     print_summary(summary, console, title=f"{model} · {backend} · top-{top_k} · {retriever}")
+    print_strategies(summary, console)
+    console.print(
+        f"results: {out / 'results.jsonl'} | summary: {out / 'summary.json'} | "
+        f"plot: {out / 'curve.png'}"
+    )
+    return summary
+
+
+def _retrieve(retriever, q) -> tuple[list, int | None]:
+    """The retriever's top-k for question ``q`` and the gold chunk's rank among them (None when
+    it was not retrieved)."""
+    res = retriever.retrieve(q.question)
+    ids = [n.node.node_id for n in res]
+    return res, ids.index(q.gold_node_id) if q.gold_node_id in ids else None
+
+
+class _Engines:
+    """One LlamaIndex query engine per strategy over a shared :class:`RagFixLLM` and a
+    retriever that returns the cell's candidates (``compact`` synthesis with the ``qa`` task's
+    prompt); :meth:`run` answers one cell and builds its record."""
+
+    def __init__(self, backend, strategies, accuracies, top_k: int, attention_rounds: int):
+        from llama_index.core import get_response_synthesizer
+        from llama_index.core.indices.prompt_helper import PromptHelper
+        from llama_index.core.query_engine import RetrieverQueryEngine
+
+        from ragfix.llm import RagFixLLM
+        from ragfix.postprocessor import RagFixPostprocessor, text_qa_template
+
+        self.backend, self.top_k = backend, top_k
+        self.llm = RagFixLLM(backend, max_new_tokens=32, stop_at_newline=True, prefix_reuse=True)
+        helper = PromptHelper(
+            context_window=self.llm.metadata.context_window,
+            num_output=self.llm.metadata.num_output,
+            tokenizer=backend.tokenize,
+        )
+        self.fixed = _fixed_retriever_class()()
+        self.engines, self.posts = {}, {}
+        for s in strategies:
+            self.posts[s] = RagFixPostprocessor(
+                strategy=s,
+                backend=backend,
+                profile=accuracies if s == "bias-profile" else None,
+                num_docs=top_k if s == "bias-profile" else None,
+                dedup_threshold=None,  # every strategy reads the same k chunks
+                attention_rounds=attention_rounds,
+            )
+            synth = get_response_synthesizer(
+                llm=self.llm,
+                response_mode="compact",
+                text_qa_template=text_qa_template("qa"),
+                prompt_helper=helper,
+            )
+            self.engines[s] = RetrieverQueryEngine(
+                retriever=self.fixed,
+                response_synthesizer=synth,
+                node_postprocessors=[self.posts[s]],
+            )
+
+    def plan(self, todo: list, retrieved: dict, by_id: dict) -> list[tuple[list, tuple]]:
+        """``(candidates, cell)`` for every cell, in run order: per question, static strategies
+        sorted by their final node order (neighbours share long prompt prefixes, which the
+        LLM's KV-cache reuse exploits), attention-sort last."""
+        from llama_index.core.schema import NodeWithScore
+
+        keyed = []
+        for cell in todo:
+            q, r, s, _ = cell
+            res, _nat = retrieved[q.id]
+            gold = next((n for n in res if n.node.node_id == q.gold_node_id), None)
+            if gold is None:
+                gold = NodeWithScore(node=by_id[q.gold_node_id], score=None)
+            cands = candidates_with_gold_at(res, gold, r)
+            if s == "attention-sort":
+                key = (q.id, 1, [n.node.node_id for n in cands])
+            else:
+                key = (q.id, 0, [n.node.node_id for n in self.posts[s].postprocess_nodes(cands)])
+            keyed.append((key, cands, cell))
+        keyed.sort(key=lambda x: x[0])
+        return [(cands, cell) for _key, cands, cell in keyed]
+
+    def run(self, q, r: int, s: str, cell: str, cands: list, natural: int | None) -> SweepRecord:
+        """Query strategy ``s``'s engine with ``cands`` as the retrieved nodes; the record of
+        cell ``cell`` (gold at retrieval rank ``r``)."""
+        from llama_index.core.schema import MetadataMode
+
+        self.fixed.nodes = cands
+        calls = self.llm.calls
+        start = time.perf_counter()
+        resp = self.engines[s].query(q.question)
+        secs = time.perf_counter() - start
+        final_ids = [n.node.node_id for n in resp.source_nodes]
+        prompt = " ".join((self.llm.last_prompt or "").split())  # white space may change
+        cut = any(
+            " ".join(n.node.get_content(metadata_mode=MetadataMode.LLM).split()) not in prompt
+            for n in resp.source_nodes
+        )
+        gen = self.llm.last_generation
+        answer = str(resp.response or "")
+        rep = self.posts[s].last_report
+        return SweepRecord(
+            cell_id=cell,
+            sample_id=q.id,
+            position=r,
+            prompt_position=final_ids.index(q.gold_node_id) if q.gold_node_id in final_ids else -1,
+            num_docs=self.top_k,
+            backend=self.backend.name,
+            strategy=s,
+            prompt_tokens=gen.prompt_tokens,
+            prefill_tokens=gen.prefill_tokens,
+            new_tokens=gen.new_tokens,
+            answer=answer,
+            correct=get_task("qa").score(answer, q.answers),
+            seconds=round(secs, 4),
+            extra={
+                "gold_added": natural is None,
+                "natural_rank": natural,
+                "context_cut": cut,
+                "llm_calls": self.llm.calls - calls,
+                "dropped": len(rep.get("dropped_duplicates", []))
+                + len(rep.get("dropped_budget", [])),
+                "order": rep.get("order"),
+            },
+        )
+
+
+def print_strategies(summary: dict, console: Console) -> None:
+    """One row per curve: mean, worst (and its rank), best and the retrieval-weighted accuracy."""
     t = Table(title="strategies (x-axis: gold retrieval rank)", title_justify="left")
     for col in ("curve", "mean", "worst", "worst rank", "best", "retrieval-weighted"):
         t.add_column(col, justify="right" if col != "curve" else "left")
@@ -347,8 +376,3 @@ def run_pipeline_sweep(
             f"{summary['retrieval_weighted'].get(label, float('nan')):.3f}",
         )
     console.print(t)
-    console.print(
-        f"results: {out / 'results.jsonl'} | summary: {out / 'summary.json'} | "
-        f"plot: {out / 'curve.png'}"
-    )
-    return summary

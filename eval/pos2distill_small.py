@@ -1,6 +1,6 @@
 """A CPU-sized position sweep for Pos2Distill: vanilla vs an adapter on shortened contexts.
 
-The full sweep (``ragfix eval ... --num-docs 10 --backend pos2distill --adapter DIR``) reads ~1,300
+The full sweep (``ragfix eval ... --num-docs 10 --adapter DIR``) reads ~1,300
 tokens a prompt; on a shared 2-core CPU that is minutes per cell. This script runs the same
 comparison on the adapter's own training size (fewer documents, passages cut to N words, the gold
 passage's window keeping its answer), batched, and prints per-position accuracy with the curve's
@@ -20,11 +20,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ragfix.adapters import read_metadata
 from ragfix.backends import load_backend
 from ragfix.connectors.litm import load_samples
-from ragfix.distill import read_metadata, shorten_sample
+from ragfix.distill import shorten_sample
 from ragfix.metrics import position_curve
-from ragfix.prompts import score_answer, task_prompt
+from ragfix.tasks import score_answer, task_prompt
 
 
 def sweep(backend, samples, batch_size: int) -> list[tuple[int, bool]]:
@@ -50,11 +51,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    meta = read_metadata(a.adapter)
+    meta = read_metadata(a.adapter) or {}  # None: a plain peft folder (no training record)
     samples = [
         shorten_sample(s, a.max_passage_words) for s in load_samples(a.data, a.num_docs, a.limit)
     ]
-    overlap = {s.id for s in samples} & set(meta["train_question_ids"])
+    overlap = {s.id for s in samples} & set(meta.get("train_question_ids", []))
     if overlap:
         raise SystemExit(f"{len(overlap)} evaluation questions were used for training")
     console = Console()
@@ -65,9 +66,9 @@ def main() -> None:
     for col in ("mean", "worst", "best", "gap", "min"):
         table.add_column(col, justify="right")
     summaries = {}
-    for name, opts in (("vanilla", {}), ("pos2distill", {"adapter": a.adapter})):
+    for name, adapter in (("vanilla", None), ("pos2distill", a.adapter)):
         start = time.perf_counter()
-        b = load_backend(name, model=a.model, device="cpu", **opts)
+        b = load_backend(name, model=a.model, device="cpu", adapter=adapter)
         curve = position_curve(sweep(b, samples, a.batch_size))
         minutes = (time.perf_counter() - start) / 60
         summaries[name] = {**curve.model_dump(), "minutes": round(minutes, 2)}

@@ -8,6 +8,9 @@ differ by length and method only.
 
 Reported per (method, length): perplexity over all predicted tokens of the window (``ppl``) and
 over its last quarter (``ppl_tail``, the tokens furthest beyond the window).
+
+Every method is scored through the model interface only (``tokenize``, ``token_logprobs``,
+``identity``): GALI's chunked loop or a RoPE variant is the backend's business.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ from pathlib import Path
 import torch
 
 from ragfix.backends import Backend, load_backend
-from ragfix.backends.gali import GaliBackend
 from ragfix.connectors.jsonl import read_jsonl, require
-from ragfix.errors import DataError
+from ragfix.errors import ConfigError, DataError
 from ragfix.io import atomic_write_json, atomic_write_text
 
 #: method name -> (backend, options); rope factors are filled in from the longest ratio
@@ -47,15 +49,10 @@ def read_texts(path: str | Path) -> str:
     return "\n\n".join(texts)
 
 
-@torch.no_grad()
-def token_logprobs(backend: Backend, ids: list[int]) -> torch.Tensor:
-    """``log p(ids[t] | ids[:t])`` for ``t = 1..n-1`` (float32 ``[n - 1]``, CPU) under
-    ``backend``: GALI's chunked loop for :class:`GaliBackend`, one forward pass otherwise."""
-    if isinstance(backend, GaliBackend):
-        return backend.token_logprobs(ids)
-    x = torch.tensor([ids], device=backend.device)
-    logits = backend.model(input_ids=x).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:, None]).squeeze(1).cpu()
+def trained_window(backend: Backend) -> int:
+    """``L`` of the length grid: the backend's ``train_window`` option where it has one (GALI,
+    the RoPE baselines), else its ``context_window`` (the model's trained window)."""
+    return int(backend.identity()["options"].get("train_window") or backend.context_window)
 
 
 def _ppl(logp: torch.Tensor) -> float:
@@ -91,12 +88,14 @@ def run_ppl(
         one row per (method, ratio): ``method, ratio, length, ppl, ppl_tail, samples``.
 
     Raises:
-        ValueError: unknown method, or the text is too short for ``samples`` windows.
-        DataError: bad data file.
+        ConfigError: unknown method, or no positive ratio.
+        DataError: bad data file, or the text is too short for ``samples`` windows.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    if not ratios or min(ratios) <= 0:
+        raise ConfigError(f"ratios {list(ratios)}: give one or more positive multiples of L")
     text = read_texts(data)
     rows = []
     for method in methods:
@@ -111,21 +110,23 @@ def run_ppl(
                 opts["target_window"] = int(max(ratios) * train_window)
             opts.update(gali_options or {})
         backend = load_backend(name, model=model, device=device, dtype=dtype, **opts)
-        big_l = train_window or int(backend.model.config.max_position_embeddings)
+        big_l = train_window or trained_window(backend)
         lengths = [max(2, int(r * big_l)) for r in ratios]
         longest = max(lengths)
         # ~4 characters per token in English prose: tokenize a generous prefix only
-        prefix = text[: samples * longest * 12]
-        tokens = backend.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        tokens = backend.tokenize(text[: samples * longest * 12])
         if len(tokens) < samples * longest:
-            raise ValueError(
-                f"{data}: {len(tokens)} tokens, need {samples} x {longest} for {samples} samples"
+            raise DataError(
+                data,
+                None,
+                None,
+                f"{len(tokens)} tokens, need {samples} x {longest} for {samples} samples",
             )
         for ratio, length in zip(ratios, lengths, strict=True):
             all_lp, tails = [], []
             for k in range(samples):
                 ids = tokens[k * longest : k * longest + length]
-                lp = token_logprobs(backend, ids)
+                lp = backend.token_logprobs(ids)
                 all_lp.append(lp)
                 tails.append(lp[-max(1, len(lp) // 4) :])
                 if on_step:

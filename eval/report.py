@@ -21,6 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from ragfix.errors import DataError
 from ragfix.io import atomic_write_bytes, atomic_write_json
 from ragfix.metrics import CurveSummary, paired_comparison, position_curve
 
@@ -141,6 +142,23 @@ def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> 
         "curves": {k: v.model_dump() for k, v in curves.items()},
         **(extra or {}),
     }
+
+
+def read_summary(folder: Path) -> dict:
+    """The ``summary.json`` of a run folder.
+
+    Raises:
+        DataError: no summary there, or not readable JSON.
+    """
+    path = Path(folder) / SUMMARY_FILE
+    if not path.exists():
+        raise DataError(
+            path, None, None, f"no summary (run `ragfix eval ... --out {folder}` first)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(path, None, None, f"not a ragfix summary ({e})") from None
 
 
 def write_report(out: Path, records: list[dict], extra: dict | None = None) -> dict:

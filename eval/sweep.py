@@ -5,10 +5,13 @@ the same ``--out`` skips finished cells (resume after Ctrl-C or a crash) and sha
 several processes merge by cell id. Results are appended one JSON line per cell, fsynced.
 
 Speed: the cells of one sample share their prompt up to the gold passage. With
-``prefix_reuse`` the cells of a sample run from the last position to the first, and each one
-reuses the KV cache of the previous one cropped to their common token prefix
-(:class:`ragfix.backends.PrefixReuser`), prefilling only the rest. On a GPU (or with
+``prefix_reuse`` (where the backend supports it) the cells of a sample run from the last position
+to the first, and each one reuses the KV cache of the previous one cropped to their common token
+prefix (``Backend.generate(..., prefix_reuse=True)``), prefilling only the rest. On a GPU (or with
 ``batch_size > 1``) cells are batched instead.
+
+The orchestration (reading the data, resuming, sharding, the report) is
+:func:`ragfix.eval.run_sweep`.
 """
 
 from __future__ import annotations
@@ -19,26 +22,40 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from ragfix.backends import Backend, PrefixReuser
+from ragfix.backends.base import Backend
+from ragfix.errors import ConfigError, DataError
 from ragfix.io import JsonlStore, atomic_write_json
-from ragfix.prompts import score_answer, task_prompt
+from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import QASample, SweepRecord
 
 CONFIG_FILE = "config.json"
 RESULTS_FILE = "results.jsonl"
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(ConfigError):
     """The output folder holds results of a different configuration."""
 
 
 class SweepConfig(BaseModel):
     """What makes the results of one output folder comparable (checked on every rerun).
 
-    ``limit`` and ``positions`` are not part of it: a rerun may add samples or positions.
+    Frozen: it is hashed into the cell ids. ``limit`` and ``positions`` are not part of it: a
+    rerun may add samples or positions.
+
+    Attributes:
+        data: the data file (resolved path), or the corpus and question files of a pipeline sweep.
+        task: the task (``qa``, ``kv``, ``qa-pipeline``).
+        num_docs: passages per prompt.
+        model: the model name.
+        backend: the backend name.
+        backend_options: the options as the user gave them (plus ``adapter`` when one is given).
+        distractor_pool: the file distractors were drawn from (raw sweep), or None.
+        retrieval: the retriever settings of a pipeline sweep, or None.
     """
+
+    model_config = ConfigDict(frozen=True)
 
     data: str
     task: str
@@ -47,26 +64,34 @@ class SweepConfig(BaseModel):
     backend: str
     backend_options: dict = Field(default_factory=dict)
     distractor_pool: str | None = None
+    retrieval: str | None = None
 
-    def check_or_write(self, out: Path) -> None:
-        """Write ``out/config.json``, or check it matches the one already there.
+    def check(self, out: Path) -> bool:
+        """Whether ``out/config.json`` exists; if it does, check it matches this configuration.
 
         Raises:
             ConfigMismatchError: the folder was used for another configuration (names the fields).
+            DataError: ``config.json`` is not readable JSON.
         """
         path = out / CONFIG_FILE
-        mine = self.model_dump(mode="json")
-        if path.exists():
+        if not path.exists():
+            return False
+        try:
             theirs = json.loads(path.read_text())
-            diff = [k for k in mine if theirs.get(k) != mine[k]]
-            if diff:
-                detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in diff)
-                raise ConfigMismatchError(
-                    f"{out} holds results of another configuration ({detail}); "
-                    "use another --out folder"
-                )
-            return
-        atomic_write_json(path, mine)
+        except (OSError, ValueError) as e:
+            raise DataError(path, None, None, f"unreadable run configuration ({e})") from None
+        mine = self.model_dump(mode="json")
+        diff = [k for k in mine if theirs.get(k) != mine[k]]
+        if diff:
+            detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in diff)
+            raise ConfigMismatchError(
+                f"{out} holds results of another configuration ({detail}); use another --out folder"
+            )
+        return True
+
+    def write(self, out: Path) -> None:
+        """Write ``out/config.json`` (atomically)."""
+        atomic_write_json(out / CONFIG_FILE, self.model_dump(mode="json"))
 
 
 @dataclass(frozen=True)
@@ -84,7 +109,7 @@ def parse_positions(spec: str, num_docs: int) -> list[int]:
     ``middle`` is ``(num_docs - 1) // 2``.
 
     Raises:
-        ValueError: an unknown word or a position outside ``0 .. num_docs - 1``.
+        ConfigError: an unknown word or a position outside ``0 .. num_docs - 1``.
     """
     if spec.strip() == "all":
         return list(range(num_docs))
@@ -98,11 +123,11 @@ def parse_positions(spec: str, num_docs: int) -> list[int]:
             try:
                 pos = int(part)
             except ValueError:
-                raise ValueError(
+                raise ConfigError(
                     f"--positions: {part!r} is not 'all', first/middle/last or an integer"
                 ) from None
         if not 0 <= pos < num_docs:
-            raise ValueError(f"--positions: {pos} is out of range 0..{num_docs - 1}")
+            raise ConfigError(f"--positions: {pos} is out of range 0..{num_docs - 1}")
         if pos not in out:
             out.append(pos)
     return out
@@ -128,6 +153,10 @@ def cell_id(config: SweepConfig, sample_id: str, position: int) -> str:
 def plan_cells(config: SweepConfig, samples: list[QASample], positions: list[int]) -> list[Cell]:
     """All cells, sample-major, positions in the order given."""
     return [Cell(cell_id(config, s.id, p), s, p) for s in samples for p in positions]
+
+
+def _prompt(cell: Cell):
+    return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
 
 
 def _record(cell: Cell, backend: Backend, gen) -> SweepRecord:
@@ -160,31 +189,24 @@ def run_cells(
         backend: the model backend.
         cells: the cells to compute (already filtered to the unfinished ones).
         on_record: called once per cell, in completion order (e.g. the store's append).
-        prefix_reuse: reuse the KV cache across the positions of one sample (batch size 1; only
-            where ``backend.supports_prefix_reuse``).
+        prefix_reuse: one cell at a time, each sample's cells from the last gold position to the
+            first, reusing the KV cache of the shared prompt prefix (only where
+            ``backend.supports_prefix_reuse``; otherwise the cells are batched).
         batch_size: cells per forward batch when prefix reuse is off.
     """
-    by_sample: dict[str, list[Cell]] = {}
-    for c in cells:
-        by_sample.setdefault(c.sample.id, []).append(c)
     if prefix_reuse and backend.supports_prefix_reuse:
+        by_sample: dict[str, list[Cell]] = {}
+        for c in cells:
+            by_sample.setdefault(c.sample.id, []).append(c)
         for group in by_sample.values():
-            reuser = PrefixReuser(backend)
             for c in sorted(group, key=lambda c: -c.position):
-                tp = task_prompt(c.sample, c.sample.passages_with_gold_at(c.position))
-                gen = reuser.generate(backend.encode(tp), tp.max_new_tokens, tp.stop_at_newline)
+                [gen] = backend.generate([_prompt(c)], prefix_reuse=True)
                 on_record(_record(c, backend, gen))
         return
-    prompts = [
-        (c, task_prompt(c.sample, c.sample.passages_with_gold_at(c.position))) for c in cells
-    ]
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        tp0 = chunk[0][1]
-        gens = backend.generate_ids(
-            [backend.encode(tp) for _, tp in chunk], tp0.max_new_tokens, tp0.stop_at_newline
-        )
-        for (c, _), gen in zip(chunk, gens, strict=True):
+    for start in range(0, len(cells), batch_size):
+        chunk = cells[start : start + batch_size]
+        gens = backend.generate([_prompt(c) for c in chunk], batch_size=batch_size)
+        for c, gen in zip(chunk, gens, strict=True):
             on_record(_record(c, backend, gen))
 
 

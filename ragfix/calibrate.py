@@ -20,6 +20,12 @@ model, keeping its KV cache and the attention inputs of the scaled layers; each 
 rebuilds the scaled keys of those layers from the attention inputs and runs only the answer rows.
 This equals the full teacher-forced forward (the prefix rows never change) at a fraction of the
 cost.
+
+The prompts are built through the model interface (``tokenize``, ``encode``). Reading hidden
+states (stage A) and the loss under a candidate scaling (stages C-D, through
+:func:`~ragfix.backends.channel_scaling.apply_channel_scaling`) are the method's own internals:
+they work on the Hugging Face model, so :func:`calibrate` takes an
+:class:`~ragfix.backends.hf.HFBackend` explicitly.
 """
 
 from __future__ import annotations
@@ -44,8 +50,11 @@ from ragfix.backends.channel_scaling import (
     default_layers,
     scaled_keys,
 )
+from ragfix.backends.hf import HFBackend
+from ragfix.errors import ConfigError, RagfixError
 from ragfix.models import model_identity
-from ragfix.prompts import TaskPrompt, kv_answer_prefix, kv_prompt
+from ragfix.prompts import TaskPrompt
+from ragfix.tasks import get_task, kv_answer_prefix
 from ragfix.types import Passage
 
 #: the factor candidates are ranked with (the official code's search setting)
@@ -54,7 +63,7 @@ SEARCH_FACTOR = 0.0
 DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)
 
 
-class CalibrationError(RuntimeError):
+class CalibrationError(RagfixError):
     """The calibration found nothing usable (the message says which sizes to raise)."""
 
 
@@ -84,33 +93,37 @@ class CalibrationSettings(BaseModel):
     seed: int = 0
 
     @classmethod
-    def for_model(cls, model, **overrides) -> CalibrationSettings:
-        """Defaults scaled to the model and its device; ``overrides`` (not None) win.
+    def for_backend(cls, backend: HFBackend, **overrides) -> CalibrationSettings:
+        """Defaults scaled to the backend's model and device; ``overrides`` (not None) win.
 
         The prompt length is a quarter of the context window, at most the paper's 1000 tokens.
         On a GPU the paper's sizes are used (200 prompts, 60 KV prompts of 50 pairs); on a CPU
         16 prompts and 18 KV prompts of 8 pairs, so that SmolLM2-135M calibrates on two cores
-        in minutes.
+        in minutes. The default layers are the middle ones of the model
+        (:func:`~ragfix.backends.channel_scaling.default_layers`).
+
+        Raises:
+            pydantic.ValidationError: an override out of range.
         """
-        cfg = model.config
-        gpu = next(model.parameters()).device.type == "cuda"
+        gpu = backend.device.type == "cuda"
         base = {
             "samples": 200 if gpu else 16,
-            "length": min(1000, int(cfg.max_position_embeddings) // 4),
+            "length": min(1000, backend.context_window // 4),
             "kv_examples": 60 if gpu else 18,
             "kv_pairs": 50 if gpu else 8,
-            "layers": default_layers(cfg.num_hidden_layers),
+            "layers": default_layers(backend.model.config.num_hidden_layers),
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
 
 # --------------------------------------------------------------------------- stage A
-def random_text_ids(tokenizer, samples: int, length: int, seed: int = 0) -> torch.Tensor:
+def random_text_ids(backend: Backend, samples: int, length: int, seed: int = 0) -> torch.Tensor:
     """Token ids of ``samples`` random-character strings, each cut to ``length`` tokens.
 
-    The characters are drawn uniformly from letters, digits, punctuation and space; no special
-    tokens are added (the official code builds its tokenizer without BOS).
+    The characters are drawn uniformly from letters, digits, punctuation and space and tokenized
+    by ``backend.tokenize`` (no special tokens: the official code builds its tokenizer without
+    BOS).
 
     Returns:
         int64 tensor ``[samples, length]``.
@@ -122,7 +135,7 @@ def random_text_ids(tokenizer, samples: int, length: int, seed: int = 0) -> torc
         n_chars = 2 * length
         while True:
             text = "".join(rng.choices(alphabet, k=n_chars))
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = backend.tokenize(text)
             if len(ids) >= length:
                 break
             n_chars *= 2
@@ -233,10 +246,10 @@ def kv_calibration_examples(
         ]
         gold = kv[depths[i % len(depths)]]
         prompt = TaskPrompt(
-            user=kv_prompt(gold.title, kv), assistant_prefix=kv_answer_prefix(gold.title)
+            user=get_task("kv").user_turn(gold.title, kv),
+            assistant_prefix=kv_answer_prefix(gold.title),
         )
-        answer = backend.tokenizer(gold.text, add_special_tokens=False)["input_ids"]
-        out.append((backend.encode(prompt), answer))
+        out.append((backend.encode(prompt), backend.tokenize(gold.text)))
     return out
 
 
@@ -302,14 +315,15 @@ def _mean_losses(model, examples, layers, settings, description, progress) -> li
 
 
 def calibrate(
-    backend: Backend, settings: CalibrationSettings, progress: bool = True
+    backend: HFBackend, settings: CalibrationSettings, progress: bool = True
 ) -> ChannelScalingCalibration:
     """Find the positional channel, the layers and the factor for ``backend``'s model
     (stages A-D of the module docstring).
 
     Args:
-        backend: an unmodified backend (``vanilla``) of the model to calibrate.
-        settings: sizes, layers and factor grid (see :meth:`CalibrationSettings.for_model`).
+        backend: an unmodified Hugging Face backend (``vanilla``) of the model to calibrate;
+            stages A, C and D run its model directly (the method's internals).
+        settings: sizes, layers and factor grid (see :meth:`CalibrationSettings.for_backend`).
         progress: show a progress bar per stage.
 
     Returns:
@@ -317,14 +331,14 @@ def calibrate(
 
     Raises:
         CalibrationError: no channel passes the monotonicity screen.
-        ValueError: unsupported architecture, or layers out of range.
+        ConfigError: unsupported architecture, or layers out of range.
     """
     start = time.perf_counter()
     model = backend.model
     n_layers = model.config.num_hidden_layers
     if any(not 0 <= i < n_layers for i in settings.layers):
-        raise ValueError(f"layers {settings.layers}: out of range 0..{n_layers - 1}")
-    ids = random_text_ids(backend.tokenizer, settings.samples, settings.length, settings.seed)
+        raise ConfigError(f"layers {settings.layers}: out of range 0..{n_layers - 1}")
+    ids = random_text_ids(backend, settings.samples, settings.length, settings.seed)
     mean = mean_hidden_states(model, ids, settings.batch_size, progress)[1:].numpy()
     candidates = screen_channels(
         mean,

@@ -9,10 +9,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
+from ragfix.errors import ConfigError
+
 _WORD = re.compile(r"\w+")
 
 
-class BudgetError(ValueError):
+class BudgetError(ConfigError):
     """The best passage alone does not fit the token budget (it is never cut silently)."""
 
 

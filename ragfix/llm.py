@@ -26,7 +26,8 @@ from llama_index.core.llms import CustomLLM
 from llama_index.core.llms.callbacks import llm_completion_callback
 from pydantic import Field, PrivateAttr
 
-from ragfix.backends.base import Backend, PrefixReuser
+from ragfix.backends.base import Backend
+from ragfix.prompts import TaskPrompt
 from ragfix.types import Generation
 
 
@@ -38,9 +39,10 @@ class RagFixLLM(CustomLLM):
         max_new_tokens: generation budget (LlamaIndex's ``num_output``).
         stop_at_newline: cut the answer at its first newline (short-answer QA).
         use_chat_template: wrap the prompt in the model's chat template.
-        prefix_reuse: keep the KV cache between calls and reuse the common token prefix of
-            consecutive prompts (batch size 1; only for backends that allow it). Same greedy
-            answers up to floating-point noise, fewer prefill tokens when prompts share a head.
+        prefix_reuse: reuse the KV cache of the common token prefix with the previous prompt
+            (the backend keeps it between calls; only for backends that allow it, see
+            :attr:`Backend.supports_prefix_reuse`). Same greedy answers up to floating-point
+            noise, fewer prefill tokens when prompts share a head.
 
     ``metadata`` reports the backend's real context window, the output budget and the model name.
     The last prompt (as sent to the model, chat-wrapped) and its :class:`Generation` are kept in
@@ -53,7 +55,6 @@ class RagFixLLM(CustomLLM):
     prefix_reuse: bool = Field(default=False, description="reuse the KV cache of shared prefixes")
 
     _backend: Backend = PrivateAttr()
-    _reuser: PrefixReuser | None = PrivateAttr(default=None)
     _last_prompt: str | None = PrivateAttr(default=None)
     _last_generation: Generation | None = PrivateAttr(default=None)
     _calls: int = PrivateAttr(default=0)
@@ -61,8 +62,6 @@ class RagFixLLM(CustomLLM):
     def __init__(self, backend: Backend, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._backend = backend
-        if self.prefix_reuse and backend.supports_prefix_reuse:
-            self._reuser = PrefixReuser(backend)
 
     @classmethod
     def class_name(cls) -> str:
@@ -99,7 +98,10 @@ class RagFixLLM(CustomLLM):
         )
 
     def _model_prompt(self, prompt: str) -> str:
-        text = self._backend.chat_prompt(prompt) if self.use_chat_template else prompt
+        if self.use_chat_template:
+            text = self._backend.format_prompt(TaskPrompt(user=prompt))
+        else:
+            text = prompt
         self._last_prompt = text
         self._calls += 1
         return text
@@ -107,11 +109,12 @@ class RagFixLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer ``prompt`` greedily. ``raw`` holds the :class:`Generation` as a dict."""
-        ids = self._backend.encode(self._model_prompt(prompt))
-        if self._reuser is not None:
-            gen = self._reuser.generate(ids, self.max_new_tokens, self.stop_at_newline)
-        else:
-            gen = self._backend.generate_ids([ids], self.max_new_tokens, self.stop_at_newline)[0]
+        [gen] = self._backend.generate(
+            [self._model_prompt(prompt)],
+            max_new_tokens=self.max_new_tokens,
+            stop_at_newline=self.stop_at_newline,
+            prefix_reuse=self.prefix_reuse,
+        )
         self._last_generation = gen
         return CompletionResponse(text=gen.text, raw=gen.model_dump())
 
@@ -121,22 +124,30 @@ class RagFixLLM(CustomLLM):
     ) -> CompletionResponseGen:
         """Yield the answer as the model produces it (``delta`` = the new text, ``text`` = all so
         far), through :meth:`Backend.stream`. With ``stop_at_newline`` nothing after the first
-        newline of the answer is yielded."""
+        newline of the answer (leading white space aside) is yielded. The backend's stream is
+        closed (its generation stopped, not drained) when the newline rule is hit or when the
+        consumer stops iterating."""
         text = self._model_prompt(prompt)
 
         def gen() -> CompletionResponseGen:
+            pieces = self._backend.stream(
+                text, max_new_tokens=self.max_new_tokens, stop_at_newline=self.stop_at_newline
+            )
             so_far = ""
-            stopped = False
-            for piece in self._backend.stream(text, self.max_new_tokens):
-                if stopped:
-                    continue  # drain the streamer so the generation thread finishes
-                if self.stop_at_newline:
-                    both = so_far + piece
-                    cut = both.find("\n", len(both) - len(both.lstrip()))
-                    if cut >= 0:
-                        piece, stopped = both[len(so_far) : cut], True
-                if piece:
-                    so_far += piece
-                    yield CompletionResponse(text=so_far, delta=piece)
+            try:
+                for piece in pieces:
+                    stopped = False
+                    if self.stop_at_newline:
+                        both = so_far + piece
+                        cut = both.find("\n", len(both) - len(both.lstrip()))
+                        if cut >= 0:
+                            piece, stopped = both[len(so_far) : cut], True
+                    if piece:
+                        so_far += piece
+                        yield CompletionResponse(text=so_far, delta=piece)
+                    if stopped:
+                        return
+            finally:
+                pieces.close()
 
         return gen()

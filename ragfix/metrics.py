@@ -8,11 +8,13 @@ folded); the prediction is correct when any normalised gold answer is a substrin
 
 from __future__ import annotations
 
-import math
 import re
 import string
 
 from pydantic import BaseModel
+from scipy.stats import binomtest
+
+from ragfix.errors import RagfixError
 
 _PUNCT = str.maketrans("", "", string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -39,15 +41,17 @@ def kv_match(prediction: str, value: str) -> bool:
     return value.lower() in prediction.lower()
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval for a binomial proportion (``(0, 1)`` when ``n == 0``)."""
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval (no continuity correction) for ``successes`` out of ``n``, via
+    ``scipy.stats.binomtest(...).proportion_ci(method="wilson")``.
+
+    Returns:
+        ``(low, high)`` within ``[0, 1]``; ``(0, 1)`` when ``n == 0``.
+    """
     if n == 0:
         return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    ci = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 class PositionStat(BaseModel):
@@ -81,10 +85,10 @@ def position_curve(pairs: list[tuple[int, bool]]) -> CurveSummary:
     """Summarise ``(position, correct)`` pairs into a :class:`CurveSummary`.
 
     Raises:
-        ValueError: ``pairs`` is empty.
+        RagfixError: ``pairs`` is empty (a run without results).
     """
     if not pairs:
-        raise ValueError("no results to summarise")
+        raise RagfixError("no results to summarise")
     counts: dict[int, list[int]] = {}
     for pos, ok in pairs:
         c = counts.setdefault(pos, [0, 0])
@@ -136,13 +140,12 @@ class PairedComparison(BaseModel):
 
 
 def mcnemar_exact(b: int, c: int) -> float:
-    """Exact two-sided McNemar p-value for ``b`` and ``c`` discordant pairs (binomial test of
-    ``min(b, c)`` successes in ``b + c`` trials at p = 1/2; 1.0 when there are none)."""
-    n = b + c
-    if n == 0:
+    """Exact two-sided McNemar p-value for ``b`` and ``c`` discordant pairs: the two-sided
+    binomial test (``scipy.stats.binomtest``) of ``b`` successes in ``b + c`` trials at
+    p = 1/2 (McNemar 1947; the exact form of Fagerland et al. 2013). 1.0 when there are none."""
+    if b + c == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    return float(binomtest(b, b + c, 0.5).pvalue)
 
 
 def paired_comparison(
@@ -154,11 +157,11 @@ def paired_comparison(
         baseline, other: ``{(sample_id, position): correct}`` of each run.
 
     Raises:
-        ValueError: the runs share no cell.
+        RagfixError: the runs share no cell (they were run on other samples or positions).
     """
     shared = sorted(set(baseline) & set(other), key=lambda k: (k[1], k[0]))
     if not shared:
-        raise ValueError("the two runs share no (sample, position) cell")
+        raise RagfixError("the two runs share no (sample, position) cell")
     rows: dict[int, PairedPosition] = {}
     for key in shared:
         pos = rows.setdefault(

@@ -4,11 +4,16 @@ Add it as the LAST node postprocessor of a LlamaIndex query engine (a reranker a
 the order it sets)::
 
     from ragfix import RagFixLLM, RagFixPostprocessor
+    from ragfix.postprocessor import text_qa_template
 
     post = RagFixPostprocessor(strategy="bias-profile", profile="runs/nq10/summary.json",
                                backend=backend)
     engine = index.as_query_engine(llm=RagFixLLM(backend), similarity_top_k=10,
-                                   node_postprocessors=[reranker, post])
+                                   node_postprocessors=[reranker, post],
+                                   text_qa_template=text_qa_template())
+
+``text_qa_template()`` is the Lost-in-the-Middle QA prompt of the ``qa`` task record
+(:mod:`ragfix.tasks`), the prompt the bias profiles were measured with.
 
 Steps, on the nodes in the order they arrive (that order is the retrieval rank; scores are not
 needed):
@@ -21,11 +26,13 @@ needed):
 
 from __future__ import annotations
 
+from llama_index.core import PromptTemplate
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from ragfix.correct import drop_near_duplicates, fit_budget
+from ragfix.errors import ConfigError
 from ragfix.reorder import (
     STRATEGIES,
     attention_sort_order,
@@ -33,7 +40,18 @@ from ragfix.reorder import (
     load_profile,
     static_order,
 )
+from ragfix.tasks import get_task
 from ragfix.types import Passage
+
+
+def text_qa_template(task: str = "qa") -> PromptTemplate:
+    """The task record's user turn as a LlamaIndex text-QA prompt (``{context_str}``,
+    ``{query_str}``), for ``text_qa_template=`` of a query engine or response synthesizer.
+
+    Raises:
+        ConfigError: unknown task.
+    """
+    return PromptTemplate(get_task(task).llama_index_template())
 
 
 class RagFixPostprocessor(BaseNodePostprocessor):
@@ -57,8 +75,9 @@ class RagFixPostprocessor(BaseNodePostprocessor):
             attention-sort); kept as a private attribute.
 
     Raises:
-        ValueError: unknown strategy, ``bias-profile`` without a profile, ``attention-sort``
-            without a backend.
+        ConfigError: unknown strategy, ``bias-profile`` without a profile, ``attention-sort``
+            without a backend (a pydantic ``ValidationError``, also a ``ValueError``, for an
+            unknown strategy).
         ragfix.reorder.ProfileError: a profile of another model or number of documents.
         ragfix.correct.BudgetError: (when run) the best node alone exceeds the token budget.
     """
@@ -81,11 +100,11 @@ class RagFixPostprocessor(BaseNodePostprocessor):
         self._backend = backend
         if self.strategy == "bias-profile":
             if self.profile is None:
-                raise ValueError("strategy 'bias-profile' needs profile= (summary.json path)")
+                raise ConfigError("strategy 'bias-profile' needs profile= (summary.json path)")
             model = backend.model_name if backend is not None else None
             self._accuracies = load_profile(self.profile, model, self.num_docs, self.profile_curve)
         if self.strategy == "attention-sort" and backend is None:
-            raise ValueError("strategy 'attention-sort' needs backend= (it reads the attention)")
+            raise ConfigError("strategy 'attention-sort' needs backend= (it reads the attention)")
 
     @field_validator("strategy")
     @classmethod
@@ -124,7 +143,7 @@ class RagFixPostprocessor(BaseNodePostprocessor):
         budget = self._budget()
         if budget is not None and keep:
             if self._backend is None:
-                raise ValueError("token_budget needs backend= to count tokens")
+                raise ConfigError("token_budget needs backend= to count tokens")
             fit = fit_budget([texts[i] for i in keep], budget, self._backend.count_tokens)
             report["dropped_budget"] = [
                 nodes[keep[j]].node.node_id for j in range(len(fit), len(keep))

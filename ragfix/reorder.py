@@ -17,7 +17,8 @@ passage placed at prompt position ``j``.
   the question; repeated for a few rounds (Peysakhovich & Lerer, "Attention Sorting Combats Recency
   Bias In Long Context Language Models", arXiv 2310.01427, Sec. 3). Which layers and heads to
   average is not specified in the paper; we average all layers and heads and sum over each
-  passage's tokens.
+  passage's tokens (:meth:`ragfix.backends.Backend.span_attention`). The prompt is the task
+  record's (:mod:`ragfix.tasks`), cut into pieces by :func:`prompt_pieces`.
 """
 
 from __future__ import annotations
@@ -25,16 +26,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ragfix.prompts import QA_INSTRUCTION, render_document
+from ragfix.errors import ConfigError
+from ragfix.tasks import get_task
 from ragfix.types import Passage
+
+if TYPE_CHECKING:
+    from ragfix.backends.base import Backend
 
 STRATEGIES = ("none", "lost-in-the-middle", "reverse", "bias-profile", "attention-sort")
 
 
-class ProfileError(ValueError):
+class ProfileError(ConfigError):
     """A bias profile that cannot be used (wrong model, wrong number of documents, bad file)."""
 
 
@@ -42,10 +46,10 @@ def check_strategy(name: str) -> str:
     """``name`` if it is a known strategy.
 
     Raises:
-        ValueError: unknown strategy (the message lists the known ones).
+        ConfigError: unknown strategy (the message lists the known ones).
     """
     if name not in STRATEGIES:
-        raise ValueError(
+        raise ConfigError(
             f"unknown reorder strategy {name!r}; choose one of: {', '.join(STRATEGIES)}"
         )
     return name
@@ -158,8 +162,9 @@ def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) 
     """The order of a content-blind strategy for ``n`` passages.
 
     Raises:
-        ValueError: unknown strategy, ``attention-sort`` (needs a model), ``bias-profile``
-            without a profile or with a profile of another length.
+        ConfigError: unknown strategy, ``attention-sort`` (needs a model), ``bias-profile``
+            without a profile.
+        ProfileError: a profile of another length.
     """
     check_strategy(strategy)
     if strategy == "none":
@@ -170,7 +175,7 @@ def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) 
         return lost_in_the_middle_order(n)
     if strategy == "bias-profile":
         if profile is None:
-            raise ValueError("bias-profile needs a profile (summary.json or accuracies)")
+            raise ConfigError("bias-profile needs a profile (summary.json or accuracies)")
         if len(profile) != n:
             raise ProfileError(
                 f"bias profile covers {len(profile)} documents but {n} passages were given "
@@ -178,98 +183,65 @@ def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) 
                 f"with {n} documents or set dedup_threshold=None"
             )
         return bias_profile_order(profile)
-    raise ValueError("attention-sort reads the passages with a model: use attention_sort_order")
+    raise ConfigError("attention-sort reads the passages with a model: use attention_sort_order")
 
 
-def _encode_spans(backend, pieces: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of the concatenated ``pieces`` and the ``[start, end)`` span of each piece."""
-    ids: list[int] = []
-    spans = []
-    for piece in pieces:
-        toks = backend.tokenizer(piece, add_special_tokens=False)["input_ids"]
-        spans.append((len(ids), len(ids) + len(toks)))
-        ids.extend(toks)
-    return ids, spans
+#: where :func:`prompt_pieces` cuts the prompt (a string no tokenizer merges with its neighbours)
+_MARKER = "\x00DOCS\x00"
 
 
-def qa_pieces(backend, question: str, passages: Sequence[Passage]) -> list[str]:
-    """The multi-document QA prompt (Lost-in-the-Middle template, chat-wrapped) cut into
-    ``[head, doc_1, ..., doc_n, tail]`` so each document's tokens can be located."""
-    marker = "\x00DOCS\x00"
-    user = f"{QA_INSTRUCTION}\n\n{marker}\n\nQuestion: {question}\nAnswer:"
-    head, tail = backend.chat_prompt(user).split(marker)
-    docs = [
-        render_document(i + 1, p) + ("\n" if i < len(passages) - 1 else "")
-        for i, p in enumerate(passages)
-    ]
-    return [head, *docs, tail]
-
-
-@torch.no_grad()
-def last_token_attention(backend, ids: list[int], spans: list[tuple[int, int]]) -> list[float]:
-    """Attention mass the final prompt token gives each span, averaged over layers and heads.
-
-    The prompt minus its last token is prefilled with the model's own attention kernel; the last
-    token is then run with eager attention to read its attention weights ``[layers, heads, 1, T]``.
-
-    Returns:
-        one float per span: the summed attention probability over its tokens (0..1).
+def prompt_pieces(
+    backend: Backend, question: str, passages: Sequence[Passage], task: str = "qa"
+) -> list[str]:
+    """The prompt of ``task`` (chat-wrapped by ``backend.format_prompt``) cut into
+    ``[head, passage_1, ..., passage_n, tail]`` so each passage's tokens can be located;
+    ``"".join(pieces)`` is exactly the prompt the sweep sends (the task record's template, each
+    passage carrying the separator that follows it).
 
     Raises:
-        RuntimeError: the model returned no attention weights (a patched attention that does not
-            expose them).
+        ConfigError: unknown task.
     """
-    from transformers import DynamicCache
-
-    model = backend.model
-    dev = backend.device
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([ids[:-1]], device=dev), past_key_values=cache, use_cache=True)
-    before = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        out = model(
-            input_ids=torch.tensor([ids[-1:]], device=dev),
-            past_key_values=cache,
-            use_cache=True,
-            output_attentions=True,
-        )
-    finally:
-        model.set_attn_implementation(before)
-    if not out.attentions or out.attentions[0] is None:
-        raise RuntimeError(f"backend {backend.name!r} exposes no attention weights")
-    # [layers, heads, T] -> mean over layers and heads -> [T]
-    att = torch.stack([a[0, :, -1, :].float() for a in out.attentions]).mean(dim=(0, 1)).cpu()
-    return [float(att[s:e].sum()) for s, e in spans]
+    t = get_task(task)
+    head, tail = backend.format_prompt(t.prompt(question, _MARKER)).split(_MARKER)
+    return [head, *t.passage_texts(passages), tail]
 
 
 def attention_sort_order(
-    backend, question: str, passages: Sequence[Passage], rounds: int = 2
+    backend: Backend,
+    question: str,
+    passages: Sequence[Passage],
+    rounds: int = 2,
+    task: str = "qa",
 ) -> tuple[list[int], list[list[float]]]:
     """Attention sorting (Peysakhovich & Lerer 2023, arXiv 2310.01427, Sec. 3).
 
-    Each round builds the QA prompt with the current order, reads the attention the final prompt
-    token pays each passage (:func:`last_token_attention`) and sorts the passages by it,
+    Each round builds the task's prompt with the current order (:func:`prompt_pieces`), reads the
+    attention the final prompt token pays each passage (:meth:`Backend.span_attention`, averaged
+    over layers and heads, summed over each passage's tokens) and sorts the passages by it,
     ascending (stable), so the most attended passage is last.
 
     Args:
-        backend: a :class:`ragfix.backends.Backend` (its model and tokenizer are used as they are).
+        backend: the backend that reads the prompt (it must expose attention weights).
         question: the question.
         passages: the passages in retrieval order (index = rank).
         rounds: sorting rounds (>= 1).
+        task: the task whose prompt is read (a :mod:`ragfix.tasks` name).
 
     Returns:
         ``(order, attention)``: ``order[position] = rank``; ``attention`` holds each round's
         attention per rank (``rounds`` lists of ``n`` floats).
+
+    Raises:
+        ConfigError: ``rounds < 1`` or an unknown task.
+        RagfixError: the backend exposes no attention weights.
     """
     if rounds < 1:
-        raise ValueError("attention-sort needs at least one round")
+        raise ConfigError("attention-sort needs at least one round")
     order = none_order(len(passages))
     history = []
     for _ in range(rounds):
-        pieces = qa_pieces(backend, question, [passages[r] for r in order])
-        ids, spans = _encode_spans(backend, pieces)
-        mass = last_token_attention(backend, ids, spans[1:-1])
+        pieces = prompt_pieces(backend, question, [passages[r] for r in order], task)
+        mass = backend.span_attention(pieces)[1:-1]
         by_rank = [0.0] * len(passages)
         for pos, rank in enumerate(order):
             by_rank[rank] = mass[pos]

@@ -30,7 +30,8 @@ class QASample(BaseModel):
 
     Attributes:
         id: stable sample id (a hash of the question and, for KV, the key).
-        task: ``"qa"`` (Lost-in-the-Middle multi-document QA) or ``"kv"`` (KV retrieval).
+        task: a registered task name (:mod:`ragfix.tasks`): ``"qa"`` (Lost-in-the-Middle
+            multi-document QA), ``"kv"`` (KV retrieval), or one registered later.
         question: the question (for KV, the key).
         answers: accepted gold answers (for KV, the value).
         gold: the gold passage.
@@ -39,7 +40,7 @@ class QASample(BaseModel):
     """
 
     id: str
-    task: Literal["qa", "kv"] = "qa"
+    task: str = "qa"
     question: str
     answers: list[str] = Field(min_length=1)
     gold: Passage

@@ -17,7 +17,7 @@ from ragfix.backends.channel_scaling import (
     ChannelScalingCalibration,
     apply_channel_scaling,
 )
-from ragfix.backends.vanilla import VanillaBackend
+from ragfix.backends.hf import HFBackend
 from ragfix.calibrate import (
     CalibrationSettings,
     calibrate,
@@ -27,7 +27,7 @@ from ragfix.calibrate import (
     random_text_ids,
     screen_channels,
 )
-from ragfix.errors import DataError
+from ragfix.errors import ConfigError, DataError
 
 
 def test_screen_finds_a_planted_positional_channel():
@@ -73,8 +73,8 @@ def test_shared_prefix_loss_equals_full_teacher_forcing(arch, attn):
 def test_kv_calibration_prompts_put_the_gold_pair_at_the_depths(smol):
     examples = kv_calibration_examples(smol, examples=3, pairs=8, seed=3)
     for (prompt_ids, answer_ids), depth in zip(examples, [2, 4, 6], strict=True):
-        text = smol.tokenizer.decode(prompt_ids)
-        value = smol.tokenizer.decode(answer_ids)
+        text = smol.detokenize(prompt_ids)
+        value = smol.detokenize(answer_ids)
         pair_lines = [line for line in text.splitlines() if '": "' in line]
         assert len(pair_lines) == 8
         assert value in pair_lines[depth]
@@ -84,22 +84,22 @@ def test_kv_calibration_prompts_put_the_gold_pair_at_the_depths(smol):
 
 
 def test_random_text_ids(smol):
-    ids = random_text_ids(smol.tokenizer, samples=2, length=50, seed=0)
+    ids = random_text_ids(smol, samples=2, length=50, seed=0)
     assert ids.shape == (2, 50)
     assert not torch.equal(ids[0], ids[1])
-    assert torch.equal(ids, random_text_ids(smol.tokenizer, 2, 50, seed=0))
+    assert torch.equal(ids, random_text_ids(smol, 2, 50, seed=0))
 
 
 def _tiny_backend(smol, arch="llama"):
     m = tiny_model(arch, seed=0, num_hidden_layers=8, vocab_size=len(smol.tokenizer))
     m.ragfix_name = f"tiny-{arch}"
-    return VanillaBackend(m, smol.tokenizer)
+    return HFBackend(m, smol.tokenizer)
 
 
 def test_calibrate_end_to_end_and_artefact(smol, tmp_path):
     backend = _tiny_backend(smol)
-    settings = CalibrationSettings.for_model(
-        backend.model,
+    settings = CalibrationSettings.for_backend(
+        backend,
         samples=3,
         length=64,
         kv_examples=3,
@@ -134,14 +134,14 @@ def test_calibrate_end_to_end_and_artefact(smol, tmp_path):
     finally:
         scaled.scaling.remove()
     other = _tiny_backend(smol, "qwen2")
-    with pytest.raises(ValueError, match="calibrated for model 'tiny-llama'.*not for 'tiny-qwen2'"):
+    with pytest.raises(ConfigError, match="for model 'tiny-llama'.*not for 'tiny-qwen2'"):
         ChannelScalingCalibration.load(path, other.model)
-    with pytest.raises(ValueError, match="calibrated for model"):
+    with pytest.raises(ConfigError, match="calibrated for model"):
         ChannelScalingBackend(other.model, smol.tokenizer, calibration=str(path))
 
 
 def test_bad_calibration_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="calibration file not found"):
+    with pytest.raises(ConfigError, match="calibration file not found"):
         ChannelScalingCalibration.load(tmp_path / "none.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -163,3 +163,29 @@ def test_cli_rejects_bad_grid_before_loading():
     res = CliRunner().invoke(app, ["calibrate", "--out", "x.json", "--layers", "5-x"])
     assert res.exit_code == 2
     assert "layers '5-x'" in res.output
+
+
+def test_user_errors_one_line_only_for_ragfix_errors(capsys):
+    import typer
+
+    from ragfix.cli.common import user_errors
+
+    with pytest.raises(typer.Exit) as exit_info, user_errors():
+        raise DataError("d.jsonl", 3, "answers", "empty")
+    assert exit_info.value.exit_code == 2
+    assert capsys.readouterr().err.strip() == "error: d.jsonl:3: answers: empty"
+    with pytest.raises(typer.Exit), user_errors():
+        CalibrationSettings(samples=0, length=64, kv_examples=1, kv_pairs=2, layers=[1])
+    assert capsys.readouterr().err.startswith("error: samples: Input should be greater")
+    # a bug is not a user's mistake: it keeps its type and traceback
+    for bug in (ValueError("zip() argument 2 is shorter"), FileNotFoundError("x"), KeyError("k")):
+        with pytest.raises(type(bug)), user_errors():
+            raise bug
+    assert capsys.readouterr().err == ""
+
+
+def test_layers_out_of_range_is_a_config_error(smol):
+    backend = _tiny_backend(smol)
+    settings = CalibrationSettings.for_backend(backend, samples=1, length=64, layers=[3, 8])
+    with pytest.raises(ConfigError, match=r"layers \[3, 8\]: out of range 0..7"):
+        calibrate(backend, settings, progress=False)

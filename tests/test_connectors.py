@@ -2,11 +2,13 @@ import gzip
 import json
 
 import pytest
-from conftest import BUNDLED, shared_file
+from conftest import shared_file
 
-from ragfix.errors import DataError
+from ragfix.bundled import bundled_path
+from ragfix.connectors.corpus import CorpusError, load_documents
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.connectors.litm import detect_format, load_kv, load_qa, load_samples
+from ragfix.errors import DataError, RagfixError
 
 
 def test_derived_nq_file_counts_and_gold_placement():
@@ -55,8 +57,40 @@ def test_kv_reader_removes_gold_and_truncates():
 
 
 def test_bundled_samples_load():
-    assert len(load_samples(BUNDLED / "nq_10docs_sample.jsonl.gz", 10)) == 60
-    assert len(load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 16)) == 60
+    assert len(load_samples(bundled_path("nq-sample"), 10)) == 60
+    assert len(load_samples(bundled_path("kv-sample"), 16)) == 60
+
+
+def _gold_only(title: str, text: str, question: str, answer: str) -> str:
+    ctx = {"title": title, "text": text, "isgold": True}
+    return json.dumps({"question": question, "answers": [answer], "ctxs": [ctx]})
+
+
+def test_pool_distractors_in_bm25_order(tmp_path):
+    # gold-only records: the other records' gold passages are the pool, ranked by BM25
+    # (Lucene idf: a word in 2 of the 5 passages weighs 0.88, in 3 of them 0.54)
+    lines = [
+        _gold_only(
+            "The Lord of the Rings",
+            "An epic novel by J. R. R. Tolkien.",
+            "who wrote the lord of the rings trilogy",
+            "Tolkien",
+        ),
+        _gold_only("Films", "A film trilogy about rings and a dark lord.", "q2", "x2"),
+        _gold_only("Sequels", "The trilogy concluded in 2003 with a third film.", "q3", "x3"),
+        _gold_only("Paris", "Paris is the capital of France.", "q4", "x4"),
+        _gold_only("Saturn", "Saturn has rings made of ice.", "q5", "x5"),
+    ]
+    p = _write(tmp_path, lines)
+    s = load_qa(p, num_docs=5, limit=1)[0]
+    # trilogy + rings + lord; rings + of (0.54 x 2) before trilogy alone (0.88); of alone
+    assert [d.title for d in s.distractors] == ["Films", "Saturn", "Sequels", "Paris"]
+    assert not any(d.is_gold for d in s.distractors)
+    # a passage holding the answer is never a distractor
+    lines[4] = _gold_only("Saturn", "Saturn has rings, Tolkien said.", "q5", "x5")
+    s = load_qa(_write(tmp_path, lines), num_docs=4, limit=1)[0]
+    assert [d.title for d in s.distractors][0] == "Films"
+    assert sorted(d.title for d in s.distractors) == ["Films", "Paris", "Sequels"]
 
 
 def _write(tmp_path, lines, name="d.jsonl"):
@@ -112,3 +146,12 @@ def test_too_many_docs_is_refused(tmp_path):
 def test_missing_file():
     with pytest.raises(DataError, match="file not found"):
         load_samples("/nonexistent/x.jsonl", 10)
+
+
+def test_corpus_errors_are_user_errors(tmp_path):
+    with pytest.raises(CorpusError, match="no such folder or file") as e:
+        load_documents(tmp_path / "none")
+    assert isinstance(e.value, RagfixError)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="no readable documents"):
+        load_documents(tmp_path / "empty")

@@ -1,4 +1,5 @@
-"""Pos2Distill (arXiv 2508.15709): weights, KL, data construction, training, adapters, backend."""
+"""Pos2Distill (arXiv 2508.15709): weights, KL, data construction, training, checkpoints, the
+whole `distill()` run, adapters as a load option of the backends."""
 
 from __future__ import annotations
 
@@ -12,29 +13,34 @@ import torch
 from conftest import shared_file, tiny_model
 from typer.testing import CliRunner
 
+from ragfix.adapters import METADATA_FILE, load_adapter
 from ragfix.connectors.litm import load_samples
 from ragfix.distill import (
-    METADATA_FILE,
+    CHECKPOINT_DIR,
     DistillSettings,
     Example,
     answer_logits,
-    apply_adapter,
     arrange,
     collate,
     compose_two_passage,
+    distill,
     exclude_questions,
     extract_final_answer,
     per_sample_kl,
     position_weights,
     r1_rows,
     r2_rows,
+    resolve_anchor,
     save_adapter,
     shorten_sample,
     stack_teacher,
     teacher_logprobs,
+    teacher_prompt,
     train_loop,
 )
-from ragfix.models import model_identity
+from ragfix.errors import AdapterError, ConfigError, DataError
+from ragfix.models import load_model, model_identity
+from ragfix.types import Passage, QASample
 
 EVAL_FILE = "derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"
 ORACLE_FILE = "litm_nq_open_oracle.jsonl.gz"
@@ -127,6 +133,17 @@ def test_r2_rows_and_two_passage_questions():
         ctx = arrange(m, r.positions, r.order)
         assert [ctx[p] for p in r.positions] == m.golds and len(ctx) == 6
     assert extract_final_answer("so... The answer is: Paris and 1990") == "Paris and 1990"
+    # pairs are formed first; a pair with an excluded member is dropped, the other pair stays
+    kept = compose_two_passage(singles, 6, excluded=[singles[1]])
+    assert [m.id for m in kept] == [multi[1].id]
+    with pytest.raises(ConfigError, match="num_docs >= 3"):
+        compose_two_passage(singles, 2)
+    kv = singles[0].model_copy(update={"task": "kv"})
+    with pytest.raises(DataError, match="task: R2 composes QA samples"):
+        compose_two_passage([singles[1], kv], 6)
+    assert resolve_anchor(-1, 6) == 5
+    with pytest.raises(ConfigError, match="anchor_position 6 out of range"):
+        resolve_anchor(6, 6)
 
 
 def test_training_questions_are_disjoint_from_evaluation_questions():
@@ -177,21 +194,38 @@ def test_a_few_steps_reduce_the_kl(tmp_path):
 
 def test_resume_gives_the_same_weights_and_adapters_round_trip(tmp_path):
     full, _, ex, cache, _ = _tiny_run(tmp_path, "full", SETTINGS)
-    _, part, *_ = _tiny_run(tmp_path, "resumed", SETTINGS, stop_after=3)
+    _, part, _, _, out = _tiny_run(tmp_path, "resumed", SETTINGS, stop_after=3)
     assert part.steps == 3 and not part.finished
+    # the accelerate checkpoint holds only the trainable (LoRA) tensors, plus the run's state
+    from safetensors import safe_open
+
+    ckpt = out / CHECKPOINT_DIR
+    state = json.loads((ckpt / "ragfix_train_state.json").read_text())
+    assert state["step"] == 3 and state["settings"] == SETTINGS.model_dump(mode="json")
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    lora = [n for n, p in full.named_parameters() if "lora_" in n]
+    assert len(keys) == len(lora) == 28 and all("lora_" in k for k in keys)
+    # another setting: refused with the setting named, the checkpoint kept
+    other = SETTINGS.model_copy(update={"lr": 1e-3})
+    with pytest.raises(ConfigError, match=r"other settings \(lr\)"):
+        _tiny_run(tmp_path, "resumed", other)
     resumed, res, *_ = _tiny_run(tmp_path, "resumed", SETTINGS)
     assert res.steps == 6 and res.finished
+    # it continued at step 4 (a restart would log 3 + 6 steps) with the same weights
+    log = [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 4, 5, 6]
     for (n, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), n
     # save, then load onto a fresh copy of the same base model: same logits as the trained model
     meta = {"format": "ragfix-pos2distill", "kind": "lora", "variant": "r1"}
     meta["base_model"] = model_identity(tiny_model(seed=1))
     save_adapter(full, tmp_path / "adapter", meta)
-    loaded, got = apply_adapter(tiny_model(seed=1), tmp_path / "adapter", merge=True)
+    loaded, got = load_adapter(tiny_model(seed=1), tmp_path / "adapter")
     assert got["variant"] == "r1"
     assert _mean_kl(loaded, ex, cache) == pytest.approx(_mean_kl(full, ex, cache), abs=1e-5)
-    with pytest.raises(ValueError, match="adapter was trained on base model"):
-        apply_adapter(tiny_model("qwen2", seed=1), tmp_path / "adapter")
+    with pytest.raises(AdapterError, match="adapter was trained on base model"):
+        load_adapter(tiny_model("qwen2", seed=1), tmp_path / "adapter")
 
 
 def test_r2_cross_entropy_training_reduces_the_loss(tmp_path):
@@ -224,24 +258,146 @@ def test_full_finetune_option_trains_every_weight(tmp_path):
     assert len(changed) == len(list(base.parameters()))
 
 
+# ------------------------------------------------------------------ distill() end to end, tiny
+def _tiny_checkpoint(folder, seed: int):
+    """A seeded tiny Llama (2 layers, hidden 64) with the SmolLM2 tokenizer, saved as a model
+    folder; returns the model."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from ragfix.models import checkpoint_dir, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model
+
+
+def _last_logprobs(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1], dim=-1)
+
+
+def test_distill_end_to_end_on_a_tiny_model(tmp_path):
+    """`distill()` on a tiny seeded Llama: teacher answers through the backend, two optimiser
+    steps, the adapter folder, loading it back, and an interrupted run resuming exactly."""
+    from ragfix.backends import load_backend
+    from ragfix.metrics import normalize_answer
+
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder, seed=0)
+    passages = [
+        Passage(title=f"Doc {i}", text=f"The river number {i} flows past the old mill town.")
+        for i in range(3)
+    ]
+    draft = QASample(
+        id="q0",
+        question="which river flows past the mill?",
+        answers=["?"],
+        gold=passages[0].model_copy(update={"is_gold": True}),
+        distractors=passages[1:],
+    )
+    settings = DistillSettings(
+        num_docs=3, questions=1, positions_per_question=2, effective_batch=2, lr=5e-2,
+        max_answer_tokens=6, save_every=1,
+    )  # fmt: skip
+    # a random model answers nonsense: make its own greedy answer the gold answer, so the
+    # teacher's answer at the anchor is correct and the question is kept
+    teacher = load_backend("vanilla", model=str(folder), device="cpu")
+    (g,) = teacher.generate([teacher_prompt(draft, settings)], max_new_tokens=6)
+    assert normalize_answer(g.text)
+    sample = draft.model_copy(update={"answers": [g.text]})
+    del teacher
+
+    logs: list[str] = []
+    out = tmp_path / "adapter"
+    res, meta = distill(str(folder), [sample], settings, out, device="cpu", log=logs.append)
+    assert res.finished and res.steps == res.total_steps == 2  # 3 rows, 2 per step
+    assert meta["rows"] == 3 and meta["steps"] == 2 and meta["train_question_ids"] == ["q0"]
+    assert meta["kind"] == "lora" and meta["questions_tried"] == 1
+    assert (out / METADATA_FILE).is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / CHECKPOINT_DIR).exists()
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(math.isfinite(r["loss"]) for r in log)
+
+    # the adapter loads onto the same base and changes its next-token distribution
+    base, tok = load_model(str(folder), device="cpu")
+    assert meta["base_model"]["fingerprint"] == model_identity(base)["fingerprint"]
+    ids = tok("Question: which river flows past the mill?", add_special_tokens=False)["input_ids"]
+    lp_base = _last_logprobs(base, ids)
+    adapted, info = load_adapter(load_model(str(folder), device="cpu")[0], out)
+    assert info["steps"] == 2 and info["kind"] == "lora" and len(info["fingerprint"]) == 16
+    assert (_last_logprobs(adapted, ids) - lp_base).abs().max().item() > 1e-3
+    # ... and refuses a differently seeded model of the same shape
+    with pytest.raises(AdapterError, match="adapter was trained on base model"):
+        load_adapter(_tiny_checkpoint(tmp_path / "other", seed=1), out)
+
+    # interrupted after one step, then rerun: the same adapter as the uninterrupted run
+    out2 = tmp_path / "interrupted"
+    part, none = distill(
+        str(folder), [sample], settings, out2, device="cpu", stop_after=1, log=logs.append
+    )
+    assert none is None and part.steps == 1 and (out2 / CHECKPOINT_DIR).is_dir()
+    logs.clear()
+    res2, meta2 = distill(str(folder), [sample], settings, out2, device="cpu", log=logs.append)
+    assert res2.steps == 2 and meta2 is not None and any("reusing" in m for m in logs)
+    log2 = [json.loads(x)["step"] for x in (out2 / "train_log.jsonl").read_text().splitlines()]
+    assert log2 == [1, 2]  # continued at step 2, not restarted
+    from safetensors.torch import load_file
+
+    a = load_file(str(out / "adapter_model.safetensors"))
+    b = load_file(str(out2 / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_distill_without_a_correct_teacher_answer_is_a_data_error(tmp_path):
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder, seed=0)
+    p = [Passage(title=f"T{i}", text=f"Some text {i}.") for i in range(3)]
+    s = QASample(id="q", question="q?", answers=["zzzqqq"], gold=p[0], distractors=p[1:])
+    settings = DistillSettings(num_docs=3, questions=1, max_answer_tokens=4)
+    with pytest.raises(DataError, match="no correct teacher answer among 1 questions"):
+        distill(str(folder), [s], settings, tmp_path / "out", device="cpu", log=lambda m: None)
+
+
 # ------------------------------------------------------------------ real model: CLI and backend
 @pytest.fixture(scope="module")
-def smol_adapter(smol, tmp_path_factory):
+def smol_base():
+    """The real SmolLM2-135M-Instruct as ``(model, tokenizer)`` on the CPU (loaded once)."""
+    return load_model("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smol_adapter(smol_base, tmp_path_factory):
     """A random (seeded, non-zero) LoRA adapter on the real SmolLM2, saved as `ragfix distill`
     saves one: exercises loading, merging and composition without a training run."""
     from peft import LoraConfig, get_peft_model
 
+    model, _ = smol_base
     torch.manual_seed(0)
     cfg = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(copy.deepcopy(smol.model), cfg)
+    peft_model = get_peft_model(copy.deepcopy(model), cfg)
     out = tmp_path_factory.mktemp("p2d") / "smol-random"
     meta = {"format": "ragfix-pos2distill", "kind": "lora", "variant": "r1"}
-    save_adapter(peft_model, out, {**meta, "base_model": model_identity(smol.model)})
+    save_adapter(peft_model, out, {**meta, "base_model": model_identity(model)})
     return out
 
 
 @pytest.mark.slow
-def test_cli_trains_a_real_adapter(tmp_path, smol):
+def test_cli_trains_a_real_adapter(tmp_path, smol_base):
     """`ragfix distill r1` end to end on SmolLM2: 2 questions, 3 documents, 2 steps."""
     from ragfix.cli.app import app
 
@@ -253,58 +409,54 @@ def test_cli_trains_a_real_adapter(tmp_path, smol):
     args += ["--device", "cpu"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert "adapter written" in res.output
+    assert "adapter written" in res.output and f"--adapter {out}" in res.output
     meta = json.loads((out / METADATA_FILE).read_text())
-    assert meta["base_model"]["fingerprint"] == model_identity(smol.model)["fingerprint"]
+    assert meta["base_model"]["fingerprint"] == model_identity(smol_base[0])["fingerprint"]
     assert len(meta["train_question_ids"]) == 2 and meta["rows"] == 6 and meta["steps"] == 2
     assert len(meta["excluded_question_ids"]) == 200
     assert not set(meta["train_question_ids"]) & set(meta["excluded_question_ids"])
     assert meta["settings"]["num_docs"] == 3 and meta["kind"] == "lora"
-    assert (out / "adapter_model.safetensors").exists() and not (out / "checkpoint.pt").exists()
+    assert (out / "adapter_model.safetensors").exists() and not (out / CHECKPOINT_DIR).exists()
 
 
-def test_backend_merged_unmerged_and_under_gali(smol_adapter, smol):
-    from ragfix.backends.pos2distill import Pos2DistillBackend
+def test_adapter_merged_unmerged_and_under_gali(smol_adapter, smol_base):
+    """The adapter as a load option: merged by `load_backend` equals peft's unmerged model,
+    changes the base model, and runs under GALI (unmodified inside the trained window)."""
+    from peft import PeftModel
+
+    from ragfix.backends import load_backend
+    from ragfix.backends.hf import HFBackend
     from ragfix.prompts import TaskPrompt
 
+    model, tok = smol_base
     prompt = TaskPrompt(user="Question: who wrote hamlet?\nAnswer:")
-    merged = Pos2DistillBackend(
-        copy.deepcopy(smol.model), smol.tokenizer, adapter=str(smol_adapter)
-    )
-    unmerged = Pos2DistillBackend(
-        copy.deepcopy(smol.model), smol.tokenizer, adapter=str(smol_adapter), merge=False
-    )
-    lp_m, lp_u = merged.next_token_logprobs(prompt), unmerged.next_token_logprobs(prompt)
-    lp_v = smol.next_token_logprobs(prompt)
+    merged = load_backend("pos2distill", device="cpu", adapter=str(smol_adapter))
+    unmerged = HFBackend(PeftModel.from_pretrained(copy.deepcopy(model), smol_adapter), tok)
+    (lp_m,), (lp_u,) = merged.next_token_logprobs([prompt]), unmerged.next_token_logprobs([prompt])
+    (lp_v,) = HFBackend(model, tok).next_token_logprobs([prompt])
     assert torch.allclose(lp_m, lp_u, atol=1e-4)
     assert (lp_m - lp_v).abs().max().item() > 1e-3  # the adapter changes the model
-    gali = Pos2DistillBackend(
-        copy.deepcopy(smol.model),
-        smol.tokenizer,
-        adapter=str(smol_adapter),
-        base="gali",
-        base_options={"noise": False},
-    )
-    assert gali.inner.name == "gali" and gali.identity()["inner"]["backend"] == "gali"
+    assert merged.identity()["adapter"]["variant"] == "r1"
+    gali = load_backend("gali", device="cpu", adapter=str(smol_adapter), noise=False)
+    ident = gali.identity()
+    assert ident["backend"] == "gali" and ident["adapter"] == merged.identity()["adapter"]
     # a prompt inside the trained window runs unmodified under GALI: same as the merged adapter
-    assert torch.allclose(gali.next_token_logprobs(prompt), lp_m, atol=1e-4)
+    (lp_g,) = gali.next_token_logprobs([prompt])
+    assert torch.allclose(lp_g, lp_m, atol=1e-4)
     (g,) = merged.generate([prompt], max_new_tokens=8)
     assert g.new_tokens >= 1
-    with pytest.raises(ValueError, match="unmerged adapter runs only under the vanilla"):
-        Pos2DistillBackend(smol.model, smol.tokenizer, adapter=str(smol_adapter), merge=False,
-                           base="gali")  # fmt: skip
 
 
-def test_backend_refuses_an_adapter_of_another_base_model(tmp_path, smol):
+def test_backend_refuses_an_adapter_of_another_base_model(tmp_path, smol_base):
+    from peft import LoraConfig, get_peft_model
+
+    from ragfix.backends import load_backend
+
     tiny = tiny_model(seed=3)
     meta = {"format": "ragfix-pos2distill", "kind": "lora", "variant": "r1"}
     meta["base_model"] = model_identity(tiny)
-    from peft import LoraConfig, get_peft_model
-
     save_adapter(get_peft_model(tiny, LoraConfig(r=2, target_modules="all-linear")), tmp_path, meta)
-    from ragfix.backends.pos2distill import Pos2DistillBackend
-
-    with pytest.raises(ValueError, match="adapter was trained on base model"):
-        Pos2DistillBackend(smol.model, smol.tokenizer, adapter=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=METADATA_FILE):
-        Pos2DistillBackend(smol.model, smol.tokenizer, adapter=str(tmp_path / "nope"))
+    with pytest.raises(AdapterError, match="adapter was trained on base model"):
+        load_backend("vanilla", device="cpu", adapter=str(tmp_path))
+    with pytest.raises(AdapterError, match="not an adapter folder"):
+        load_adapter(copy.deepcopy(smol_base[0]), tmp_path / "nope")

@@ -1,5 +1,6 @@
 """Pairwise judge: verdict parsing, unswapping, metrics on hand-built verdicts, the order-free
-verdicts, readers on the shared files, and the real SmolLM2 judge end to end."""
+verdicts, readers on the shared files, the real SmolLM2 judge through the model interface, the
+resumable Python API and the CLI end to end."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from conftest import shared_file
 from sklearn.metrics import cohen_kappa_score
 
-from ragfix.errors import DataError
 from ragfix.connectors.pairwise import (
     detect_format,
     load_llmbar,
@@ -21,13 +21,13 @@ from ragfix.connectors.pairwise import (
     load_simple,
     load_swap_judgments,
 )
+from ragfix.errors import ConfigError, DataError, RagfixError
 from ragfix.judge import (
     JudgePair,
     PairwiseJudge,
     agreement,
     cohen_kappa,
     logit_verdict,
-    next_token_logprobs_batch,
     order_metrics,
     parse_verdict,
     repetition_stability,
@@ -324,14 +324,49 @@ def test_summary_of_real_judgments(judged):
         assert s[kind]["pairs"] == 3
 
 
-def test_batched_logprobs_match_single(smol):
-    prompts = [smol.encode(smol.chat_prompt("Say yes.", "[[")), smol.encode("Hello there, my")]
-    batch = next_token_logprobs_batch(smol, prompts)
-    assert batch.shape == (2, smol.model.config.vocab_size)
-    for i, ids in enumerate(prompts):
-        single = smol.next_token_logprobs(smol.tokenizer.decode(ids))
-        assert batch[i].argmax() == single.argmax()
-        assert (batch[i] - single).abs().max() < 1e-3
+def test_first_step_logprobs_equal_next_token_logprobs(smol, judged):
+    # the judge's letter probabilities come from generate(first_logprobs=True): on the same
+    # prompts (two lengths, so one of them is left padded) they equal next_token_logprobs
+    judge, res, _ = judged
+    prompts = [
+        judge.prompt(PAIRS[0].question, PAIRS[0].answer_a, PAIRS[0].answer_b, None),
+        judge.prompt(PAIRS[1].question, PAIRS[1].answer_a, PAIRS[1].answer_b, None),
+    ]
+    assert len(smol.encode(prompts[0])) != len(smol.encode(prompts[1]))
+    gens = smol.generate(
+        prompts, first_logprobs=True, max_new_tokens=4, stop_at_newline=False, batch_size=2
+    )
+    ref = smol.next_token_logprobs(prompts, batch_size=2)
+    assert ref.shape == (2, gens[0].first_logprobs.shape[0])
+    for g, r in zip(gens, ref, strict=True):
+        assert (g.first_logprobs - r).abs().max() < 1e-4
+    for r, lp in zip(res[:2], ref, strict=True):
+        assert r.original.p_a == pytest.approx(float(lp[judge.token_a].exp()), rel=1e-4)
+        assert r.original.p_b == pytest.approx(float(lp[judge.token_b].exp()), rel=1e-4)
+
+
+def test_truncated_judge_scores_letters_on_the_cut_prompt(smol):
+    from ragfix.backends.truncated import TruncatedBackend
+
+    # the judge generates 4 tokens in a 64-token window: prompts are cut to 60 tokens; a
+    # 61-token window cuts next_token_logprobs' prompts (1 token reserved) to the same 60
+    cut_judge = PairwiseJudge(TruncatedBackend(smol.model, smol.tokenizer, train_window=64))
+    same_cut = TruncatedBackend(smol.model, smol.tokenizer, train_window=61)
+    p = PAIRS[0]
+    r = cut_judge.judge(p.question, p.answer_a, p.answer_b)
+    prompts = [
+        cut_judge.prompt(p.question, p.answer_a, p.answer_b, None),
+        cut_judge.prompt(p.question, p.answer_b, p.answer_a, None),
+    ]
+    assert len(smol.encode(prompts[0])) > 64
+    ref = same_cut.next_token_logprobs(prompts)
+    full = smol.next_token_logprobs(prompts)
+    ta, tb = cut_judge.token_a, cut_judge.token_b
+    for o, lp, lf in zip((r.original, r.swapped), ref, full, strict=True):
+        assert o.p_a == pytest.approx(float(lp[ta].exp()), rel=1e-4)
+        assert o.p_b == pytest.approx(float(lp[tb].exp()), rel=1e-4)
+        # the full prompt gives other letter probabilities: the cut is what the judge read
+        assert abs(o.p_a - float(lf[ta].exp())) > 1e-3
 
 
 def test_llamaindex_evaluator(judged):
@@ -352,9 +387,9 @@ def test_llamaindex_evaluator(judged):
     assert "original order" in out.feedback
     tie = ev.evaluate(query="Name a colour.", response="Blue.", second_response="Blue.")
     assert tie.score == 0.5 and tie.passing is None and tie.pairwise_source == "original"
-    with pytest.raises(ValueError, match="second_response"):
+    with pytest.raises(RagfixError, match="second_response"):
         ev.evaluate(query="q", response="a")
-    with pytest.raises(ValueError, match="style='verdict'"):
+    with pytest.raises(ConfigError, match="style='verdict'"):
         RagfixPairwiseEvaluator(PairwiseJudge(judge.backend, style="explain"))
 
 
@@ -363,8 +398,47 @@ def test_explain_style_generates_and_parses(smol):
     r = judge.judge("What is 2 + 3?", "5", "6")
     assert r.original.p_a is None and r.logit_verdict is None
     assert r.original.slot_verdict == parse_verdict(r.original.raw)
-    with pytest.raises(ValueError, match="--style verdict"):
+    with pytest.raises(ConfigError, match="style 'verdict'"):
         PairwiseJudge(smol, style="explain", repeats=2)
+    with pytest.raises(ConfigError, match="unknown judge style"):
+        PairwiseJudge(smol, style="long")
+
+
+# ------------------------------------------------------------------ Python API
+
+
+def test_run_judge_resumes_and_records_config_only_after_a_judgment(tmp_path):
+    from ragfix.eval import run_judge
+    from ragfix.eval.sweep import ConfigMismatchError
+
+    data = shared_file("llmbar_pairs.jsonl.gz")
+    out = tmp_path / "run"
+    # a run that fails before its first judgment (no room for the answer in a 3-token window)
+    # leaves no configuration behind: the corrected rerun may use the same folder
+    with pytest.raises(ConfigError, match="no room"):
+        run_judge(data, out, backend="truncated", backend_options={"train_window": 3}, limit=2)
+    assert not (out / "config.json").exists() and not (out / "judgments.jsonl").exists()
+    first = run_judge(data, out, limit=2, device="cpu")
+    assert (first.pairs, first.computed, first.reused) == (2, 2, 0)
+    lines = (out / "judgments.jsonl").read_text()
+    assert sorted(json.loads(x)["pair_id"] for x in lines.splitlines()) == [
+        "llmbar:LLMBar/Natural:0",
+        "llmbar:LLMBar/Natural:1",
+    ]
+    config = json.loads((out / "config.json").read_text())
+    assert config["backend"] == "vanilla" and config["backend_options"] == {}
+    assert len(config["identity"]["model"]["fingerprint"]) == 16
+    s = next(iter(first.summaries.values()))
+    assert s["pairs"] == 2 and s["labelled"] == 2
+    # the rerun computes nothing new and reports the same summary
+    again = run_judge(data, out, limit=2, device="cpu")
+    assert (again.computed, again.reused) == (0, 2)
+    assert (out / "judgments.jsonl").read_text() == lines
+    assert again.summaries == first.summaries
+    with pytest.raises(ConfigMismatchError, match="other settings.*tie_margin"):
+        run_judge(data, out, limit=2, tie_margin=0.1)
+    with pytest.raises(ConfigError, match="unknown judge style"):
+        run_judge(data, tmp_path / "other", style="long")
 
 
 # ------------------------------------------------------------------ CLI end to end

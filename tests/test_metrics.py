@@ -1,5 +1,8 @@
+import math
+
 import pytest
 
+from ragfix.errors import RagfixError
 from ragfix.metrics import (
     best_subspan_em,
     kv_match,
@@ -43,6 +46,19 @@ def test_wilson_interval_known_values():
     assert hi == pytest.approx(0.9433, abs=1e-4)
     assert wilson_interval(0, 0) == (0.0, 1.0)
     assert wilson_interval(0, 5)[0] == 0.0
+    assert wilson_interval(5, 5)[1] == 1.0
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 40, 333])
+def test_wilson_interval_matches_the_closed_form(n):
+    z = 1.959963984540054  # the 97.5% normal quantile
+    for k in range(n + 1):
+        p = k / n
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        lo, hi = wilson_interval(k, n)
+        assert lo == pytest.approx(max(0.0, centre - half), abs=1e-12)
+        assert hi == pytest.approx(min(1.0, centre + half), abs=1e-12)
 
 
 def test_position_curve_summary():
@@ -51,7 +67,7 @@ def test_position_curve_summary():
     assert [s.accuracy for s in c.positions] == [1.0, 0.5, 0.0]
     assert c.mean == pytest.approx(0.5)
     assert (c.best_position, c.worst_position, c.gap) == (0, 2, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(RagfixError, match="no results"):
         position_curve([])
 
 
@@ -59,6 +75,11 @@ def test_mcnemar_exact_known_values():
     assert mcnemar_exact(0, 6) == pytest.approx(2 / 64)
     assert mcnemar_exact(1, 9) == pytest.approx(2 * 11 / 1024)
     assert mcnemar_exact(3, 3) == 1.0 and mcnemar_exact(0, 0) == 1.0
+    # the doubled binomial tail of the smaller discordant count, capped at 1
+    for b, c in [(2, 11), (11, 2), (20, 31), (5, 6), (0, 1)]:
+        n = b + c
+        tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
+        assert mcnemar_exact(b, c) == pytest.approx(min(1.0, 2 * tail), rel=1e-12)
 
 
 def test_paired_comparison_uses_only_shared_cells():
@@ -69,5 +90,5 @@ def test_paired_comparison_uses_only_shared_cells():
     assert (c.only_other, c.only_baseline) == (2, 0)
     assert c.mean_diff == pytest.approx(0.5)  # +1/2 at both positions
     assert c.p_value == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="share no"):
+    with pytest.raises(RagfixError, match="share no"):
         paired_comparison(base, {("z", 0): True})

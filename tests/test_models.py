@@ -12,7 +12,8 @@ from ragfix.models import (
     model_identity,
     resolve_model,
 )
-from ragfix.prompts import TaskPrompt, qa_prompt, task_prompt
+from ragfix.prompts import TaskPrompt
+from ragfix.tasks import get_task, task_prompt
 from ragfix.types import Passage
 
 
@@ -36,7 +37,9 @@ def test_smollm2_is_the_documented_model(smol):
 
 def test_smollm2_answers_a_one_document_question(smol):
     doc = Passage(title="France", text="Paris is the capital and largest city of France.")
-    [gen] = smol.generate([TaskPrompt(user=qa_prompt("What is the capital of France?", [doc]))])
+    [gen] = smol.generate(
+        [TaskPrompt(user=get_task("qa").user_turn("What is the capital of France?", [doc]))]
+    )
     assert "paris" in gen.text.lower()
     assert "\n" not in gen.text and 0 < gen.new_tokens <= 32
     assert gen.prompt_tokens == gen.prefill_tokens > 50
@@ -45,7 +48,7 @@ def test_smollm2_answers_a_one_document_question(smol):
 def test_batched_left_padding_matches_single(smol):
     docs = [Passage(title="Moon", text="The Moon orbits the Earth every 27 days.")]
     prompts = [
-        TaskPrompt(user=qa_prompt("What does the Moon orbit?", docs)),
+        TaskPrompt(user=get_task("qa").user_turn("What does the Moon orbit?", docs)),
         TaskPrompt(user="Answer in one word: what colour is the sky on a clear day?"),
     ]
     batched = smol.generate(prompts, batch_size=2)

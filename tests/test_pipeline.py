@@ -67,6 +67,9 @@ def test_sweep_through_the_pipeline(small_corpus, tmp_path, smol):
     assert set(summary["curves"]) == {"vanilla", "vanilla/reverse"}
     assert summary["x_axis"] == "retrieval rank" and summary["gold_added"] == 1
     assert (out / "curve.png").stat().st_size > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["retrieval"] == "retriever=faiss;chunk_size=64;synthesis=compact"
+    assert config["distractor_pool"] is None
     # a rerun finds every cell done and computes nothing
     before = (out / "results.jsonl").read_text()
     run_pipeline_sweep(

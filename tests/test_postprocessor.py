@@ -10,9 +10,9 @@ import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from ragfix.connectors.corpus import CorpusError, build_corpus, load_documents, load_questions
-from ragfix.errors import DataError
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.correct import BudgetError
+from ragfix.errors import DataError
 from ragfix.llm import RagFixLLM
 from ragfix.postprocessor import RagFixPostprocessor
 from ragfix.reorder import ProfileError
@@ -181,7 +181,7 @@ def test_questions_with_missing_gold_are_clear_errors(folder, tmp_path):
 def test_llm_metadata_and_streaming(smol):
     llm = RagFixLLM(smol, max_new_tokens=12)
     meta = llm.metadata
-    assert meta.context_window == smol.model.config.max_position_embeddings == 8192
+    assert meta.context_window == smol.context_window == 8192
     assert meta.num_output == 12 and meta.model_name == "smollm2 (vanilla)"
     prompt = "What is the capital of France? Answer in one sentence."
     full = llm.complete(prompt).text
@@ -190,3 +190,58 @@ def test_llm_metadata_and_streaming(smol):
     assert "".join(p.delta for p in pieces).strip() == full
     assert pieces[-1].text.strip() == full
     assert "Paris" in full
+
+
+def _spy_stream(smol, monkeypatch) -> list:
+    """Record what the LLM reads from ``smol.stream`` and when it closes the stream."""
+    events: list = []
+    real = smol.stream
+
+    def spy(*args, **kwargs):
+        events.append(kwargs)
+        it = real(*args, **kwargs)
+        try:
+            for piece in it:
+                events.append(piece)
+                yield piece
+        finally:
+            events.append("closed")
+            it.close()
+
+    monkeypatch.setattr(smol, "stream", spy)
+    return events
+
+
+def test_streaming_closes_the_backend_stream_when_the_consumer_stops(smol, monkeypatch):
+    events = _spy_stream(smol, monkeypatch)
+    llm = RagFixLLM(smol, max_new_tokens=30)
+    gen = llm.stream_complete("Write three sentences about Paris.")
+    first = next(gen)
+    assert first.delta and events[-1] == first.delta
+    gen.close()
+    assert events[-1] == "closed" and len(events) == 3  # kwargs, one piece, closed: no draining
+
+
+def test_streaming_stops_at_the_newline_rule(smol, monkeypatch):
+    events = _spy_stream(smol, monkeypatch)
+    llm = RagFixLLM(smol, max_new_tokens=40, stop_at_newline=True)
+    prompt = "List three fruits, one per line."
+    pieces = list(llm.stream_complete(prompt))
+    assert events[0] == {"max_new_tokens": 40, "stop_at_newline": True}
+    assert events[-1] == "closed"
+    text = pieces[-1].text
+    assert "\n" not in text.strip() and text.strip() == llm.complete(prompt).text
+
+
+def test_llm_prefix_reuse_gives_the_same_answers(smol):
+    head = "Answer in one word. " * 20
+    prompts = [head + "What is the capital of France?", head + "What is the capital of Italy?"]
+    plain = RagFixLLM(smol, max_new_tokens=6, stop_at_newline=True)
+    reuse = RagFixLLM(smol, max_new_tokens=6, stop_at_newline=True, prefix_reuse=True)
+    answers = []
+    for p in prompts:
+        answers.append((plain.complete(p).text, reuse.complete(p).text))
+    gen = reuse.last_generation
+    assert [a for a, _ in answers] == [b for _, b in answers]
+    assert gen.prefill_tokens < gen.prompt_tokens - 100  # the shared head was not recomputed
+    assert plain.last_generation.prefill_tokens == plain.last_generation.prompt_tokens

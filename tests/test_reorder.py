@@ -7,20 +7,21 @@ import json
 import pytest
 
 from ragfix.correct import BudgetError, drop_near_duplicates, fit_budget
+from ragfix.errors import ConfigError
 from ragfix.eval.report import build_summary
+from ragfix.prompts import TaskPrompt
 from ragfix.reorder import (
     ProfileError,
-    _encode_spans,
     attention_sort_order,
     bias_profile_order,
-    last_token_attention,
     load_profile,
     lost_in_the_middle_order,
-    qa_pieces,
+    prompt_pieces,
     reverse_order,
     static_order,
 )
-from ragfix.types import Passage
+from ragfix.tasks import get_task
+from ragfix.types import Passage, QASample
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,7 @@ def test_profile_of_another_model_or_size_is_refused(tmp_path):
 
 
 def test_unknown_strategy():
-    with pytest.raises(ValueError, match="unknown reorder strategy 'middle'"):
+    with pytest.raises(ConfigError, match="unknown reorder strategy 'middle'"):
         static_order("middle", 3)
 
 
@@ -123,19 +124,37 @@ PASSAGES = [
 ]
 
 
-def test_qa_pieces_locate_each_document(smol):
-    pieces = qa_pieces(smol, "What is the capital of Germany?", PASSAGES)
-    ids, spans = _encode_spans(smol, pieces)
-    assert "".join(pieces) == smol.chat_prompt(
-        "Write a high-quality answer for the given question using only the provided search "
-        "results (some of which might be irrelevant).\n\n"
-        "Document [1](Title: Cats) Cats are small furry animals that sleep a lot.\n"
-        "Document [2](Title: Berlin) Berlin is the capital of Germany.\n"
-        "Document [3](Title: Rivers) The Nile is a long river in Africa."
-        "\n\nQuestion: What is the capital of Germany?\nAnswer:"
+def test_prompt_pieces_locate_each_document(smol):
+    q = "What is the capital of Germany?"
+    pieces = prompt_pieces(smol, q, PASSAGES)
+    assert "".join(pieces) == smol.format_prompt(
+        TaskPrompt(
+            user="Write a high-quality answer for the given question using only the provided "
+            "search results (some of which might be irrelevant).\n\n"
+            "Document [1](Title: Cats) Cats are small furry animals that sleep a lot.\n"
+            "Document [2](Title: Berlin) Berlin is the capital of Germany.\n"
+            "Document [3](Title: Rivers) The Nile is a long river in Africa."
+            "\n\nQuestion: What is the capital of Germany?\nAnswer:"
+        )
     )
-    assert smol.tokenizer.decode(ids[spans[2][0] : spans[2][1]]).startswith("Document [2]")
-    assert spans[-1][1] == len(ids)
+    assert pieces[2] == "Document [2](Title: Berlin) Berlin is the capital of Germany.\n"
+    assert pieces[-1].startswith("\n\nQuestion: What is the capital of Germany?\nAnswer:")
+    # the same text the sweep sends for that order (one template, in the task record)
+    sample = QASample(
+        id="s",
+        question=q,
+        answers=["Berlin"],
+        gold=PASSAGES[1],
+        distractors=[PASSAGES[0], PASSAGES[2]],
+    )
+    sweep = get_task("qa").prompt(q, sample.passages_with_gold_at(1))
+    assert smol.format_prompt(sweep) == "".join(pieces)
+    # KV: the JSON object cut into its pairs, the assistant prefix in the tail
+    kv = prompt_pieces(
+        smol, "k2", [Passage(title="k1", text="v1"), Passage(title="k2", text="v2")], task="kv"
+    )
+    assert kv[1:3] == ['"k1": "v1",\n ', '"k2": "v2"']
+    assert kv[-1].endswith('The value of key "k2" is "')
 
 
 def test_attention_sort_sorts_by_last_token_attention(smol):
@@ -145,9 +164,12 @@ def test_attention_sort_sorts_by_last_token_attention(smol):
     for round_mass in history:
         assert all(0 < m < 1 for m in round_mass) and sum(round_mass) < 1
     # the first round reads the retrieval order; recompute its attention independently
-    ids, spans = _encode_spans(smol, qa_pieces(smol, q, PASSAGES))
-    assert last_token_attention(smol, ids, spans[1:-1]) == pytest.approx(history[0], rel=1e-4)
+    mass = smol.span_attention(prompt_pieces(smol, q, PASSAGES))
+    assert mass[1:-1] == pytest.approx(history[0], rel=1e-4)
+    assert sum(mass) == pytest.approx(1.0, abs=1e-4)  # head + passages + tail: all of it
     # the second round read the first round's order; the final order sorts its attention ascending
     second = history[1]
     assert [second[r] for r in order] == sorted(second)
     assert smol.model.config._attn_implementation == "sdpa"  # restored after reading attention
+    with pytest.raises(ConfigError, match="at least one round"):
+        attention_sort_order(smol, q, PASSAGES, rounds=0)

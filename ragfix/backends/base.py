@@ -124,9 +124,11 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def stream(self, prompt: Prompt, max_new_tokens: int = 256) -> Iterator[str]:
-        """Yield the greedy answer to one prompt piece by piece; closing the iterator stops the
-        generation."""
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+    ) -> Iterator[str]:
+        """Yield the greedy answer to one prompt piece by piece; closing the iterator (or the
+        newline rule) stops the generation."""
 
     # ------------------------------------------------------------------ scoring
     @abstractmethod

@@ -311,10 +311,8 @@ class HFBackend(Backend):
         thread.start()
         try:
             yield from streamer
-        finally:
+        finally:  # the streamer's queue is unbounded: the thread ends at its next token
             stop.set()
-            for _ in streamer:  # let the thread put its last pieces, then end
-                pass
             thread.join()
 
     # ------------------------------------------------------------------ scoring

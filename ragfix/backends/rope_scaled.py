@@ -87,3 +87,9 @@ class RopeScaledBackend(HFBackend):
     def context_window(self) -> int:
         """``factor * train_window`` tokens."""
         return int(self.options.factor * self.train_window)
+
+    def identity(self) -> dict:
+        """Model identity, backend name and the options, ``train_window`` resolved."""
+        ident = super().identity()
+        ident["options"] = {**ident["options"], "train_window": self.train_window}
+        return ident

@@ -1,0 +1,225 @@
+"""``run_sweep``: the raw-model position sweep as a Python call (what ``ragfix eval DATA`` runs).
+
+Resumable and sharded exactly as the command: the run folder's ``results*.jsonl`` hold one
+record per finished cell, a rerun skips them, and under ``torchrun`` / ``accelerate launch`` each
+rank computes its share of whole samples (:mod:`ragfix.eval.shard`) and rank 0 merges and
+reports. ``config.json`` is written when the first cell is stored, so a run that fails before any
+result (a bad option, a missing model) leaves nothing that blocks the corrected rerun.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+
+from ragfix.errors import DataError
+from ragfix.eval.report import progress_bar, write_report
+from ragfix.eval.shard import assign_groups, distributed_state, merge_shards
+from ragfix.eval.sweep import Cell, SweepConfig, open_store, parse_positions, plan_cells, run_cells
+from ragfix.io import JsonlStore
+from ragfix.types import SweepRecord
+
+
+def _resolve_data(data: str | Path) -> Path:
+    """A bundled sample name (``nq-sample``, ``kv-sample``) or a path that exists.
+
+    Raises:
+        DataError: the file does not exist.
+    """
+    from ragfix.bundled import bundled_path
+
+    path = bundled_path(str(data)) or Path(data)
+    if not path.exists():
+        raise DataError(path, None, None, "file not found")
+    return path
+
+
+def _my_share(todo: list[Cell], rank: int, world: int) -> list[Cell]:
+    """Rank ``rank``'s cells: whole samples, balanced by prompt length (every rank computes the
+    same split)."""
+    if world == 1:
+        return todo
+    groups: dict[str, list[Cell]] = {}
+    for c in todo:
+        groups.setdefault(c.sample.id, []).append(c)
+    keys = sorted(groups)
+    weights = [
+        len(groups[k]) * sum(len(p.text) + len(p.title) for p in groups[k][0].sample.distractors)
+        for k in keys
+    ]
+    mine = assign_groups([groups[k] for k in keys], weights, keys, world)[rank]
+    return [c for g in mine for c in g]
+
+
+def _compute(
+    todo: list[Cell],
+    store: JsonlStore,
+    config: SweepConfig,
+    out: Path,
+    load: Callable[[], object],
+    *,
+    rank: int,
+    world: int,
+    prefix_reuse: bool,
+    batch_size: int,
+    on_record: Callable[[SweepRecord], None] | None,
+    console: Console | None,
+) -> None:
+    """Load the backend, compute ``todo`` and store each record as it is done (``config.json``
+    first, before the first record)."""
+    backend = load()
+    has_config = [config.check(out)]
+    right = [0]
+    with progress_bar(console, disable=console is None or rank != 0) as bar:
+        task = bar.add_task(f"{config.backend} sweep", total=len(todo), status="")
+
+        def store_record(rec: SweepRecord) -> None:
+            if world > 1:
+                rec.extra["rank"] = rank
+            if not has_config[0]:
+                config.write(out)
+                has_config[0] = True
+            store.append(rec.model_dump())
+            right[0] += rec.correct
+            n = bar.tasks[task].completed + 1
+            bar.update(task, advance=1, status=f"acc {right[0] / n:.2f}")
+            if on_record is not None:
+                on_record(rec)
+
+        run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=batch_size)
+
+
+def run_sweep(
+    data: str | Path,
+    out: str | Path,
+    *,
+    model: str = "smollm2",
+    backend: str = "vanilla",
+    adapter: str | Path | None = None,
+    backend_options: dict | None = None,
+    num_docs: int = 10,
+    positions: str = "all",
+    limit: int | None = None,
+    batch_size: int | None = None,
+    prefix_reuse: bool = True,
+    skip_invalid: bool = False,
+    distractor_pool: str | Path | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    on_record: Callable[[SweepRecord], None] | None = None,
+    console: Console | None = None,
+) -> dict:
+    """Accuracy as the gold passage moves through every position (Liu et al., "Lost in the
+    Middle", TACL 2024, Sec. 2): every sample with its gold passage at every requested position,
+    one greedy answer per cell, scored by the task's scorer (:mod:`ragfix.tasks`).
+
+    Args:
+        data: a Lost-in-the-Middle QA or KV file (``.jsonl``, ``.jsonl.gz``) or a bundled sample
+            (``nq-sample``, ``kv-sample``).
+        out: the run folder: ``config.json``, ``results.jsonl`` (one record per cell, appended,
+            resumable), ``summary.json`` and ``curve.png``.
+        model: ``smollm2`` (embedded), a hub id, a folder or a ``.gguf``.
+        backend: a registered backend (:func:`ragfix.backends.backend_names`).
+        adapter: a LoRA adapter folder applied under any backend.
+        backend_options: the backend's options (validated before anything is loaded); they and
+            the adapter path are part of the cell ids.
+        num_docs: passages (documents or KV pairs) per prompt.
+        positions: ``all``, ``first,middle,last`` or ``0,4,9`` (0-based gold positions).
+        limit: use the first ``limit`` samples.
+        batch_size: cells per batch (default 1 on the CPU, 16 on CUDA).
+        prefix_reuse: with batch size 1, reuse the KV cache of the shared prompt prefix across
+            the positions of a sample (same answers, fewer prefill tokens).
+        skip_invalid: skip and count malformed records instead of stopping.
+        distractor_pool: draw QA distractors from this file (BM25) instead of the sample's own.
+        device, dtype: see :func:`ragfix.backends.load_backend` (under a launcher, each rank's
+            own device).
+        on_record: called with each newly computed :class:`SweepRecord` once it is stored.
+        console: where progress and notes go (``None``: quiet).
+
+    Returns:
+        the summary (as written to ``summary.json``); ``{}`` on ranks other than 0.
+
+    Raises:
+        DataError: a missing file or a malformed record.
+        ConfigError: unknown backend, bad positions, a missing adapter for an adapter backend.
+        ConfigMismatchError: ``out`` holds results of another configuration.
+        ModelNotFoundError: the model cannot be found.
+        pydantic.ValidationError: an unknown or invalid backend option.
+    """
+    from ragfix.backends import load_backend, validate_backend
+    from ragfix.connectors.jsonl import SkipCounter
+    from ragfix.connectors.litm import detect_format, load_samples
+    from ragfix.models import resolve_device, resolve_model
+
+    out, options = Path(out), dict(backend_options or {})
+    path = _resolve_data(data)
+    validate_backend(backend, str(adapter) if adapter else None, **options)
+    resolve_model(model)  # unknown model / default not installed: fail before any work
+    pos = parse_positions(positions, num_docs)
+    skipped = SkipCounter()
+    samples = load_samples(path, num_docs, limit, distractor_pool, skip_invalid, skipped)
+    if skipped.count and console is not None:
+        console.print(
+            f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
+            f"first: {skipped.examples[0]}",
+            highlight=False,
+        )
+    config = SweepConfig(
+        data=str(path.resolve()),
+        task=detect_format(path),
+        num_docs=num_docs,
+        model=model,
+        backend=backend,
+        backend_options={**options, **({"adapter": str(adapter)} if adapter else {})},
+        distractor_pool=str(Path(distractor_pool).resolve()) if distractor_pool else None,
+    )
+    config.check(out)
+    state = distributed_state()
+    rank, world = (state.process_index, state.num_processes) if state else (0, 1)
+    if state is not None:
+        device = str(state.device)
+    out.mkdir(parents=True, exist_ok=True)
+    store = open_store(out, rank, world)
+    done = store.load()
+    cells = plan_cells(config, samples, pos)
+    todo = [c for c in cells if c.cell_id not in done]
+    if len(todo) < len(cells) and rank == 0 and console is not None:
+        console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
+    todo = _my_share(todo, rank, world)
+    if todo:
+        bs = batch_size or (16 if resolve_device(device).type == "cuda" else 1)
+        _compute(
+            todo,
+            store,
+            config,
+            out,
+            lambda: load_backend(
+                backend,
+                model=model,
+                device=device,
+                dtype=dtype,
+                adapter=str(adapter) if adapter else None,
+                **options,
+            ),
+            rank=rank,
+            world=world,
+            prefix_reuse=prefix_reuse and bs == 1,
+            batch_size=bs,
+            on_record=on_record,
+            console=console,
+        )
+    if state is not None:
+        state.wait_for_everyone()
+        if rank != 0:
+            return {}
+    merge_shards(out)
+    records = open_store(out).load()
+    if records and not config.check(out):
+        config.write(out)
+    mine = [records[c.cell_id] for c in cells if c.cell_id in records]
+    return write_report(out, mine, {"skipped_records": skipped.count})
+
+
+__all__ = ["run_sweep"]

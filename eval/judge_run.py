@@ -1,0 +1,351 @@
+"""Resumable judge runs: the Python API behind ``ragfix judge``.
+
+A run folder holds:
+
+* ``judgments.jsonl``: one :class:`~ragfix.judge.PairJudgment` per pair, append-only (keyed by
+  ``pair_id``); a rerun judges only the pairs not in it;
+* ``config.json``: the settings (data, model, backend, options, adapter, judge settings) and the
+  backend's identity (model fingerprint, adapter). It is written when the first judgment is
+  computed, so a run that fails before (a bad option, a budget that does not fit) leaves no
+  configuration behind and a corrected rerun can use the same folder; a folder holding another
+  configuration is refused;
+* ``summary.json`` and ``judge.png``: metrics and plot of the pairs of this data
+  (:func:`ragfix.judge.summarize`, :func:`ragfix.judge.plot_judges`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from ragfix.errors import ConfigError, DataError
+from ragfix.eval.report import progress_bar
+from ragfix.eval.sweep import ConfigMismatchError
+from ragfix.io import JsonlStore, atomic_write_json
+from ragfix.judge import (
+    PairJudgment,
+    PairwiseJudge,
+    check_judge_settings,
+    plot_judges,
+    summarize,
+    summarize_swap_judgments,
+)
+from ragfix.types import JudgePair
+
+JUDGMENTS_FILE = "judgments.jsonl"
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "judge.png"
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class JudgeRunResult:
+    """What a judge run produced.
+
+    Attributes:
+        out: the run folder.
+        summaries: ``{judge name: summary}`` (:func:`ragfix.judge.summarize`), one entry for a
+            judged run, one per evaluator for other judges' verdicts.
+        pairs: pairs of the data (after ``limit``); 0 for other judges' verdicts.
+        computed: pairs judged by this call.
+        reused: pairs already in ``judgments.jsonl`` (a resumed run).
+        skipped_records: malformed records skipped with ``skip_invalid``.
+        skipped_examples: the first few of their errors.
+    """
+
+    out: Path
+    summaries: dict[str, dict]
+    pairs: int = 0
+    computed: int = 0
+    reused: int = 0
+    skipped_records: int = 0
+    skipped_examples: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """The files of the run folder, by role (``judgments`` only for a judged run)."""
+        out = {"summary": self.out / SUMMARY_FILE, "plot": self.out / PLOT_FILE}
+        if self.pairs:
+            out["judgments"] = self.out / JUDGMENTS_FILE
+        return out
+
+
+def _write_report(out: Path, summaries: dict[str, dict], extra: dict, title: str) -> None:
+    atomic_write_json(out / SUMMARY_FILE, {**extra, "judges": summaries})
+    plot_judges(summaries, out / PLOT_FILE, title)
+
+
+def summarize_judgments(
+    data: str | Path, out: str | Path, limit: int | None = None
+) -> JudgeRunResult:
+    """Metrics of the verdicts other judges gave in both orders (LLMBar swap judgments), per
+    judge; writes ``summary.json`` and ``judge.png`` into ``out``.
+
+    Args:
+        data: a swap-judgments file (:func:`ragfix.connectors.pairwise.load_swap_judgments`).
+        out: the folder to write into.
+        limit: use the first ``limit`` items of each evaluator.
+
+    Returns:
+        a :class:`JudgeRunResult` with one summary per evaluator.
+
+    Raises:
+        DataError: a missing or malformed record.
+    """
+    from ragfix.connectors.pairwise import load_swap_judgments
+
+    data, out = Path(data), Path(out)
+    per_judge = load_swap_judgments(data, limit)
+    summaries = {ev: summarize_swap_judgments(rows) for ev, rows in per_judge.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    _write_report(
+        out, summaries, {"data": str(data), "limit": limit}, f"{data.name}: swap judgments"
+    )
+    return JudgeRunResult(out=out, summaries=summaries)
+
+
+def _read_config(out: Path) -> dict | None:
+    """The stored ``config.json`` of a run folder, or None.
+
+    Raises:
+        DataError: the file is not readable JSON.
+    """
+    path = out / CONFIG_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(path, None, None, f"unreadable run configuration ({e})") from None
+
+
+def _check_same(out: Path, theirs: dict | None, mine: dict) -> None:
+    """Refuse a run folder whose stored settings differ from ``mine`` (keys of ``mine`` only).
+
+    Raises:
+        ConfigMismatchError: the folder holds judgments made with other settings.
+    """
+    if theirs is None:
+        return
+    diff = [k for k in mine if theirs.get(k) != mine[k]]
+    if diff:
+        detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in diff)
+        raise ConfigMismatchError(
+            f"{out} holds judgments made with other settings ({detail}); use another folder"
+        )
+
+
+def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console):
+    """The pairs of ``data`` and the skip counter.
+
+    Raises:
+        DataError: a malformed record (unless ``skip_invalid``), or no pairs at all.
+    """
+    from ragfix.connectors.jsonl import SkipCounter
+    from ragfix.connectors.pairwise import load_pairs
+
+    skipped = SkipCounter()
+    pairs = load_pairs(data, limit, skip_invalid, skipped, mtbench_models)
+    if skipped.count and console is not None:
+        console.print(
+            f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
+            f"first: {skipped.examples[0]}",
+            highlight=False,
+        )
+    if not pairs:
+        raise DataError(data, None, None, "no pairs to judge")
+    return pairs, skipped
+
+
+def _judge_missing(
+    judge: PairwiseJudge,
+    todo: list[JudgePair],
+    on_result: Callable[[PairJudgment], None],
+    console: Console | None,
+    label: str,
+) -> None:
+    """Judge ``todo`` with a progress bar (when ``console`` is given)."""
+    if console is None:
+        judge.judge_pairs(todo, on_result)
+        return
+    counts = {"consistent": 0, "n": 0}
+    with progress_bar(console) as bar:
+        task = bar.add_task(f"judging ({label})", total=len(todo), status="")
+
+        def tick(res: PairJudgment) -> None:
+            on_result(res)
+            counts["n"] += 1
+            counts["consistent"] += res.consistent
+            status = f"consistent {counts['consistent'] / counts['n']:.2f}"
+            bar.update(task, advance=1, status=status)
+
+        judge.judge_pairs(todo, tick)
+
+
+def _judge_todo(
+    out: Path,
+    todo: list[JudgePair],
+    config: dict,
+    load: dict,
+    batch_size: int | None,
+    console: Console | None,
+) -> None:
+    """Load the backend (``load``: device and dtype), check its identity against the folder,
+    judge ``todo`` and append each judgment; ``config.json`` is written just before the first
+    judgment is stored.
+
+    Raises:
+        ConfigMismatchError: the folder's judgments were made with other weights or adapter.
+    """
+    from ragfix.backends import load_backend
+    from ragfix.models import resolve_device
+
+    b = load_backend(
+        config["backend"],
+        model=config["model"],
+        adapter=config["adapter"],
+        **load,
+        **config["backend_options"],
+    )
+    on_gpu = resolve_device(load["device"]).type == "cuda"
+    judge = PairwiseJudge(
+        b,
+        style=config["style"],
+        max_new_tokens=config["max_new_tokens"],
+        repeats=config["repeats"],
+        tie_margin=config["tie_margin"],
+        batch_size=batch_size or (32 if on_gpu else 4),
+    )
+    full = {**config, "identity": json.loads(json.dumps(b.identity()))}
+    _check_same(out, _read_config(out), {"identity": full["identity"]})
+    store = JsonlStore(out / JUDGMENTS_FILE, key="pair_id")
+
+    def on_result(res: PairJudgment) -> None:
+        if not (out / CONFIG_FILE).exists():
+            atomic_write_json(out / CONFIG_FILE, full)
+        store.append(res.model_dump(mode="json"))
+
+    _judge_missing(judge, todo, on_result, console, config["backend"])
+
+
+def run_judge(
+    data: str | Path,
+    out: str | Path,
+    *,
+    model: str = "smollm2",
+    backend: str = "vanilla",
+    adapter: str | None = None,
+    backend_options: dict | None = None,
+    style: str = "verdict",
+    limit: int | None = None,
+    repeats: int = 1,
+    max_new_tokens: int | None = None,
+    tie_margin: float = 0.0,
+    batch_size: int | None = None,
+    mtbench_models: tuple[str, str] = ("gpt-4", "gpt-3.5-turbo"),
+    skip_invalid: bool = False,
+    device: str = "auto",
+    dtype: str = "auto",
+    console: Console | None = None,
+) -> JudgeRunResult:
+    """Judge every pair of ``data`` in both orders with a backend, resumably, into ``out``.
+
+    Pairs already in ``out/judgments.jsonl`` are not judged again (their records are reused);
+    the model is loaded only when a pair is left to judge. A file of other judges' verdicts
+    (LLMBar swap judgments) is summarised instead (:func:`summarize_judgments`). Metrics: position
+    consistency, preference fairness, first-slot win rate, agreement with human labels (Zheng et
+    al. 2023, section 3.4; Shi et al. 2024, section 3).
+
+    Args:
+        data: pairs (LLMBar, PandaLM, MT-bench answers, or JSON Lines with ``question``,
+            ``answer_a``, ``answer_b``, optional ``label``), see
+            :mod:`ragfix.connectors.pairwise`.
+        out: the run folder (created).
+        model, backend, adapter, backend_options: what judges (:func:`ragfix.backends.
+            load_backend`).
+        style, repeats, max_new_tokens, tie_margin, batch_size: see
+            :class:`ragfix.judge.PairwiseJudge` (``batch_size`` default: 32 on CUDA, 4 on CPU).
+        limit: judge the first ``limit`` pairs.
+        mtbench_models: for MT-bench answers, the two models to compare.
+        skip_invalid: skip and count malformed records instead of stopping.
+        device, dtype: where and how to load the model.
+        console: a rich console for messages and the progress bar (None: quiet).
+
+    Returns:
+        a :class:`JudgeRunResult`: the summary of the pairs of ``data`` and what was computed.
+
+    Raises:
+        DataError: a malformed record, no pairs, or a corrupt ``config.json``.
+        ConfigError: bad judge settings, an unknown backend, a missing adapter, or a token
+            budget that does not fit the backend.
+        ConfigMismatchError: ``out`` holds judgments made with another configuration or other
+            weights (a :class:`~ragfix.errors.ConfigError`).
+        ModelNotFoundError, AdapterError: the model or adapter cannot be used.
+        pydantic.ValidationError: an unknown or invalid backend option.
+    """
+    from ragfix.backends import validate_backend
+    from ragfix.connectors.pairwise import detect_format
+    from ragfix.models import resolve_model
+
+    data, out = Path(data), Path(out)
+    fmt = detect_format(data)
+    if fmt == "swap_judgments":
+        return summarize_judgments(data, out, limit)
+    check_judge_settings(style, repeats)
+    if len(mtbench_models) != 2:
+        raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
+    opts = validate_backend(backend, adapter, **(backend_options or {}))
+    resolve_model(model)
+    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, console)
+    config = {
+        "data": str(data.resolve()),
+        "format": fmt,
+        "model": model,
+        "backend": backend,
+        "backend_options": opts.model_dump(mode="json"),
+        "adapter": str(Path(adapter).resolve()) if adapter else None,
+        "style": style,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "tie_margin": tie_margin,
+        "mtbench_models": list(mtbench_models) if fmt == "mtbench" else None,
+    }
+    _check_same(out, _read_config(out), config)
+    out.mkdir(parents=True, exist_ok=True)
+    store = JsonlStore(out / JUDGMENTS_FILE, key="pair_id")
+    done = store.load()
+    todo = [p for p in pairs if p.pair_id not in done]
+    if len(todo) < len(pairs) and console is not None:
+        console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
+    if todo:
+        load = {"device": device, "dtype": dtype}
+        _judge_todo(out, todo, config, load, batch_size, console)
+    records = store.load()
+    name = f"{model} · {backend}"
+    summary = summarize([records[p.pair_id] for p in pairs if p.pair_id in records])
+    extra = {"config": config, "skipped_records": skipped.count, "torn_lines": store.torn_lines}
+    _write_report(out, {name: summary}, extra, f"{data.name}: {name} as judge ({style})")
+    return JudgeRunResult(
+        out=out,
+        summaries={name: summary},
+        pairs=len(pairs),
+        computed=len(todo),
+        reused=len(pairs) - len(todo),
+        skipped_records=skipped.count,
+        skipped_examples=list(skipped.examples),
+    )
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "JUDGMENTS_FILE",
+    "PLOT_FILE",
+    "SUMMARY_FILE",
+    "JudgeRunResult",
+    "run_judge",
+    "summarize_judgments",
+]

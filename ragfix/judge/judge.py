@@ -1,0 +1,221 @@
+"""The pairwise judge: any :class:`~ragfix.backends.base.Backend` judges every pair in both orders.
+
+The judge talks to the model only through the model interface: one batched
+``generate(..., first_logprobs=True)`` call gives each order's reply and, from exactly the input
+that reply was generated from, the log-probabilities of the verdict letter (so a backend that cuts
+or rewrites its input, e.g. ``truncated``, scores the letters on the same input it answers from).
+MT-bench pairwise judging with position swap: Zheng et al. 2023, section 3.4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ragfix.backends.base import Backend
+from ragfix.errors import ConfigError
+from ragfix.judge.prompts import STYLES, VERDICT_PREFIX, judge_prompt
+from ragfix.judge.verdicts import (
+    OrderJudgment,
+    PairJudgment,
+    combine,
+    letter_probs,
+    parse_verdict,
+)
+from ragfix.prompts import TaskPrompt
+from ragfix.types import Generation, JudgePair, pair_id
+
+
+def check_judge_settings(style: str, repeats: int) -> None:
+    """Refuse judge settings that cannot work, before any model is loaded.
+
+    Raises:
+        ConfigError: unknown ``style``, ``repeats < 1``, or ``repeats > 1`` with a style other
+            than ``verdict`` (repeats sample the verdict token).
+    """
+    if style not in STYLES:
+        raise ConfigError(f"unknown judge style {style!r}; choose one of: {', '.join(STYLES)}")
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if repeats > 1 and style != "verdict":
+        raise ConfigError("repeats > 1 samples the verdict token: it needs style 'verdict'")
+
+
+def letter_token(backend: Backend, prefix: str, letter: str) -> int:
+    """The single token the backend's tokenizer uses for ``letter`` right after ``prefix``.
+
+    Raises:
+        ConfigError: the letter is not one token after the prefix (the logit verdict then cannot
+            be read; use style ``explain``).
+    """
+    base = backend.tokenize(prefix)
+    full = backend.tokenize(prefix + letter)
+    if full[: len(base)] != base or len(full) != len(base) + 1:
+        raise ConfigError(
+            f"the logit verdict needs {letter!r} to be one token after {prefix!r} "
+            "for this tokenizer; use style 'explain' (--style explain)"
+        )
+    return full[-1]
+
+
+class PairwiseJudge:
+    """A ragfix backend used as a pairwise judge, every pair in both orders.
+
+    Args:
+        backend: any :class:`~ragfix.backends.base.Backend` (vanilla, channel-scaled, gali,
+            truncated, any adapter, a remote model).
+        style: ``"verdict"`` (default: verdict only, assistant turn prefilled with ``[[``; gives
+            the logit verdict) or ``"explain"`` (MT-bench: explanation then verdict).
+        max_new_tokens: generation budget per order (default 4 for ``verdict``, 256 for
+            ``explain``).
+        repeats: with ``repeats > 1`` (``verdict`` style), that many verdict tokens are sampled
+            per order from the judge's first-step distribution (temperature 1, seeded) to
+            measure repetition stability (Shi et al. 2024, section 3.1).
+        seed: seed of that sampling.
+        tie_margin: see :func:`ragfix.judge.verdicts.logit_verdict`.
+        batch_size: prompts per batch; both orders of a pair always share a batch.
+
+    Raises:
+        ConfigError: unknown style, ``repeats > 1`` with the ``explain`` style, or a tokenizer
+            whose ``A`` / ``B`` are not single tokens after ``[[``.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        style: str = "verdict",
+        max_new_tokens: int | None = None,
+        repeats: int = 1,
+        seed: int = 0,
+        tie_margin: float = 0.0,
+        batch_size: int = 8,
+    ):
+        check_judge_settings(style, repeats)
+        self.backend = backend
+        self.style = style
+        self.max_new_tokens = max_new_tokens or (4 if style == "verdict" else 256)
+        self.repeats = repeats
+        self.tie_margin = tie_margin
+        self.batch_size = batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.prefix = VERDICT_PREFIX if style == "verdict" else ""
+        if style == "verdict":
+            self.token_a = letter_token(backend, self.prefix, "A")
+            self.token_b = letter_token(backend, self.prefix, "B")
+
+    def settings(self) -> dict:
+        """What makes two judge runs comparable: backend identity plus the judge settings."""
+        return {
+            **self.backend.identity(),
+            "style": self.style,
+            "max_new_tokens": self.max_new_tokens,
+            "repeats": self.repeats,
+            "tie_margin": self.tie_margin,
+        }
+
+    def prompt(self, question: str, first: str, second: str, reference: str | None) -> TaskPrompt:
+        """The judge prompt with ``first`` in slot A (the backend applies its chat template and
+        prefills the assistant turn with ``[[`` in the ``verdict`` style)."""
+        return TaskPrompt(
+            user=judge_prompt(question, first, second, reference, self.style),
+            assistant_prefix=self.prefix,
+            max_new_tokens=self.max_new_tokens,
+            stop_at_newline=False,
+        )
+
+    def _order(self, gen: Generation) -> OrderJudgment:
+        """One order's judgment from its generation (letter probabilities and sampled verdicts
+        from the first-step log-probabilities in the ``verdict`` style)."""
+        o = OrderJudgment(raw=gen.text, slot_verdict=parse_verdict(self.prefix + gen.text))
+        if self.style != "verdict":
+            return o
+        lps = gen.first_logprobs
+        o.p_a, o.p_b = letter_probs(lps, self.token_a, self.token_b)
+        if self.repeats > 1:
+            draws = torch.multinomial(
+                lps.exp(), self.repeats, replacement=True, generator=self.generator
+            )
+            o.samples = [
+                parse_verdict(self.prefix + self.backend.detokenize([int(t)])) for t in draws
+            ]
+        return o
+
+    def _judge_orders(self, prompts: list[TaskPrompt]) -> list[OrderJudgment]:
+        """Greedy replies to ``prompts`` in one batch, each with the first-step log-probabilities
+        of exactly the input it was generated from (``verdict`` style)."""
+        gens = self.backend.generate(
+            prompts,
+            batch_size=len(prompts),
+            max_new_tokens=self.max_new_tokens,
+            stop_at_newline=False,
+            first_logprobs=self.style == "verdict",
+        )
+        return [self._order(g) for g in gens]
+
+    def _identical(self, pair: JudgePair) -> PairJudgment:
+        """Both orders of a pair with identical answers: a tie, without asking the model."""
+        same = 0.5 if self.style == "verdict" else None
+        tie = OrderJudgment(raw="", slot_verdict="tie", p_a=same, p_b=same)
+        return combine(pair, tie, tie, self.tie_margin)
+
+    def judge_pairs(
+        self,
+        pairs: Sequence[JudgePair],
+        on_result: Callable[[PairJudgment], None] | None = None,
+    ) -> list[PairJudgment]:
+        """Judge ``pairs`` in both orders, ``batch_size`` prompts per batch (pairs sorted by
+        prompt length to limit padding; both orders of a pair share a batch).
+
+        Pairs with identical answers are not sent to the model: both orders are a tie (flagged
+        ``identical_answers``).
+
+        Args:
+            pairs: the pairs.
+            on_result: called with each :class:`PairJudgment` as soon as it is done
+                (:func:`ragfix.eval.run_judge` appends it to ``judgments.jsonl``).
+
+        Returns:
+            one :class:`PairJudgment` per pair, in order.
+        """
+        results: dict[int, PairJudgment] = {}
+        prompts: dict[int, tuple[TaskPrompt, TaskPrompt]] = {}
+        for i, p in enumerate(pairs):
+            if "identical_answers" in p.flags:
+                results[i] = self._identical(p)
+                if on_result is not None:
+                    on_result(results[i])
+            else:
+                prompts[i] = (
+                    self.prompt(p.question, p.answer_a, p.answer_b, p.reference),
+                    self.prompt(p.question, p.answer_b, p.answer_a, p.reference),
+                )
+        order = sorted(prompts, key=lambda i: self.backend.count_tokens(prompts[i][0].user))
+        per_step = max(1, self.batch_size // 2)
+        for start in range(0, len(order), per_step):
+            chunk = order[start : start + per_step]
+            orders = iter(self._judge_orders([tp for i in chunk for tp in prompts[i]]))
+            for i in chunk:
+                results[i] = combine(pairs[i], next(orders), next(orders), self.tie_margin)
+                if on_result is not None:
+                    on_result(results[i])
+        return [results[i] for i in range(len(pairs))]
+
+    def judge(
+        self, question: str, answer_a: str, answer_b: str, reference: str | None = None
+    ) -> PairJudgment:
+        """Judge one pair in both orders.
+
+        Returns:
+            a :class:`PairJudgment`: both orders' raw replies and verdicts, the single-order
+            verdicts, whether they are consistent, the swap-aggregated verdict and (``verdict``
+            style) the calibrated logit verdict.
+        """
+        pair = JudgePair(
+            pair_id=pair_id(question, answer_a, answer_b, reference or ""),
+            question=question,
+            answer_a=answer_a,
+            answer_b=answer_b,
+            reference=reference,
+        )
+        return self.judge_pairs([pair])[0]

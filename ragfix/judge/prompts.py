@@ -1,0 +1,65 @@
+"""Judge prompt templates: the MT-bench pairwise layout with the ``[[A]]`` / ``[[B]]`` / ``[[C]]``
+verdict format (Zheng et al., NeurIPS 2023 Datasets and Benchmarks, "Judging LLM-as-a-Judge with
+MT-Bench and Chatbot Arena", section 3.1; FastChat ``pair-v2`` / ``pair-math-v1``).
+"""
+
+from __future__ import annotations
+
+from ragfix.errors import ConfigError
+
+_INSTRUCTIONS = (
+    "You are a fair judge. Two AI assistants answered the user question below. Decide which "
+    "answer follows the user's instructions and answers the question better: consider whether "
+    "it is correct, helpful, relevant and precise. The order in which the answers are shown "
+    "must not influence you, and neither must their length or the assistants' names."
+)
+_REFERENCE_NOTE = (
+    " A reference answer is given: compare both answers with it and treat any departure from "
+    "it as a mistake."
+)
+_EXPLAIN = (
+    " First compare the two answers in a short explanation. Then give your final verdict in "
+    'exactly this format: "[[A]]" if assistant A is better, "[[B]]" if assistant B is better, '
+    'or "[[C]]" for a tie.'
+)
+_VERDICT_ONLY = (
+    ' Reply with your verdict only, in exactly this format: "[[A]]" if assistant A is better, '
+    '"[[B]]" if assistant B is better, or "[[C]]" for a tie.'
+)
+
+#: prompt styles: ``explain`` = MT-bench pair-v2 style (explanation, then the verdict; for judges
+#: that follow instructions), ``verdict`` = the verdict only, with the assistant turn prefilled
+#: with ``[[`` so the next token is the verdict letter (small models; gives the logit verdict).
+STYLES = ("verdict", "explain")
+
+
+def judge_prompt(
+    question: str, first: str, second: str, reference: str | None = None, style: str = "verdict"
+) -> str:
+    """The user turn of an MT-bench style pairwise judge prompt, ``first`` in slot A.
+
+    Laid out as FastChat's ``pair-v2`` / ``pair-math-v1`` templates (Zheng et al. 2023): the
+    question, an optional reference answer, then the two answers in marked blocks; the verdict
+    format is ``[[A]]`` / ``[[B]]`` / ``[[C]]``.
+
+    Raises:
+        ConfigError: unknown ``style``.
+    """
+    if style not in STYLES:
+        raise ConfigError(
+            f"unknown judge prompt style {style!r}; choose one of: {', '.join(STYLES)}"
+        )
+    head = _INSTRUCTIONS + (_REFERENCE_NOTE if reference else "")
+    head += _EXPLAIN if style == "explain" else _VERDICT_ONLY
+    parts = [head, f"[User Question]\n{question}"]
+    if reference:
+        parts.append(f"[The Start of Reference Answer]\n{reference}\n[The End of Reference Answer]")
+    parts.append(f"[The Start of Assistant A's Answer]\n{first}\n[The End of Assistant A's Answer]")
+    parts.append(
+        f"[The Start of Assistant B's Answer]\n{second}\n[The End of Assistant B's Answer]"
+    )
+    return "\n\n".join(parts)
+
+
+#: the assistant-turn prefix of the ``verdict`` style (the verdict letter comes next)
+VERDICT_PREFIX = "[["

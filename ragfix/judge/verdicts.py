@@ -1,0 +1,215 @@
+"""Verdicts: parsing a judge's reply, unswapping, the order-free verdicts, and the judgment records.
+
+Vocabulary (used throughout ragfix):
+
+* a *slot verdict* is what the judge says in one order: ``"A"`` (first slot better), ``"B"``
+  (second slot better), ``"tie"`` or ``"invalid"`` (nothing parseable);
+* an *answer verdict* names the answer: ``"A"`` = ``answer_a`` better, ``"B"`` = ``answer_b``
+  better. The original order's slot verdict is already an answer verdict; the swapped order's is
+  turned into one by :func:`unswap`.
+
+Sources: MT-bench swap aggregation (Zheng et al. 2023, section 3.4, FastChat ``llm_judge``); the
+calibrated logit verdict follows the balanced position calibration of Wang et al. 2023 ("Large
+Language Models are not Fair Evaluators", section 3.2).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+from ragfix.types import JudgePair
+
+Verdict = Literal["A", "B", "tie", "invalid"]
+VERDICTS: tuple[str, ...] = ("A", "B", "tie", "invalid")
+
+_LETTER = {"a": "A", "b": "B", "c": "tie", "tie": "tie"}
+_BRACKETED = re.compile(
+    r"\[\[\s*(?:assistant\s+|answer\s+|output\s+)?(a|b|c|tie)(?![a-z])[^\]\n]{0,20}(?:\]\]|$)",
+    re.IGNORECASE,
+)
+_FREE_FORMS = [
+    # "Final verdict: A", "verdict is [B]", "Verdict - Assistant B"
+    re.compile(
+        r"verdict\s*(?:is|:|-)?\s*\[*\s*(?:assistant\s+)?(a|b|c|tie)(?![a-z0-9])", re.IGNORECASE
+    ),
+    # "Assistant A is better", "Assistant B's answer is better", "answer A is superior"
+    re.compile(
+        r"\b(?:assistant|answer|response)\s+(a|b)(?:'s\s+answer)?\s+is\s+"
+        r"(?:clearly\s+|slightly\s+|much\s+)?(?:the\s+)?(?:better|superior|preferred)",
+        re.IGNORECASE,
+    ),
+    # LLMBar's "Output (a)" / "Output (b)"
+    re.compile(r"^\s*output\s*\((a|b)\)\s*$", re.IGNORECASE),
+    # the whole reply is one letter or "tie"
+    re.compile(r"^\s*\[*\s*(a|b|c|tie)\s*\]*\s*[.!]?\s*$", re.IGNORECASE),
+]
+
+
+def parse_verdict(text: str) -> Verdict:
+    """The slot verdict in a judge's reply; ``"invalid"`` when none can be read (never guessed).
+
+    Recognised, in this order: the MT-bench markers ``[[A]]`` / ``[[B]]`` / ``[[C]]`` (also
+    ``[[Assistant A]]``, ``[[tie]]``, and an unclosed ``[[A`` at the end of a cut reply); then
+    free forms: ``Verdict: A``, ``Assistant B is better``, LLMBar's ``Output (a)``, a bare
+    letter. ``C`` means tie. If the first form that matches names two different verdicts (e.g.
+    the reply repeats the instructions ``"[[A]]" if ... "[[B]]" if ...``), the reply is invalid.
+
+    Args:
+        text: the judge's reply (for the ``verdict`` style: the prefix ``[[`` plus the reply).
+
+    Returns:
+        ``"A"``, ``"B"``, ``"tie"`` or ``"invalid"``.
+    """
+    for pattern in (_BRACKETED, *_FREE_FORMS):
+        found = {_LETTER[m.lower()] for m in pattern.findall(text)}
+        if len(found) == 1:
+            return found.pop()  # type: ignore[return-value]
+        if len(found) > 1:
+            return "invalid"
+    return "invalid"
+
+
+def unswap(verdict: Verdict) -> Verdict:
+    """Map a slot verdict of the swapped order back to the original answers (A <-> B)."""
+    return {"A": "B", "B": "A"}.get(verdict, verdict)  # type: ignore[return-value]
+
+
+def swap_aggregate(original: Verdict, swapped_unswapped: Verdict) -> Verdict:
+    """The MT-bench order-free verdict from the two answer verdicts.
+
+    Consistent verdicts stand; inconsistent ones (including a win in one order and a tie in the
+    other) become a tie; a pair with an invalid order is invalid (FastChat
+    ``show_result.display_result_pairwise`` drops it, Zheng et al. 2023 section 3.4).
+    """
+    if "invalid" in (original, swapped_unswapped):
+        return "invalid"
+    return original if original == swapped_unswapped else "tie"
+
+
+def letter_probs(logprobs: torch.Tensor, token_a: int, token_b: int) -> tuple[float, float]:
+    """Probabilities of the verdict letters ``A`` and ``B`` as the next token.
+
+    Args:
+        logprobs: float tensor ``[vocab_size]`` of next-token log-probabilities.
+        token_a, token_b: token ids of the letters.
+
+    Returns:
+        ``(p_A, p_B)``, unnormalised (their sum is the mass the judge puts on the two letters).
+    """
+    return float(logprobs[token_a].exp()), float(logprobs[token_b].exp())
+
+
+def logit_verdict(
+    probs_original: tuple[float, float],
+    probs_swapped: tuple[float, float],
+    tie_margin: float = 0.0,
+) -> tuple[Verdict, float]:
+    """The calibrated logit verdict: an order-free verdict from the letter probabilities.
+
+    In each order the probabilities of the tokens ``A`` and ``B`` are normalised to sum to one;
+    the swapped order's are unswapped; the two orders are averaged:
+
+        p(answer_a better) = ( pA_orig / (pA_orig + pB_orig) + pB_swap / (pA_swap + pB_swap) ) / 2
+
+    and p(answer_b better) by the same expression with the letters exchanged. Judging ``(b, a)``
+    instead of ``(a, b)`` swaps the two orders, so both sums contain the same two terms: the result
+    mirrors exactly (bit for bit), and a first-slot preference adds equally to both answers and
+    cancels. Identical answers give an exact tie. The same averaging over both orders is the
+    "balanced position calibration" of Wang et al. 2023 ("Large Language Models are not Fair
+    Evaluators", section 3.2), applied to token probabilities instead of scores.
+
+    Args:
+        probs_original: ``(p_A, p_B)`` in the original order (answer_a in slot A).
+        probs_swapped: ``(p_A, p_B)`` in the swapped order (answer_b in slot A).
+        tie_margin: a tie when ``|p(a better) - p(b better)| <= tie_margin`` (0: exact ties only).
+
+    Returns:
+        ``(verdict, p(answer_a better))``; ``("invalid", 0.5)`` when an order puts no mass on
+        either letter.
+    """
+    (a1, b1), (a2, b2) = probs_original, probs_swapped
+    if a1 + b1 <= 0.0 or a2 + b2 <= 0.0:
+        return "invalid", 0.5
+    p_a = (a1 / (a1 + b1) + b2 / (a2 + b2)) / 2
+    p_b = (b1 / (a1 + b1) + a2 / (a2 + b2)) / 2
+    if abs(p_a - p_b) <= tie_margin:
+        return "tie", p_a
+    return ("A" if p_a > p_b else "B"), p_a
+
+
+class OrderJudgment(BaseModel):
+    """The judge's output for one order.
+
+    Attributes:
+        raw: the reply as generated (for the ``verdict`` style, after the ``[[`` prefix).
+        slot_verdict: the parsed verdict about the slots of this order.
+        p_a, p_b: next-token probabilities of the letters ``A`` and ``B`` at the verdict
+            position (``verdict`` style only, else None).
+        samples: slot verdicts of ``repeats`` sampled verdict tokens (``verdict`` style, when
+            ``repeats > 1``).
+    """
+
+    raw: str
+    slot_verdict: Verdict
+    p_a: float | None = None
+    p_b: float | None = None
+    samples: list[Verdict] = Field(default_factory=list)
+
+
+class PairJudgment(BaseModel):
+    """Both orders of one pair and the order-free verdicts (one line of ``judgments.jsonl``).
+
+    Attributes:
+        pair_id, label, flags: from the :class:`JudgePair`.
+        original: the order (answer_a, answer_b).
+        swapped: the order (answer_b, answer_a); its ``slot_verdict`` is about the slots.
+        verdict_original: answer verdict of the original order alone (the single-order verdict).
+        verdict_swapped: answer verdict of the swapped order alone (unswapped).
+        consistent: both orders valid and the same answer verdict.
+        swap_verdict: :func:`swap_aggregate` of the two.
+        logit_verdict, logit_p_a: :func:`logit_verdict` (None for the ``explain`` style).
+    """
+
+    pair_id: str
+    label: Literal["A", "B", "tie"] | None = None
+    flags: list[str] = Field(default_factory=list)
+    original: OrderJudgment
+    swapped: OrderJudgment
+    verdict_original: Verdict
+    verdict_swapped: Verdict
+    consistent: bool
+    swap_verdict: Verdict
+    logit_verdict: Verdict | None = None
+    logit_p_a: float | None = None
+    source: str = ""
+
+
+def combine(
+    pair: JudgePair, original: OrderJudgment, swapped: OrderJudgment, tie_margin: float = 0.0
+) -> PairJudgment:
+    """Build the :class:`PairJudgment` of a pair from its two :class:`OrderJudgment`."""
+    v1 = original.slot_verdict
+    v2 = unswap(swapped.slot_verdict)
+    lv, lp = None, None
+    if original.p_a is not None and swapped.p_a is not None:
+        lv, lp = logit_verdict(
+            (original.p_a, original.p_b or 0.0), (swapped.p_a, swapped.p_b or 0.0), tie_margin
+        )
+    return PairJudgment(
+        pair_id=pair.pair_id,
+        label=pair.label,
+        flags=pair.flags,
+        original=original,
+        swapped=swapped,
+        verdict_original=v1,
+        verdict_swapped=v2,
+        consistent=v1 == v2 and v1 != "invalid",
+        swap_verdict=swap_aggregate(v1, v2),
+        logit_verdict=lv,
+        logit_p_a=lp,
+        source=pair.source,
+    )
