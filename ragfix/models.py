@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,12 @@ def ensure_converted(gguf: str | Path) -> Path:
     if (target / "config.json").exists():
         return target
     check_gguf(gguf)
+    print(
+        f"ragfix: preparing {Path(gguf).name} once (dequantizing to safetensors, ~20 s for "
+        f"SmolLM2; ~{4 * Path(gguf).stat().st_size // 2**20} MB cache at {target.parent})",
+        file=sys.stderr,
+        flush=True,
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     g = Path(gguf)
@@ -223,8 +230,51 @@ def ensure_converted(gguf: str | Path) -> Path:
     return target
 
 
+def _did_you_mean(name: str) -> str:
+    """`` (did you mean 'smollm2'?)`` for a name close to an embedded or cached model, or ``""``."""
+    import difflib
+
+    known = [SMOLLM2, "smollm2-135m-instruct"]
+    models = cache_dir() / "models"
+    if models.is_dir():
+        known += [d.name for d in models.iterdir() if not d.name.startswith(".")]
+    close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_hub_model(name: str) -> None:
+    """Fail at once, in one line, for a name read as a Hugging Face hub id that is neither in the
+    local Hugging Face cache nor reachable (offline, unknown repository, no network): without
+    this, ``from_pretrained`` retries for about a minute and then says nothing useful.
+
+    Raises:
+        ModelNotFoundError: the message says the name was read as a hub id, why it cannot be
+            loaded, and suggests a close known name.
+    """
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    where = (
+        f"{name!r} is not an embedded model, a local folder or a .gguf file, so it was read as a "
+        "Hugging Face hub id"
+    )
+    if constants.HF_HUB_OFFLINE:
+        reason = "it is not in the local cache and HF_HUB_OFFLINE is set"
+    else:
+        try:
+            model_info(name, timeout=10)
+            return
+        except Exception as e:  # any failure of the probe means the model cannot be loaded
+            reason = f"it is not in the local cache and the hub says: {str(e).splitlines()[0]}"
+    raise ModelNotFoundError(f"{where}; {reason}{_did_you_mean(name)}")
+
+
 def checkpoint_dir(spec: ModelSpec) -> str:
-    """Folder or hub id that ``from_pretrained`` loads for ``spec`` (converts GGUF once)."""
+    """Folder or hub id that ``from_pretrained`` loads for ``spec`` (converts GGUF once; a hub
+    id is checked first by :func:`check_hub_model`)."""
+    if spec.source == "hub":
+        check_hub_model(spec.path)
     return str(ensure_converted(spec.path)) if spec.source == "gguf" else spec.path
 
 

@@ -28,6 +28,16 @@ def test_resolve_errors_are_clear(tmp_path):
     assert resolve_model("smollm2").source == "gguf"
 
 
+def test_mistyped_model_name_fails_at_once_with_a_suggestion():
+    # issue 14: no minute of hub retries; the name is said to be read as a hub id
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ModelNotFoundError, match="read as a Hugging Face hub id.*'smollm2'"):
+        load_model("smollm", device="cpu")
+    assert time.perf_counter() - start < 15
+
+
 def test_smollm2_is_the_documented_model(smol):
     cfg = smol.model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, smol.context_window) == (30, 576, 8192)
