@@ -32,7 +32,15 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from ragfix.bundled import DATA_DIR, DEMO_CORPUS, DEMO_QUESTIONS
-from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
+from ragfix.connectors.jsonl import (
+    SkipCounter,
+    UniqueIds,
+    no_valid_records,
+    read_jsonl,
+    refuse_duplicate,
+    require,
+    skip_or_raise,
+)
 from ragfix.correct import jaccard, shingles
 from ragfix.errors import ConfigError, DataError, RagfixError
 from ragfix.io import atomic_write_json
@@ -40,6 +48,8 @@ from ragfix.metrics import normalize_answer
 
 DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")
 INDEX_DIR = ".ragfix-index"
+CORPUS_FIELDS = "id, title, text"
+QUESTION_FIELDS = "question, answers, gold_text or gold_doc_id"
 NODE_TEXT_TEMPLATE = "Document (Title: {metadata_str}) {content}"
 
 
@@ -80,13 +90,17 @@ def _files(folder: Path) -> list[Path]:
 
 
 def _read_file(path: Path) -> str:
-    """The text of one document file (LlamaIndex readers); raises on unreadable input."""
+    """The text of one document file (LlamaIndex readers); raises on unreadable input.
+
+    ``.txt`` / ``.md`` files are read as editors write them: a UTF-8 byte order mark is dropped
+    and CRLF / CR line ends become LF.
+    """
     suffix = path.suffix.lower()
     if suffix in (".txt", ".md"):
         data = path.read_bytes()
         if b"\x00" in data[:4096]:
             raise ValueError("binary file")
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
     from llama_index.core import SimpleDirectoryReader
 
     extractor = {}
@@ -108,15 +122,18 @@ def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
 
     Raises:
         CorpusError: the path does not exist, or no readable document is found.
-        DataError: a malformed JSONL record (unless it is counted in ``skipped``).
+        DataError: a malformed JSONL record, or a document id given twice (both lines named:
+            a question's ``gold_doc_id`` must name one document).
     """
     skipped = skipped if skipped is not None else SkipCounter()
     corpus = Path(corpus)
     docs = []
     if corpus.is_file():
-        for line, rec in read_jsonl(corpus, skip_invalid=False):
+        seen: dict[str, int] = {}
+        for line, rec in read_jsonl(corpus, skip_invalid=False, fields=CORPUS_FIELDS):
             text = require(rec, "text", str, corpus, line)
             doc_id = str(rec.get("id") or f"{corpus.name}:{line}")
+            refuse_duplicate(seen, doc_id, corpus, line, "id", f"document id {doc_id!r}")
             docs.append(_doc(text, doc_id, str(rec.get("title") or "")))
     elif corpus.is_dir():
         for path in _files(corpus):
@@ -335,9 +352,13 @@ def load_questions(
     Raises:
         DataError: a malformed record, or a gold passage not found in the corpus (``file:line:
             field``), unless ``skip_invalid`` (then it is counted in ``skipped``).
+
+    Warns:
+        UserWarning: questions with the same id were given distinct ids (each is counted once).
     """
     out: list[PipelineQuestion] = []
-    for line, rec in read_jsonl(path, skip_invalid, skipped):
+    unique = UniqueIds(path, "question", "id (or question text)")
+    for line, rec in read_jsonl(path, skip_invalid, skipped, QUESTION_FIELDS):
         if limit is not None and len(out) >= limit:
             break
         try:
@@ -357,12 +378,13 @@ def load_questions(
         except DataError as e:
             skip_or_raise(e, skip_invalid, skipped)
             continue
-        qid = str(rec.get("id") or hashlib.sha1(q.encode()).hexdigest()[:12])
+        qid = unique(str(rec.get("id") or hashlib.sha1(q.encode()).hexdigest()[:12]), line)
         out.append(
             PipelineQuestion(
                 id=qid, question=q, answers=answers, gold_node_id=node_id, source=f"{path}:{line}"
             )
         )
     if not out:
-        raise DataError(path, None, None, "no usable questions")
+        raise no_valid_records(path, skipped, "questions")
+    unique.warn()
     return out

@@ -22,6 +22,11 @@ Bad input: a missing or mistyped field stops with ``file:line: field: message``
 (:class:`~ragfix.errors.DataError`); an unknown label value likewise. Empty and
 identical answers are kept and flagged on the pair (:attr:`JudgePair.flags`); missing labels are
 None (agreement with humans is then not reported).
+
+Each pair is judged and counted once: two pairs of a file with the same ``pair_id`` keep their
+own ids (the later one gets ``#2``, ... with a warning, :class:`~ragfix.connectors.jsonl.
+UniqueIds`); two MT-bench answers of one model to one question, a question id given twice, and
+one evaluator's verdicts on one item given twice are refused (they cannot both be right).
 """
 
 from __future__ import annotations
@@ -29,11 +34,28 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ragfix.connectors.jsonl import SkipCounter, read_jsonl, require, skip_or_raise
+from ragfix.connectors.jsonl import (
+    SkipCounter,
+    UniqueIds,
+    read_jsonl,
+    refuse_duplicate,
+    require,
+    skip_or_raise,
+)
 from ragfix.errors import DataError
 from ragfix.types import JudgePair, pair_id
 
 FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "swap_judgments")
+
+#: the fields each format wants (named in the error for a file that is not JSON Lines)
+FIELDS = {
+    "llmbar": "input, output_1, output_2, label (1 or 2)",
+    "pandalm": "instruction, input, response1, response2, annotator1..3",
+    "mtbench": "question_id, model_id, choices[turns]",
+    "mtbench_questions": "question_id, turns",
+    "simple": "question, answer_a, answer_b, optional label (A, B, tie)",
+    "swap_judgments": "evaluator, winner_original_order, winner_swapped_order",
+}
 
 _LABELS = {
     "a": "A",
@@ -52,7 +74,8 @@ def detect_format(path: str | Path) -> str:
     Raises:
         DataError: no records, or the first record matches no format.
     """
-    for line, rec in read_jsonl(path, skip_invalid=True):
+    fields = f"{FIELDS['simple']} (or LLMBar: {FIELDS['llmbar']})"
+    for line, rec in read_jsonl(path, skip_invalid=True, fields=fields):
         if "winner_original_order" in rec:
             return "swap_judgments"
         if "output_1" in rec or "output_2" in rec:
@@ -114,15 +137,24 @@ def majority_label(votes: list[int], path, line: int) -> str | None:
     return {0: "tie", 1: "A", 2: "B"}[top] if count >= 2 else None
 
 
-def _read(path, limit, skip_invalid, skipped, parse) -> list[JudgePair]:
+def _read(path, limit, skip_invalid, skipped, parse, fmt: str) -> list[JudgePair]:
+    """The pairs ``parse(rec, line)`` makes of a file's records, each with its own ``pair_id``.
+
+    Warns:
+        UserWarning: pairs with the same id were given distinct ids (:class:`UniqueIds`).
+    """
     out: list[JudgePair] = []
-    for line, rec in read_jsonl(path, skip_invalid, skipped):
+    unique = UniqueIds(path, "pair", "pair id")
+    for line, rec in read_jsonl(path, skip_invalid, skipped, FIELDS[fmt]):
         if limit is not None and len(out) >= limit:
             break
         try:
-            out.append(parse(rec, line))
+            pair = parse(rec, line)
         except DataError as e:
             skip_or_raise(e, skip_invalid, skipped)
+            continue
+        out.append(pair.model_copy(update={"pair_id": unique(pair.pair_id, line)}))
+    unique.warn()
     return out
 
 
@@ -153,7 +185,7 @@ def load_llmbar(
             source=f"{path}:{line}",
         )
 
-    return _read(path, limit, skip_invalid, skipped, parse)
+    return _read(path, limit, skip_invalid, skipped, parse, "llmbar")
 
 
 def load_pandalm(
@@ -185,7 +217,7 @@ def load_pandalm(
             source=f"{path}:{line}",
         )
 
-    return _read(path, limit, skip_invalid, skipped, parse)
+    return _read(path, limit, skip_invalid, skipped, parse, "pandalm")
 
 
 def load_simple(
@@ -218,7 +250,7 @@ def load_simple(
             source=f"{path}:{line}",
         )
 
-    return _read(path, limit, skip_invalid, skipped, parse)
+    return _read(path, limit, skip_invalid, skipped, parse, "simple")
 
 
 def load_mtbench(
@@ -235,22 +267,33 @@ def load_mtbench(
     missing answer in the source sheet) becomes an empty answer, flagged.
 
     Raises:
-        DataError: a missing field, an unknown model (the message lists the known ones), or an
-            answer whose question is not in ``questions``.
+        DataError: a missing field, an unknown model (the message lists the known ones), an
+            answer whose question is not in ``questions``, or a question id (in any of the
+            files) or a model's answer to a question given twice (both lines named).
     """
     qtext: dict[int, str] = {}
-    for line, rec in read_jsonl(questions):
+    seen: dict = {}
+    for line, rec in read_jsonl(questions, fields=FIELDS["mtbench_questions"]):
         turns = require(rec, "turns", list, questions, line)
-        qtext[require(rec, "question_id", int, questions, line)] = str(turns[0])
+        qid = require(rec, "question_id", int, questions, line)
+        refuse_duplicate(seen, qid, questions, line, "question_id", f"question {qid}")
+        qtext[qid] = str(turns[0])
     refs: dict[int, str] = {}
     if references is not None:
-        for line, rec in read_jsonl(references):
+        seen = {}
+        for line, rec in read_jsonl(references, fields=FIELDS["mtbench"]):
             turns = require(rec, "choices", list, references, line)[0].get("turns") or [""]
-            refs[require(rec, "question_id", int, references, line)] = str(turns[0])
+            qid = require(rec, "question_id", int, references, line)
+            refuse_duplicate(seen, qid, references, line, "question_id", f"reference {qid}")
+            refs[qid] = str(turns[0])
     answers: dict[str, dict[int, tuple[str, int]]] = {}
-    for line, rec in read_jsonl(path):
+    seen = {}
+    for line, rec in read_jsonl(path, fields=FIELDS["mtbench"]):
         model = require(rec, "model_id", str, path, line)
         qid = require(rec, "question_id", int, path, line)
+        refuse_duplicate(
+            seen, (model, qid), path, line, "question_id", f"answer of {model} to {qid}"
+        )
         choices = require(rec, "choices", list, path, line)
         turns = choices[0].get("turns") if isinstance(choices[0], dict) else None
         if not isinstance(turns, list) or not turns:
@@ -299,11 +342,15 @@ def load_swap_judgments(path: str | Path, limit: int | None = None) -> dict[str,
         ``"A"`` / ``"B"`` / ``"invalid"``, label as an answer verdict.
 
     Raises:
-        DataError: a missing field or a winner/label other than 1/2/null.
+        DataError: a missing field, a winner/label other than 1/2/null, or one evaluator's
+            verdicts on one item given twice (both lines named).
     """
     out: dict[str, list[dict]] = {}
-    for line, rec in read_jsonl(path):
+    seen: dict = {}
+    for line, rec in read_jsonl(path, fields=FIELDS["swap_judgments"]):
         ev = require(rec, "evaluator", str, path, line)
+        item = f"{rec.get('subset', '')}:{rec.get('idx', line)}"
+        refuse_duplicate(seen, (ev, item), path, line, "idx", f"verdict of {ev} on {item}")
         rows = out.setdefault(ev, [])
         if limit is not None and len(rows) >= limit:
             continue
@@ -321,7 +368,7 @@ def load_swap_judgments(path: str | Path, limit: int | None = None) -> dict[str,
                 raise DataError(path, line, field, f"unknown winner {w!r}; expected 1, 2 or null")
         rows.append(
             {
-                "item": f"{rec.get('subset', '')}:{rec.get('idx', line)}",
+                "item": item,
                 "original": slots[0],
                 "swapped": slots[1],
                 "label": parse_label(rec.get("label"), path, line),

@@ -118,7 +118,7 @@ def test_malformed_line_names_file_and_line(tmp_path):
 
 
 def test_record_without_gold_or_answers(tmp_path):
-    no_gold = json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"text": "x"}]})
+    no_gold = json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": "x"}]})
     with pytest.raises(DataError, match=r"d\.jsonl:1: ctxs: no passage has isgold"):
         load_qa(_write(tmp_path, [no_gold]), 1)
     no_answers = json.dumps({"question": "q", "answers": [], "ctxs": []})

@@ -186,3 +186,24 @@ def test_closing_a_stream_stops_generation(smol):
     stream.close()
     assert first and time.perf_counter() - start < 5
     assert threading.active_count() == before
+
+
+def test_shared_prefix_batch_equals_naive_answers(smol):
+    # issue 17: the cells of one sample batched over their shared prefix (prefilled once, the
+    # suffixes left padded after it) give the naive path's answers and first-step log-probs
+    from ragfix.bundled import bundled_path
+    from ragfix.connectors.litm import load_samples
+
+    s = load_samples(bundled_path("kv-sample"), num_docs=6, limit=1)[0]
+    prompts = [task_prompt(s, s.passages_with_gold_at(p)) for p in (0, 3, 5)]
+    naive = smol.generate(prompts, batch_size=1, first_logprobs=True)
+    shared = smol.generate(prompts, batch_size=3, prefix_reuse=True, first_logprobs=True)
+    assert [g.text for g in shared] == [g.text for g in naive]
+    for a, b in zip(naive, shared, strict=True):
+        torch.testing.assert_close(a.first_logprobs, b.first_logprobs, rtol=1e-4, atol=1e-4)
+    import os
+
+    common = len(os.path.commonprefix([smol.encode(p) for p in prompts]))
+    assert common > 20  # the chat header and instruction
+    saved = sum(g.prompt_tokens for g in naive) - sum(g.prefill_tokens for g in shared)
+    assert saved == 2 * common  # the prefix is prefilled once instead of three times

@@ -251,9 +251,12 @@ class HFBackend(Backend):
         first_logprobs: bool = False,
         prefix_reuse: bool = False,
     ) -> list[Generation]:
-        """Greedy answers (see :meth:`Backend.generate`). Batches are formed from prompts of
-        similar length that share a budget and stop rule; with ``prefix_reuse`` (and without
-        ``first_logprobs``) prompts run one at a time over a KV cache kept between calls."""
+        """Greedy answers (see :meth:`Backend.generate`). Without ``prefix_reuse``, batches are
+        formed from prompts of similar length that share a budget and stop rule. With it (where
+        :attr:`supports_prefix_reuse`): at ``batch_size`` 1, prompts run one at a time over a KV
+        cache kept between calls; above 1, consecutive prompts (in the given order: put the cells
+        of one sample together) are batched over their shared prefix, prefilled once
+        (:meth:`_generate_shared`)."""
         items = []
         for p in prompts:
             if isinstance(p, TaskPrompt):
@@ -263,23 +266,87 @@ class HFBackend(Backend):
                 mnt = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
                 stop = True if stop_at_newline is None else stop_at_newline
             items.append((self.encode(p), mnt, stop))
-        if prefix_reuse and self.supports_prefix_reuse and not first_logprobs:
-            return [self._generate_reusing(*item) for item in items]
         size = batch_size if self.supports_batching else 1
-        order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
+        if prefix_reuse and self.supports_prefix_reuse:
+            if size == 1 and not first_logprobs:
+                return [self._generate_reusing(*item) for item in items]
+            order, run = list(range(len(items))), self._generate_shared
+        else:
+            order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
+            run = self._generate_ids
         results: list[Generation | None] = [None] * len(items)
-        i = 0
-        while i < len(order):
-            _, mnt, stop = items[order[i]]
-            group = [order[i]]
-            i += 1
-            while i < len(order) and len(group) < size and items[order[i]][1:] == (mnt, stop):
-                group.append(order[i])
-                i += 1
-            gens = self._generate_ids([items[j][0] for j in group], mnt, stop, first_logprobs)
+        for group in _groups(items, order, size):
+            mnt, stop = items[group[0]][1:]
+            gens = run([items[j][0] for j in group], mnt, stop, first_logprobs)
             for j, g in zip(group, gens, strict=True):
                 results[j] = g
         return results  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate_shared(
+        self,
+        batch: list[list[int]],
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        first_logprobs: bool = False,
+    ) -> list[Generation]:
+        """Greedy decoding of ``B`` prompts that share a token prefix: the prefix is prefilled
+        once (batch 1), its KV cache repeated ``B`` times, the distinct suffixes prefilled as one
+        left-padded batch over it (padding sits between prefix and suffix, masked, position IDs
+        counted over real tokens only) and all rows decoded together, each stopping at its own
+        stop rule. Greedy answers equal :meth:`_generate_ids` up to floating-point differences of
+        the differently shaped matmuls.
+
+        ``prefill_tokens`` counts the prefix for the first row only, so their sum is the tokens
+        actually prefilled (padding excluded).
+        """
+        from transformers import DynamicCache
+
+        start = time.perf_counter()
+        common = len(batch[0]) - 1  # at least one token of every prompt is fed to get logits
+        for ids in batch[1:]:
+            common = min(common, len(ids) - 1)
+            common = next((i for i in range(common) if ids[i] != batch[0][i]), common)
+        cache = DynamicCache(config=self.model.config)
+        if common:
+            self.model(input_ids=torch.tensor([batch[0][:common]], device=self.device), cache=cache)
+            cache.batch_repeat_interleave(len(batch))
+        width = max(len(x) for x in batch) - common
+        pad = self.tokenizer.pad_token_id
+        rows = [x[:common] + [pad] * (width - len(x) + common) + x[common:] for x in batch]
+        mask = [
+            [1] * common + [0] * (width - len(x) + common) + [1] * (len(x) - common) for x in batch
+        ]
+        out = self.model.generate(
+            input_ids=torch.tensor(rows, device=self.device),
+            attention_mask=torch.tensor(mask, device=self.device),
+            cache=cache,
+            generation_config=self._generation_config(
+                max_new_tokens,
+                stop_at_newline,
+                return_dict_in_generate=True,
+                output_logits=first_logprobs,
+            ),
+            tokenizer=self.tokenizer,
+        )
+        firsts = torch.log_softmax(out.logits[0].float(), dim=-1).cpu() if first_logprobs else None
+        secs = (time.perf_counter() - start) / len(batch)
+        gens = []
+        for i, (row, prompt) in enumerate(
+            zip(out.sequences[:, common + width :].tolist(), batch, strict=True)
+        ):
+            text, n_new = self._decode_answer(row, stop_at_newline)
+            gens.append(
+                Generation(
+                    text=text,
+                    prompt_tokens=len(prompt),
+                    new_tokens=n_new,
+                    prefill_tokens=len(prompt) - common + (common if i == 0 else 0),
+                    seconds=secs,
+                    first_logprobs=None if firsts is None else firsts[i],
+                )
+            )
+        return gens
 
     def stream(
         self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
@@ -390,6 +457,19 @@ class HFBackend(Backend):
             raise RagfixError(f"backend {self.name!r} exposes no attention weights")
         att = torch.stack([a[0, :, -1, :].float() for a in out.attentions]).mean(dim=(0, 1)).cpu()
         return [float(att[s:e].sum()) for s, e in spans]
+
+
+def _groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[int]]:
+    """Consecutive runs of ``order`` of at most ``size`` items sharing a budget and stop rule
+    (``items[i] = (ids, max_new_tokens, stop_at_newline)``)."""
+    i = 0
+    while i < len(order):
+        group = [order[i]]
+        i += 1
+        while i < len(order) and len(group) < size and items[order[i]][1:] == items[group[0]][1:]:
+            group.append(order[i])
+            i += 1
+        yield group
 
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "NO_CHAT_TEMPLATE", "HFBackend"]

@@ -21,20 +21,29 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field
 
+from ragfix.errors import ConfigError
 from ragfix.types import JudgePair
 
 Verdict = Literal["A", "B", "tie", "invalid"]
 VERDICTS: tuple[str, ...] = ("A", "B", "tie", "invalid")
 
 _LETTER = {"a": "A", "b": "B", "c": "tie", "tie": "tie"}
-_BRACKETED = re.compile(
-    r"\[\[\s*(?:assistant\s+|answer\s+|output\s+)?(a|b|c|tie)(?![a-z])[^\]\n]{0,20}(?:\]\]|$)",
+#: a quote right before a marker: the reply quotes the format (``"[[A]]" if ...``), not a verdict
+_NOT_QUOTED = r"(?<![\"'\u201c\u2018`])"
+_MARKER = re.compile(
+    _NOT_QUOTED
+    + r"\[\[\s*(?:assistant\s+|answer\s+|output\s+)?(a|b|c|tie)(?![a-z])[^\]\n]{0,20}(?:\]\]|$)",
     re.IGNORECASE,
 )
+# LLMBar's "Output (a)" / "Output (b)" (the whole reply)
+_LLMBAR = re.compile(r"^\s*output\s*\((a|b)\)\s*[.!]?\s*$", re.IGNORECASE)
 _FREE_FORMS = [
-    # "Final verdict: A", "verdict is [B]", "Verdict - Assistant B"
+    # "Final verdict: A", "The verdict is a tie.", "Verdict - Assistant B"; a lowercase letter
+    # followed by a word is the article ("the verdict is a clear win ...": nothing read)
     re.compile(
-        r"verdict\s*(?:is|:|-)?\s*\[*\s*(?:assistant\s+)?(a|b|c|tie)(?![a-z0-9])", re.IGNORECASE
+        r"\bverdict\s*(?:is|:|-|=)?\s*(?:(?:a\s+)?(tie)\b|(?:assistant|answer|response)\s+(a|b)\b"
+        r"|(?-i:([ABC]))(?![\w'])|([abc])(?![\w'])(?!\s+\w))",
+        re.IGNORECASE,
     ),
     # "Assistant A is better", "Assistant B's answer is better", "answer A is superior"
     re.compile(
@@ -42,34 +51,60 @@ _FREE_FORMS = [
         r"(?:clearly\s+|slightly\s+|much\s+)?(?:the\s+)?(?:better|superior|preferred)",
         re.IGNORECASE,
     ),
-    # LLMBar's "Output (a)" / "Output (b)"
-    re.compile(r"^\s*output\s*\((a|b)\)\s*$", re.IGNORECASE),
     # the whole reply is one letter or "tie"
-    re.compile(r"^\s*\[*\s*(a|b|c|tie)\s*\]*\s*[.!]?\s*$", re.IGNORECASE),
+    re.compile(r"^\s*(a|b|c|tie)\s*[.!]?\s*$", re.IGNORECASE),
 ]
+#: verdict formats :func:`parse_verdict` reads: the MT-bench ``[[A]]`` markers, LLMBar's
+#: ``Output (a)``, or ``any`` (markers, else LLMBar's form, else the free forms)
+VERDICT_FORMATS = ("any", "mtbench", "llmbar")
 
 
-def parse_verdict(text: str) -> Verdict:
+def _found(pattern: re.Pattern, text: str) -> list[Verdict]:
+    """The verdicts ``pattern`` reads in ``text``, in order (one capture group per match)."""
+    return [_LETTER[m.group(m.lastindex).lower()] for m in pattern.finditer(text)]
+
+
+def parse_verdict(text: str, fmt: str = "any") -> Verdict:
     """The slot verdict in a judge's reply; ``"invalid"`` when none can be read (never guessed).
 
-    Recognised, in this order: the MT-bench markers ``[[A]]`` / ``[[B]]`` / ``[[C]]`` (also
-    ``[[Assistant A]]``, ``[[tie]]``, and an unclosed ``[[A`` at the end of a cut reply); then
-    free forms: ``Verdict: A``, ``Assistant B is better``, LLMBar's ``Output (a)``, a bare
-    letter. ``C`` means tie. If the first form that matches names two different verdicts (e.g.
-    the reply repeats the instructions ``"[[A]]" if ... "[[B]]" if ...``), the reply is invalid.
+    The rule follows the MT-bench judge convention that the verdict is given last ("... then
+    output your final verdict"): of the ``[[A]]`` / ``[[B]]`` / ``[[C]]`` markers (also
+    ``[[Assistant A]]``, ``[[tie]]``, and an unclosed ``[[A`` at the end of a cut reply), the
+    last standalone one wins, so ``[[A]] [[B]]`` is ``B`` and a verdict mentioned while reasoning
+    does not hide the final one. A marker right after a quote (``"[[A]]" if assistant A is
+    better``) quotes the format and is not a verdict. Letters are read case-insensitively
+    (``[[b]]`` is ``B``); ``C`` means tie; single brackets (``[B]``) are not the format.
+
+    Without a marker (format ``any``): LLMBar's ``Output (a)`` / ``Output (b)`` as the whole
+    reply; then free forms, the first that matches deciding: ``Verdict: A``, ``The verdict is a
+    tie``, ``Assistant B is better``, a bare letter or ``tie`` as the whole reply. Free forms are
+    weaker evidence: one naming two different verdicts makes the reply invalid. A tie said in
+    words elsewhere ("Both are fine. Tie.") is not read.
 
     Args:
         text: the judge's reply (for the ``verdict`` style: the prefix ``[[`` plus the reply).
+        fmt: ``any`` (default), ``mtbench`` (markers only) or ``llmbar`` (``Output (a)`` /
+            ``Output (b)`` only).
 
     Returns:
         ``"A"``, ``"B"``, ``"tie"`` or ``"invalid"``.
+
+    Raises:
+        ConfigError: unknown ``fmt``.
     """
-    for pattern in (_BRACKETED, *_FREE_FORMS):
-        found = {_LETTER[m.lower()] for m in pattern.findall(text)}
-        if len(found) == 1:
-            return found.pop()  # type: ignore[return-value]
-        if len(found) > 1:
-            return "invalid"
+    if fmt not in VERDICT_FORMATS:
+        raise ConfigError(f"unknown verdict format {fmt!r}; choose one of: {VERDICT_FORMATS}")
+    if fmt in ("any", "mtbench"):
+        markers = _found(_MARKER, text)
+        if markers or fmt == "mtbench":
+            return markers[-1] if markers else "invalid"
+    llmbar = _found(_LLMBAR, text)
+    if llmbar or fmt == "llmbar":
+        return llmbar[-1] if llmbar else "invalid"
+    for pattern in _FREE_FORMS:
+        found = set(_found(pattern, text))
+        if found:
+            return found.pop() if len(found) == 1 else "invalid"
     return "invalid"
 
 
