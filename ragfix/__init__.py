@@ -1,6 +1,36 @@
-"""ragfix: fix position bias in retrieval-augmented generation."""
+"""ragfix: fix position bias in retrieval-augmented generation.
 
-_LAZY = {"RagFixPostprocessor": "ragfix.postprocessor", "RagFixLLM": "ragfix.llm"}
+The LlamaIndex path in four names (``examples/quickstart.py`` runs it end to end)::
+
+    from ragfix import RagFixLLM, RagFixPostprocessor, build_corpus, text_qa_template
+    from ragfix.backends import load_backend
+
+    index = build_corpus("docs/").index          # FAISS index, embedded MiniLM embedder, offline
+    backend = load_backend("vanilla")            # the embedded SmolLM2-135M-Instruct
+    engine = index.as_query_engine(
+        llm=RagFixLLM(backend),
+        node_postprocessors=[RagFixPostprocessor(strategy="lost-in-the-middle", backend=backend)],
+        text_qa_template=text_qa_template(),
+    )
+
+* :func:`build_corpus` (:mod:`ragfix.connectors.corpus`): a folder of ``.txt``/``.md``/``.pdf``/
+  ``.html`` files or a JSONL corpus, chunked, embedded and indexed (persisted; rebuilt only when
+  something changed); ``.index`` is the LlamaIndex ``VectorStoreIndex``, ``.nodes`` its chunks.
+* :func:`embedder`: the embedded all-MiniLM-L6-v2 as a LlamaIndex embedding model (for an index
+  built your own way: ``VectorStoreIndex.from_documents(docs, embed_model=embedder())``).
+* :class:`RagFixPostprocessor`, :class:`RagFixLLM`, :func:`text_qa_template`: the LlamaIndex
+  components.
+
+The names are imported on first use, so ``import ragfix`` stays light.
+"""
+
+_LAZY = {
+    "RagFixPostprocessor": "ragfix.postprocessor",
+    "text_qa_template": "ragfix.postprocessor",
+    "RagFixLLM": "ragfix.llm",
+    "build_corpus": "ragfix.connectors.corpus",
+    "embedder": "ragfix.connectors.corpus",
+}
 __all__ = list(_LAZY)
 
 
@@ -11,3 +41,8 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ragfix' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Module attributes including the lazily imported names."""
+    return sorted([*globals(), *_LAZY])

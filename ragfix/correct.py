@@ -1,7 +1,9 @@
-"""Corrections before reordering: drop near-duplicate passages, fit the rest to a token budget.
+"""Corrections before reordering: drop blank passages, drop near-duplicate passages, fit the rest
+to a token budget.
 
-Both work on texts in retrieval order (index = rank, 0 = best) and return the indices to keep,
-in the same order, so callers can apply them to nodes, passages or anything else.
+All work on texts in retrieval order (index = rank, 0 = best) and return the indices to keep,
+in the same order, so callers can apply them to nodes, passages or anything else. Each handles an
+empty list (``[]``) and a single text.
 """
 
 from __future__ import annotations
@@ -34,9 +36,22 @@ def jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b)
 
 
+def is_blank(text: str) -> bool:
+    """True for a text with no word character (empty, white space or punctuation only): nothing
+    a model could read an answer from."""
+    return _WORD.search(text) is None
+
+
+def drop_blank(texts: Sequence[str]) -> list[int]:
+    """Indices of the texts that are not blank (:func:`is_blank`), in order."""
+    return [i for i, t in enumerate(texts) if not is_blank(t)]
+
+
 def drop_near_duplicates(texts: Sequence[str], threshold: float = 0.9) -> list[int]:
     """Indices of the texts to keep: a text whose word-3-gram Jaccard similarity with a
     higher-ranked kept text is ``>= threshold`` is dropped (the higher-ranked copy stays).
+    A blank text has no word 3-grams and is never called a duplicate (drop blanks with
+    :func:`drop_blank`).
 
     Args:
         texts: passages in retrieval order.
@@ -46,7 +61,7 @@ def drop_near_duplicates(texts: Sequence[str], threshold: float = 0.9) -> list[i
     kept_sh: list[set] = []
     for i, t in enumerate(texts):
         sh = shingles(t)
-        if any(jaccard(sh, k) >= threshold for k in kept_sh):
+        if sh and any(jaccard(sh, k) >= threshold for k in kept_sh if k):
             continue
         kept.append(i)
         kept_sh.append(sh)

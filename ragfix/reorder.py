@@ -159,14 +159,17 @@ def load_profile(
 
 
 def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) -> list[int]:
-    """The order of a content-blind strategy for ``n`` passages.
+    """The order of a content-blind strategy for ``n`` passages (``[]`` for none, ``[0]`` for
+    one, whatever the strategy and profile: there is nothing to place).
 
     Raises:
         ConfigError: unknown strategy, ``attention-sort`` (needs a model), ``bias-profile``
             without a profile.
-        ProfileError: a profile of another length.
+        ProfileError: a profile of another length (``n >= 2``).
     """
     check_strategy(strategy)
+    if n <= 1 and strategy != "attention-sort":
+        return none_order(n)
     if strategy == "none":
         return none_order(n)
     if strategy == "reverse":
@@ -178,9 +181,8 @@ def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) 
             raise ConfigError("bias-profile needs a profile (summary.json or accuracies)")
         if len(profile) != n:
             raise ProfileError(
-                f"bias profile covers {len(profile)} documents but {n} passages were given "
-                f"(after dropping near-duplicates and over-budget passages); measure a profile "
-                f"with {n} documents or set dedup_threshold=None"
+                f"bias profile covers {len(profile)} documents but {n} passages were given; "
+                f"measure a profile with {n} documents"
             )
         return bias_profile_order(profile)
     raise ConfigError("attention-sort reads the passages with a model: use attention_sort_order")
@@ -229,16 +231,25 @@ def attention_sort_order(
 
     Returns:
         ``(order, attention)``: ``order[position] = rank``; ``attention`` holds each round's
-        attention per rank (``rounds`` lists of ``n`` floats).
+        attention per rank (``rounds`` lists of ``n`` floats; no rounds, and no model call, for
+        fewer than two passages).
 
     Raises:
-        ConfigError: ``rounds < 1`` or an unknown task.
+        ConfigError: ``rounds < 1``, an empty question (the passages are never sorted by the
+            attention of an empty ``Question:``) or an unknown task.
         RagfixError: the backend exposes no attention weights.
     """
     if rounds < 1:
         raise ConfigError("attention-sort needs at least one round")
+    if not question or not question.strip():
+        raise ConfigError(
+            "attention-sort needs the query: it sorts the passages by the attention the question "
+            "pays them (pass query_str= or query_bundle= to postprocess_nodes)"
+        )
     order = none_order(len(passages))
-    history = []
+    history: list[list[float]] = []
+    if len(passages) < 2:
+        return order, history
     for _ in range(rounds):
         pieces = prompt_pieces(backend, question, [passages[r] for r in order], task)
         mass = backend.span_attention(pieces)[1:-1]

@@ -8,11 +8,12 @@ import json
 
 import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
+from pydantic import ValidationError
 
 from ragfix.connectors.corpus import CorpusError, build_corpus, load_documents, load_questions
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.correct import BudgetError
-from ragfix.errors import DataError
+from ragfix.errors import ConfigError, DataError
 from ragfix.llm import RagFixLLM
 from ragfix.postprocessor import RagFixPostprocessor
 from ragfix.reorder import ProfileError
@@ -245,3 +246,46 @@ def test_llm_prefix_reuse_gives_the_same_answers(smol):
     assert [a for a, _ in answers] == [b for _, b in answers]
     assert gen.prefill_tokens < gen.prompt_tokens - 100  # the shared head was not recomputed
     assert plain.last_generation.prefill_tokens == plain.last_generation.prompt_tokens
+
+
+def test_unknown_settings_are_refused_and_budgets_checked_against_the_model(smol):
+    """A typo is never ignored (pydantic extra="forbid"); budgets that cannot work with the
+    model fail at construction naming both values."""
+    with pytest.raises(ValidationError, match="dedup_treshold"):
+        RagFixPostprocessor(strategy="none", dedup_treshold=0.5)
+    with pytest.raises(ValidationError, match="max_new_token\n"):
+        RagFixLLM(smol, max_new_token=5)
+    with pytest.raises(ValidationError, match="over_budget"):
+        RagFixPostprocessor(over_budget="ignore")
+    with pytest.raises(ConfigError, match="token_budget=9000 is larger than the 8192-token"):
+        RagFixPostprocessor(backend=smol, token_budget=9000)
+    with pytest.raises(ConfigError, match="reserve_tokens=8192 leaves no token budget"):
+        RagFixPostprocessor(backend=smol, reserve_tokens=8192)
+    with pytest.raises(ConfigError, match="token_budget needs backend"):
+        RagFixPostprocessor(token_budget=100)
+    llm = RagFixLLM(smol, num_output=12)  # LlamaIndex's name for the output budget
+    assert llm.max_new_tokens == llm.metadata.num_output == 12
+
+
+def test_llm_refuses_a_prompt_that_does_not_fit_the_window(smol):
+    """The prompt as the model reads it plus the output budget must fit the backend's window:
+    refused before the model runs, never truncated."""
+    llm = RagFixLLM(smol, num_output=8000, use_chat_template=False)
+    prompt = "word " * 300
+    size = smol.count_tokens(prompt)
+    with pytest.raises(ConfigError, match=f"prompt has {size} tokens .* num_output=8000 .* 8192"):
+        llm.complete(prompt)
+    assert llm.calls == 0 and llm.last_prompt is None
+
+
+def test_profile_size_mismatch_names_what_was_dropped(smol):
+    nodes = _nodes()
+    nodes.insert(1, NodeWithScore(node=TextNode(text=TEXTS[0], id_="dup")))
+    nodes.append(NodeWithScore(node=TextNode(text="  ", id_="blank")))
+    post = RagFixPostprocessor(strategy="bias-profile", profile=[0.5] * 6, backend=smol)
+    with pytest.raises(ProfileError) as err:
+        post.postprocess_nodes(nodes, query_str="capital?")
+    assert str(err.value) == (
+        "bias profile covers 6 documents but 5 passages were given; measure a profile with 5 "
+        "documents (7 nodes given, dropped: 1 blank, 1 duplicates, set dedup_threshold=None)"
+    )

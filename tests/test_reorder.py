@@ -173,3 +173,19 @@ def test_attention_sort_sorts_by_last_token_attention(smol):
     assert smol.model.config._attn_implementation == "sdpa"  # restored after reading attention
     with pytest.raises(ConfigError, match="at least one round"):
         attention_sort_order(smol, q, PASSAGES, rounds=0)
+
+
+@pytest.mark.parametrize("strategy", ["none", "reverse", "lost-in-the-middle", "bias-profile"])
+def test_no_or_one_passage_needs_no_placement(strategy):
+    """Nothing to place: [] and [0] whatever the profile's length (a 4-position profile here)."""
+    profile = [0.1, 0.9, 0.5, 0.3]
+    assert static_order(strategy, 0, profile) == []
+    assert static_order(strategy, 1, profile) == [0]
+    with pytest.raises(ProfileError, match="covers 4 documents but 2"):
+        static_order("bias-profile", 2, profile)
+
+
+def test_attention_sort_of_one_passage_reads_nothing(smol, monkeypatch):
+    monkeypatch.setattr(smol, "span_attention", lambda pieces: pytest.fail("model read"))
+    assert attention_sort_order(smol, "Where is Berlin?", PASSAGES[:1]) == ([0], [])
+    assert attention_sort_order(smol, "Where is Berlin?", []) == ([], [])
