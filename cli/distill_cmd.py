@@ -24,6 +24,13 @@ ExcludeOpt = Annotated[
     list[Path] | None,
     typer.Option("--exclude", help="evaluation file whose questions must not be trained on"),
 ]
+RecordsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="record range START:END of each training file (0-based, END excluded; record i is "
+        "line i+1), before --offset/--candidates; kept in the adapter metadata"
+    ),
+]
 OffsetOpt = Annotated[int, typer.Option(help="skip this many records of each training file")]
 CandidatesOpt = Annotated[
     int | None, typer.Option(help="records to try per file (default: all after --offset)")
@@ -39,17 +46,29 @@ ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads")]
 
 
 def _load(
-    files: list[Path], num_docs: int, offset: int, candidates: int | None, max_words: int | None
+    files: list[Path],
+    num_docs: int,
+    offset: int,
+    candidates: int | None,
+    max_words: int | None,
+    records: slice | None = None,
 ):
+    """The training samples of every file: the records of ``records`` (all when None), then
+    ``offset`` skipped and ``candidates`` kept, passages cut to ``max_words``."""
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import load_samples
     from ragfix.distill import shorten_sample
+    from ragfix.eval.sweep import select_records
 
     out = []
     for f in files:
         limit = None if candidates is None else offset + candidates
         skipped = SkipCounter()
-        loaded = load_samples(f, num_docs, limit, skip_invalid=True, skipped=skipped)
+        loaded = load_samples(
+            f, num_docs, None if records else limit, skip_invalid=True, skipped=skipped
+        )
+        if records is not None:
+            loaded = select_records(loaded, records)[:limit]
         out += [shorten_sample(s, max_words) for s in loaded[offset:]]
         if skipped.count:
             console.print(
@@ -71,6 +90,7 @@ def _train(
     out: Path,
     model: str,
     exclude: list[Path] | None,
+    records: str | None,
     offset: int,
     candidates: int | None,
     threads: int | None,
@@ -85,16 +105,18 @@ def _train(
 
     from ragfix.distill import DistillSettings, compose_two_passage, distill
     from ragfix.errors import ConfigError
+    from ragfix.eval.sweep import format_records, parse_records
 
     if threads:
         torch.set_num_threads(threads)
+    rng = parse_records(records) if records is not None else None
     cfg = DistillSettings(**settings)
-    samples = _load(train, cfg.num_docs, offset, candidates, cfg.max_passage_words)
+    samples = _load(train, cfg.num_docs, offset, candidates, cfg.max_passage_words, rng)
     excluded = _excluded(exclude)
     if cfg.variant == "r2":
         samples = compose_two_passage(samples, cfg.num_docs, excluded)
     if not samples:
-        raise ConfigError("no training questions left (check --offset / --candidates)")
+        raise ConfigError("no training questions left (check --records / --offset / --candidates)")
     result, meta = distill(
         model,
         samples,
@@ -102,6 +124,7 @@ def _train(
         out,
         excluded=excluded,
         train_files=[str(f) for f in train],
+        train_records=format_records(rng) if rng else None,
         device=device,
         dtype=dtype,
         resume=resume,
@@ -138,6 +161,7 @@ def register(app: typer.Typer) -> None:
         out: OutOpt,
         model: ModelOpt = "smollm2",
         exclude: ExcludeOpt = None,
+        records: RecordsOpt = None,
         offset: OffsetOpt = 0,
         candidates: CandidatesOpt = None,
         questions: Annotated[int, typer.Option(help="correct teacher answers to keep")] = 300,
@@ -165,8 +189,9 @@ def register(app: typer.Typer) -> None:
         """R1 (retrieval): KL from the model at its advantaged position to every other one."""
         with user_errors():
             _train(
-                train, out, model, exclude, offset, candidates, threads, device, dtype, resume,
-                stop_after, variant="r1", num_docs=num_docs, max_passage_words=max_passage_words,
+                train, out, model, exclude, records, offset, candidates, threads, device, dtype,
+                resume, stop_after, variant="r1", num_docs=num_docs,
+                max_passage_words=max_passage_words,
                 questions=questions, positions_per_question=positions_per_question,
                 anchor_position=anchor_position, anchor_weight=anchor_weight, epochs=epochs,
                 max_steps=max_steps, effective_batch=effective_batch, micro_batch=micro_batch,
@@ -180,6 +205,7 @@ def register(app: typer.Typer) -> None:
         out: OutOpt,
         model: ModelOpt = "smollm2",
         exclude: ExcludeOpt = None,
+        records: RecordsOpt = None,
         offset: OffsetOpt = 0,
         candidates: CandidatesOpt = None,
         questions: Annotated[int, typer.Option(help="correct teacher answers to keep")] = 500,
@@ -208,8 +234,9 @@ def register(app: typer.Typer) -> None:
         questions of the training files (two gold passages, both answers required)."""
         with user_errors():
             _train(
-                train, out, model, exclude, offset, candidates, threads, device, dtype, resume,
-                stop_after, variant="r2", num_docs=num_docs, max_passage_words=max_passage_words,
+                train, out, model, exclude, records, offset, candidates, threads, device, dtype,
+                resume, stop_after, variant="r2", num_docs=num_docs,
+                max_passage_words=max_passage_words,
                 questions=questions, positions_per_question=positions_per_question,
                 r2_max_new_tokens=max_new_tokens, epochs=epochs, max_steps=max_steps,
                 effective_batch=effective_batch, micro_batch=micro_batch, lr=lr, lora_r=lora_r,

@@ -1,4 +1,4 @@
-"""``ragfix eval`` (the position sweep), ``ragfix report`` and ``ragfix models``."""
+"""``ragfix eval`` (the position sweep), ``ragfix demo`` and ``ragfix models``."""
 
 from __future__ import annotations
 
@@ -34,10 +34,13 @@ def backend_options(
 
 
 def print_run(summary: dict, out: Path, title: str) -> None:
-    """The per-position tables of a finished sweep and where its files are."""
+    """The per-position tables of a finished sweep, its flagged cells per position (overflow,
+    degenerate gold) and where its files are."""
     from ragfix.eval.report import print_summary
+    from ragfix.eval.sweep import print_flags
 
     print_summary(summary, console, title=title)
+    print_flags(summary, console)
     console.print(
         f"results: {out / 'results.jsonl'} | summary: {out / 'summary.json'} | "
         f"plot: {out / 'curve.png'}"
@@ -45,7 +48,7 @@ def print_run(summary: dict, out: Path, title: str) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``eval``, ``report`` and ``models`` to the CLI."""
+    """Add ``eval``, ``demo`` and ``models`` to the CLI."""
 
     @app.command("eval")
     def eval_cmd(
@@ -61,6 +64,13 @@ def register(app: typer.Typer) -> None:
         ),
         num_docs: Annotated[int, typer.Option(help="documents (or KV pairs) per prompt")] = 10,
         positions: Annotated[str, typer.Option(help="all | first,middle,last | 0,4,9")] = "all",
+        records: Annotated[
+            str | None,
+            typer.Option(
+                help="record range START:END of the data file (0-based, END excluded; record i "
+                "is line i+1), before --limit; kept in config.json"
+            ),
+        ] = None,
         limit: Annotated[int | None, typer.Option(help="use the first N samples")] = None,
         model: ModelOpt = "smollm2",
         backend: BackendOpt = "vanilla",
@@ -111,6 +121,8 @@ def register(app: typer.Typer) -> None:
             if corpus is not None or questions is not None:
                 if corpus is None or questions is None:
                     raise ConfigError("pipeline mode needs both --corpus and --questions")
+                if records is not None:
+                    raise ConfigError("--records selects records of a data file, not questions")
                 from ragfix.eval.pipeline import run_pipeline_sweep
 
                 run_pipeline_sweep(
@@ -146,6 +158,7 @@ def register(app: typer.Typer) -> None:
                 backend_options=options,
                 num_docs=num_docs,
                 positions=positions,
+                records=records,
                 limit=limit,
                 batch_size=batch_size,
                 prefix_reuse=prefix_reuse,
@@ -173,42 +186,6 @@ def register(app: typer.Typer) -> None:
                 "kv-sample", out, num_docs=8, limit=limit, device=device, console=console
             )
             print_run(summary, out, "smollm2 · vanilla · 8 KV pairs")
-
-    @app.command("report")
-    def report_cmd(
-        runs: Annotated[list[Path], typer.Argument(help="run folders (each with summary.json)")],
-        out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write")] = Path(
-            "runs/compare.png"
-        ),
-        title: Annotated[str | None, typer.Option(help="plot title")] = None,
-    ) -> None:
-        """Print the tables of several runs and draw their curves on one plot.
-
-        When there are two curves or more (several runs, or one run with several strategies),
-        every curve is also compared with the first on the cells they share: the difference per
-        position and the exact McNemar p-value."""
-        from ragfix.eval.report import (
-            cells_by_curve,
-            plot_curves,
-            print_paired,
-            print_summary,
-            read_summary,
-        )
-        from ragfix.eval.sweep import open_store
-
-        with user_errors():
-            loaded, curves = [], []
-            for r in runs:
-                folder = r if r.is_dir() else r.parent
-                summary = read_summary(folder)
-                print_summary(summary, console, title=str(folder))
-                loaded.append((folder.name, summary))
-                records = list(open_store(folder).load().values())
-                curves += [(f"{folder.name}:{k}", v) for k, v in cells_by_curve(records).items()]
-            plot_curves(loaded, out, title)
-            console.print(f"plot: {out}")
-            if len(curves) > 1:
-                print_paired(curves, console)
 
     @app.command("models")
     def models_cmd(

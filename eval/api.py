@@ -5,6 +5,10 @@ record per finished cell, a rerun skips them, and under ``torchrun`` / ``acceler
 rank computes its share of whole samples (:mod:`ragfix.eval.shard`) and rank 0 merges and
 reports. ``config.json`` is written when the first cell is stored, so a run that fails before any
 result (a bad option, a missing model) leaves nothing that blocks the corrected rerun.
+
+Cells whose prompt does not fit the model's window are flagged ``overflow``, never run, and their
+samples left out of the accuracy at every position (:func:`ragfix.eval.sweep.summary_counts`):
+the summary's ``flags`` count them per position.
 """
 
 from __future__ import annotations
@@ -14,11 +18,23 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ragfix.errors import DataError
+from ragfix.errors import ConfigError, DataError
 from ragfix.eval.report import progress_bar, write_report
 from ragfix.eval.shard import assign_groups, distributed_state, merge_shards
-from ragfix.eval.sweep import Cell, SweepConfig, open_store, parse_positions, plan_cells, run_cells
+from ragfix.eval.sweep import (
+    OVERFLOW,
+    Cell,
+    SweepConfig,
+    open_store,
+    parse_positions,
+    parse_records,
+    plan_cells,
+    run_cells,
+    select_records,
+    summary_counts,
+)
 from ragfix.io import JsonlStore
+from ragfix.tasks import get_task
 from ragfix.types import SweepRecord
 
 
@@ -68,10 +84,21 @@ def _compute(
     console: Console | None,
 ) -> None:
     """Load the backend, compute ``todo`` and store each record as it is done (``config.json``
-    first, before the first record)."""
+    first, before the first record).
+
+    Raises:
+        ConfigError: the task's answer budget alone fills the backend's window (no prompt could
+            fit; both numbers named).
+    """
     backend = load()
+    budget = get_task(config.task).max_new_tokens
+    if budget >= backend.context_window and not backend.cuts_long_prompts:
+        raise ConfigError(
+            f"the {config.task} task's answer budget of {budget} tokens leaves no room for a "
+            f"prompt in the {backend.context_window}-token window of {config.model}"
+        )
     has_config = [config.check(out)]
-    right = [0]
+    right, scored = [0], [0]
     with progress_bar(console, disable=console is None or rank != 0) as bar:
         task = bar.add_task(f"{config.backend} sweep", total=len(todo), status="")
 
@@ -83,8 +110,9 @@ def _compute(
                 has_config[0] = True
             store.append(rec.model_dump())
             right[0] += rec.correct
-            n = bar.tasks[task].completed + 1
-            bar.update(task, advance=1, status=f"acc {right[0] / n:.2f}")
+            scored[0] += OVERFLOW not in rec.flags
+            status = f"acc {right[0] / scored[0]:.2f}" if scored[0] else "overflow"
+            bar.update(task, advance=1, status=status)
             if on_record is not None:
                 on_record(rec)
 
@@ -101,6 +129,7 @@ def run_sweep(
     backend_options: dict | None = None,
     num_docs: int = 10,
     positions: str = "all",
+    records: str | None = None,
     limit: int | None = None,
     batch_size: int | None = None,
     prefix_reuse: bool = True,
@@ -127,7 +156,11 @@ def run_sweep(
             the adapter path are part of the cell ids.
         num_docs: passages (documents or KV pairs) per prompt.
         positions: ``all``, ``first,middle,last`` or ``0,4,9`` (0-based gold positions).
-        limit: use the first ``limit`` samples.
+        records: a record range of the file, ``"START:END"`` (0-based, END excluded; record
+            ``i`` is on line ``i + 1``), applied before ``limit``; written to ``config.json``
+            (a tune range and a disjoint test range, issue 15's protocol). The whole file is
+            read (and must be valid, or ``skip_invalid``) so distractors never depend on it.
+        limit: use the first ``limit`` samples (of the range).
         batch_size: cells per batch (default 1 on the CPU, 16 on CUDA).
         prefix_reuse: with batch size 1, reuse the KV cache of the shared prompt prefix across
             the positions of a sample (same answers, fewer prefill tokens).
@@ -139,14 +172,18 @@ def run_sweep(
         console: where progress and notes go (``None``: quiet).
 
     Returns:
-        the summary (as written to ``summary.json``); ``{}`` on ranks other than 0.
+        the summary (as written to ``summary.json``, with ``flags``: ``{flag: {position:
+        cells}}``, ``cells``, ``scored_cells``, ``excluded_samples``); ``{}`` on ranks other
+        than 0.
 
     Raises:
-        DataError: a missing file or a malformed record.
-        ConfigError: unknown backend, bad positions, a missing adapter for an adapter backend.
+        DataError: a missing file, a malformed record, no record in ``records``.
+        ConfigError: unknown backend, bad positions or record range, ``limit`` or
+            ``batch_size`` < 1, a missing adapter for an adapter backend, an answer budget
+            that fills the model's window.
         ConfigMismatchError: ``out`` holds results of another configuration.
         ModelNotFoundError: the model cannot be found.
-        pydantic.ValidationError: an unknown or invalid backend option.
+        pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
     from ragfix.backends import load_backend, validate_backend
     from ragfix.connectors.jsonl import SkipCounter
@@ -154,18 +191,13 @@ def run_sweep(
     from ragfix.models import resolve_device, resolve_model
 
     out, options = Path(out), dict(backend_options or {})
+    for name, value in (("--limit", limit), ("--batch-size", batch_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} {value} < 1: give at least 1")
+    rng = parse_records(records) if records is not None else None
     path = _resolve_data(data)
     validate_backend(backend, str(adapter) if adapter else None, **options)
     resolve_model(model)  # unknown model / default not installed: fail before any work
-    pos = parse_positions(positions, num_docs)
-    skipped = SkipCounter()
-    samples = load_samples(path, num_docs, limit, distractor_pool, skip_invalid, skipped)
-    if skipped.count and console is not None:
-        console.print(
-            f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
-            f"first: {skipped.examples[0]}",
-            highlight=False,
-        )
     config = SweepConfig(
         data=str(path.resolve()),
         task=detect_format(path),
@@ -174,7 +206,23 @@ def run_sweep(
         backend=backend,
         backend_options={**options, **({"adapter": str(adapter)} if adapter else {})},
         distractor_pool=str(Path(distractor_pool).resolve()) if distractor_pool else None,
+        records=records,
     )
+    pos = parse_positions(positions, num_docs)
+    skipped = SkipCounter()
+    samples = load_samples(
+        path, num_docs, None if rng else limit, distractor_pool, skip_invalid, skipped
+    )
+    if rng is not None:
+        samples = select_records(samples, rng)[:limit]
+        if not samples:
+            raise DataError(path, None, None, f"no usable record in --records {records}")
+    if skipped.count and console is not None:
+        console.print(
+            f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
+            f"first: {skipped.examples[0]}",
+            highlight=False,
+        )
     config.check(out)
     state = distributed_state()
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
@@ -215,11 +263,12 @@ def run_sweep(
         if rank != 0:
             return {}
     merge_shards(out)
-    records = open_store(out).load()
-    if records and not config.check(out):
+    done = open_store(out).load()
+    if done and not config.check(out):
         config.write(out)
-    mine = [records[c.cell_id] for c in cells if c.cell_id in records]
-    return write_report(out, mine, {"skipped_records": skipped.count})
+    mine = [done[c.cell_id] for c in cells if c.cell_id in done]
+    scored, counts = summary_counts(mine)
+    return write_report(out, scored, {"skipped_records": skipped.count, **counts})
 
 
 __all__ = ["run_sweep"]

@@ -12,6 +12,13 @@ with :class:`~ragfix.llm.RagFixLLM`. The record keeps the gold chunk's retrieval
 (``position``, the x-axis), where it ended up in the prompt (``prompt_position``), whether the
 context was cut and how many LLM calls were made. All strategies run on the same cells.
 
+A cell whose candidates do not fit the model's window in one prompt (the task's prompt with all
+``top_k`` chunks, plus the answer budget) is not run: the postprocessor would drop chunks (maybe
+the gold one) and the synthesizer split the context, so the cell would not measure a position.
+It is recorded with the flag ``overflow`` and its question is left out of every curve, as in the
+raw sweep (:func:`ragfix.eval.sweep.summary_counts`); ``summary.json``'s ``flags`` and the
+printed table count flagged cells per rank.
+
 Results go to ``results.jsonl`` (resumable: a cell id is a hash of the question, rank, strategy,
 model, backend and retrieval settings), then ``summary.json`` and ``curve.png`` (one curve per
 strategy). The summary also holds, per strategy, the accuracy weighted by how often the real
@@ -34,8 +41,19 @@ from ragfix.connectors.corpus import build_corpus, load_questions, resolve_demo
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.report import print_summary, progress_bar, write_report
-from ragfix.eval.sweep import SweepConfig, open_store, parse_positions
+from ragfix.eval.sweep import (
+    CUT_TO_WINDOW,
+    OVERFLOW,
+    SweepConfig,
+    cell_flags,
+    fits,
+    open_store,
+    parse_positions,
+    print_flags,
+    summary_counts,
+)
 from ragfix.io import atomic_write_json
+from ragfix.prompts import TaskPrompt
 from ragfix.reorder import check_strategy, load_profile
 from ragfix.tasks import get_task
 from ragfix.types import SweepRecord
@@ -202,17 +220,19 @@ def run_pipeline_sweep(
         )
         engines = _Engines(b, strategies, accuracies, top_k, attention_rounds)
         planned = engines.plan(todo, retrieved, {n.node_id: n for n in cor.nodes})
-        right = 0
+        right = scored = 0
         with progress_bar(console) as progress:
             task = progress.add_task("pipeline sweep", total=len(planned), status="")
-            for i, (cands, (q, r, s, cell)) in enumerate(planned, 1):
+            for cands, (q, r, s, cell) in planned:
                 rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
                 if not has_config:
                     config.write(out)
                     has_config = True
                 store.append(rec.model_dump())
                 right += rec.correct
-                progress.update(task, advance=1, status=f"{s} acc {right / i:.2f}")
+                scored += OVERFLOW not in rec.flags
+                status = f"{s} acc {right / scored:.2f}" if scored else f"{s} overflow"
+                progress.update(task, advance=1, status=status)
 
     records = store.load()
     mine = [records[c[3]] for c in cells if c[3] in records]
@@ -231,10 +251,12 @@ def run_pipeline_sweep(
         "context_cut_cells": sum(1 for r in mine if r.get("extra", {}).get("context_cut")),
         "strategy_settings": {"profile": accuracies, "attention_rounds": attention_rounds},
     }
-    summary = write_report(out, mine, extra)
+    scored, counts = summary_counts(mine)
+    summary = write_report(out, scored, {**extra, **counts})
     summary["retrieval_weighted"] = retrieval_weighted(summary, natural)
     atomic_write_json(out / "summary.json", summary)
     print_summary(summary, console, title=f"{model} · {backend} · top-{top_k} · {retriever}")
+    print_flags(summary, console)
     print_strategies(summary, console)
     console.print(
         f"results: {out / 'results.jsonl'} | summary: {out / 'summary.json'} | "
@@ -265,6 +287,8 @@ class _Engines:
         from ragfix.postprocessor import RagFixPostprocessor, text_qa_template
 
         self.backend, self.top_k = backend, top_k
+        self.template = text_qa_template("qa")
+        self.fit: dict[str, tuple[bool, int]] = {}  # cell id -> (fits the window, prompt tokens)
         self.llm = RagFixLLM(backend, max_new_tokens=32, stop_at_newline=True, prefix_reuse=True)
         helper = PromptHelper(
             context_window=self.llm.metadata.context_window,
@@ -297,7 +321,8 @@ class _Engines:
     def plan(self, todo: list, retrieved: dict, by_id: dict) -> list[tuple[list, tuple]]:
         """``(candidates, cell)`` for every cell, in run order: per question, static strategies
         sorted by their final node order (neighbours share long prompt prefixes, which the
-        LLM's KV-cache reuse exploits), attention-sort last."""
+        LLM's KV-cache reuse exploits), attention-sort last, cells that overflow the window
+        (:meth:`fits`, computed here once per cell) first (they run nothing)."""
         from llama_index.core.schema import NodeWithScore
 
         keyed = []
@@ -308,7 +333,10 @@ class _Engines:
             if gold is None:
                 gold = NodeWithScore(node=by_id[q.gold_node_id], score=None)
             cands = candidates_with_gold_at(res, gold, r)
-            if s == "attention-sort":
+            self.fit[cell[3]] = self.fits(q.question, cands)
+            if not self.fit[cell[3]][0] and not self.backend.cuts_long_prompts:
+                key = (q.id, -1, [n.node.node_id for n in cands])
+            elif s == "attention-sort":
                 key = (q.id, 1, [n.node.node_id for n in cands])
             else:
                 key = (q.id, 0, [n.node.node_id for n in self.posts[s].postprocess_nodes(cands)])
@@ -318,9 +346,14 @@ class _Engines:
 
     def run(self, q, r: int, s: str, cell: str, cands: list, natural: int | None) -> SweepRecord:
         """Query strategy ``s``'s engine with ``cands`` as the retrieved nodes; the record of
-        cell ``cell`` (gold at retrieval rank ``r``)."""
+        cell ``cell`` (gold at retrieval rank ``r``). When the candidates do not fit the window in
+        one prompt (:meth:`fits`) nothing runs: the record is flagged ``overflow`` (a backend
+        that cuts long prompts by design runs it, flagged ``cut_to_window``)."""
         from llama_index.core.schema import MetadataMode
 
+        fit, n = self.fit.get(cell) or self.fits(q.question, cands)
+        if not fit and not self.backend.cuts_long_prompts:
+            return self._overflow(q, r, s, cell, n, natural)
         self.fixed.nodes = cands
         calls = self.llm.calls
         start = time.perf_counter()
@@ -335,6 +368,7 @@ class _Engines:
         gen = self.llm.last_generation
         answer = str(resp.response or "")
         rep = self.posts[s].last_report
+        flags, explained = cell_flags(q.answers, [] if fit else [CUT_TO_WINDOW])
         return SweepRecord(
             cell_id=cell,
             sample_id=q.id,
@@ -349,7 +383,9 @@ class _Engines:
             answer=answer,
             correct=get_task("qa").score(answer, q.answers),
             seconds=round(secs, 4),
+            flags=flags,
             extra={
+                **explained,
                 "gold_added": natural is None,
                 "natural_rank": natural,
                 "context_cut": cut,
@@ -358,6 +394,37 @@ class _Engines:
                 + len(rep.get("dropped_budget", [])),
                 "order": rep.get("order"),
             },
+        )
+
+    def fits(self, question: str, cands: list) -> tuple[bool, int]:
+        """Whether the ``qa`` prompt with every candidate chunk (as the synthesizer renders them,
+        in candidate order) and the answer budget fit the backend's window, and the prompt's
+        token count (see :func:`ragfix.eval.sweep.fits`)."""
+        from llama_index.core.schema import MetadataMode
+
+        context = "\n\n".join(n.node.get_content(metadata_mode=MetadataMode.LLM) for n in cands)
+        user = self.template.format(context_str=context, query_str=question)
+        return fits(self.backend, TaskPrompt(user=user, max_new_tokens=self.llm.max_new_tokens))
+
+    def _overflow(self, q, r: int, s: str, cell: str, n: int, natural: int | None) -> SweepRecord:
+        """The record of a cell that was not run: its prompt of ``n`` tokens does not fit."""
+        flags, explained = cell_flags(q.answers, [OVERFLOW])
+        return SweepRecord(
+            cell_id=cell,
+            sample_id=q.id,
+            position=r,
+            prompt_position=-1,
+            num_docs=self.top_k,
+            backend=self.backend.name,
+            strategy=s,
+            prompt_tokens=n,
+            prefill_tokens=0,
+            new_tokens=0,
+            answer="",
+            correct=False,
+            seconds=0.0,
+            flags=flags,
+            extra={**explained, "gold_added": natural is None, "natural_rank": natural},
         )
 
 

@@ -1,13 +1,28 @@
-"""Reports of sweep results: per-position table, ``summary.json``, and the curve plot.
+"""Reports of sweep results: per-position tables, ``summary.json``, the curve plot, and the
+comparison of several runs (``ragfix report``).
 
-A run folder holds ``results*.jsonl`` (one record per cell) and ``config.json``. The summary has
-one curve per (backend, strategy) found in the results; ``ragfix report runs/a runs/b`` draws
-the curves of several folders on one plot.
+A run folder holds ``results*.jsonl`` (one record per cell), ``config.json`` and ``summary.json``.
+The summary has one curve per (backend, strategy) found in the results.
+
+Comparing runs (:func:`compare_runs`): every curve gets its figures of merit (mean, worst
+position, best-worst gap, with 95% intervals; :mod:`ragfix.eval.merit`). Runs are *paired* (the
+difference per position, the exact McNemar p-value, paired bootstrap intervals) only when their
+``config.json`` agree on every field of :data:`CELL_FIELDS` (data, task, number of passages,
+record range and prompt layout), so that a cell key (sample, position) means the same prompt in
+both; runs that differ only in model, backend or adapter are paired. Other runs are drawn side by
+side (one plot panel per group of comparable runs) with a one-line note naming the differing
+fields (``num_docs 4 vs 8``). A run that tuned on the records it is compared on (``tuned_on`` in
+its ``config.json``) is never paired either.
+
+Every table exists once, as a :class:`TableSpec`, printed with rich or written as Markdown
+(``ragfix report --markdown``, and the ``results`` blocks of :mod:`ragfix.eval.render`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -21,12 +36,40 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ragfix.errors import DataError
+from ragfix.errors import ConfigError, DataError, RagfixError
+from ragfix.eval.merit import (
+    ALPHA,
+    N_RESAMPLES,
+    SEED,
+    Bootstrap,
+    Cells,
+    curve_merit,
+    paired_merit,
+    significance,
+)
 from ragfix.io import atomic_write_bytes, atomic_write_json
-from ragfix.metrics import CurveSummary, paired_comparison, position_curve
+from ragfix.metrics import CurveSummary, position_curve
 
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "curve.png"
+CONFIG_FILE = "config.json"
+#: the ``kind`` of a comparison file written by ``ragfix report --json``
+COMPARISON_KIND = "ragfix-comparison"
+#: ``config.json`` fields that decide what a cell (sample, position) is: the data, the task, the
+#: passages per prompt, the record range and the prompt layout (distractors, retrieval). Runs are
+#: paired only when they agree on all of them (a field absent from both agrees).
+CELL_FIELDS = (
+    "data",
+    "data_fingerprint",
+    "task",
+    "num_docs",
+    "records",
+    "distractor_pool",
+    "retrieval",
+)
+#: fields holding file paths, compared by file name (runs made on another machine still pair;
+#: sample ids are hashes of the content, so cells of different contents never match anyway)
+PATH_FIELDS = ("data", "distractor_pool")
 
 
 def progress_bar(console: Console | None = None, disable: bool = False) -> Progress:
@@ -68,56 +111,6 @@ def cells_by_curve(records: list[dict]) -> dict[str, dict[tuple[str, int], bool]
             r["correct"]
         )
     return dict(sorted(out.items()))
-
-
-def print_paired(curves: list[tuple[str, dict]], console: Console | None = None) -> dict:
-    """Compare every curve with the first on the cells they share; print one table (accuracy per
-    position, the difference in brackets) and, per curve, the mean difference, the discordant
-    cells and the exact McNemar p-value.
-
-    Args:
-        curves: ``(name, {(sample_id, position): correct})``, the baseline first.
-
-    Returns:
-        ``{name: PairedComparison dict}`` for every curve after the first that shares cells.
-    """
-    console = console or Console()
-    (base_name, base), others = curves[0], curves[1:]
-    results = {}
-    for name, cells in others:
-        try:
-            results[name] = paired_comparison(base, cells)
-        except ValueError:
-            console.print(f"{name}: no cell in common with {base_name}; not compared")
-    if not results:
-        return {}
-    t = Table(title=f"paired against {base_name} (same samples and positions)")
-    t.add_column("position", justify="right")
-    t.add_column(base_name, justify="right")
-    for name in results:
-        t.add_column(name, justify="right")
-    positions = sorted({p.position for c in results.values() for p in c.positions})
-    for pos in positions:
-        row, base_acc = [str(pos)], None
-        for c in results.values():
-            p = next((p for p in c.positions if p.position == pos), None)
-            if p is None:
-                row.append("")
-                continue
-            base_acc = base_acc if base_acc is not None else p.baseline_correct / p.n
-            row.append(
-                f"{p.other_correct / p.n:.3f} ({(p.other_correct - p.baseline_correct) / p.n:+.3f})"
-            )
-        t.add_row(row[0], "" if base_acc is None else f"{base_acc:.3f}", *row[1:])
-    console.print(t)
-    for name, c in results.items():
-        console.print(
-            f"{name} vs {base_name}: {c.cells} cells, mean difference {c.mean_diff:+.3f}, "
-            f"right only in {name} {c.only_other}, only in {base_name} {c.only_baseline}, "
-            f"McNemar p = {c.p_value:.3g}",
-            highlight=False,
-        )
-    return {name: c.model_dump() for name, c in results.items()}
 
 
 def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> dict:
@@ -169,38 +162,528 @@ def write_report(out: Path, records: list[dict], extra: dict | None = None) -> d
     return summary
 
 
+@dataclass
+class TableSpec:
+    """One table as data, printed with rich (:func:`print_tables`) or as Markdown
+    (:func:`markdown_tables`): a title, column headers, rows of formatted cells, and lines shown
+    under it. A spec without headers is only its lines."""
+
+    title: str
+    headers: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+
+
+def _f(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.3f}"
+
+
+def _ci(iv: dict | None, signed: bool = False) -> str:
+    if iv is None:
+        return "n/a"
+    fmt = _signed if signed else _f
+    return f"[{fmt(iv['low'])}, {fmt(iv['high'])}]"
+
+
+def curve_table(label: str, curve: dict, x_axis: str = "position") -> TableSpec:
+    """Per-position table of one curve (position, n, accuracy, 95% Wilson interval) with the
+    curve's mean, worst, best and gap under it.
+
+    Args:
+        label: the curve's name.
+        curve: a :class:`~ragfix.metrics.CurveSummary` or
+            :class:`~ragfix.eval.merit.CurveMerit` as a dict.
+        x_axis: what the positions are (``prompt position`` or ``retrieval rank``).
+    """
+    rows = [
+        [str(s["position"]), str(s["n"]), _f(s["accuracy"]), _ci(s)] for s in curve["positions"]
+    ]
+    line = (
+        f"{label}: mean {_f(curve['mean'])} | worst {_f(curve['worst'])} @ "
+        f"{curve['worst_position']} | best {_f(curve['best'])} @ {curve['best_position']} | "
+        f"gap {_f(curve['gap'])}"
+    )
+    return TableSpec(f"{label} — {x_axis}", ["position", "n", "accuracy", "95% CI"], rows, [line])
+
+
+def print_tables(tables: list[TableSpec], console: Console | None = None) -> None:
+    """Print ``tables`` with rich (first column left-aligned, the others right-aligned)."""
+    console = console or Console()
+    for spec in tables:
+        if spec.headers:
+            t = Table(title=spec.title, title_justify="left")
+            for i, h in enumerate(spec.headers):
+                t.add_column(h, justify="left" if i == 0 else "right")
+            for row in spec.rows:
+                t.add_row(*row)
+            console.print(t)
+        for line in spec.lines:
+            console.print(line, highlight=False, soft_wrap=True)
+
+
+def markdown_tables(tables: list[TableSpec]) -> str:
+    """``tables`` as GitHub Markdown: a bold title, a pipe table (first column left-aligned, the
+    others right-aligned), and its lines as paragraphs."""
+    parts = []
+    for spec in tables:
+        if spec.headers:
+            table = [
+                "| " + " | ".join(spec.headers) + " |",
+                "|---|" + "---:|" * (len(spec.headers) - 1),
+                *(
+                    "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+                    for row in spec.rows
+                ),
+            ]
+            parts.append(f"**{spec.title}**\n\n" + "\n".join(table))
+        parts.extend(spec.lines)
+    return "\n\n".join(parts)
+
+
 def print_summary(summary: dict, console: Console | None = None, title: str = "") -> None:
     """Per-position table (position, n, accuracy, 95% Wilson interval) and each curve's mean,
     worst, best and gap."""
-    console = console or Console()
+    print_tables(summary_tables(summary, title), console)
+
+
+def summary_tables(summary: dict, title: str = "") -> list[TableSpec]:
+    """The tables :func:`print_summary` prints, one per curve of a ``summary.json``."""
+    x_axis = summary.get("x_axis", "position")
+    tables = []
     for label, c in summary["curves"].items():
-        cur = CurveSummary(**c)
-        t = Table(
-            title=f"{title or label} — {summary.get('x_axis', 'position')}", title_justify="left"
-        )
-        t.add_column("position", justify="right")
-        t.add_column("n", justify="right")
-        t.add_column("accuracy", justify="right")
-        t.add_column("95% CI", justify="right")
-        for s in cur.positions:
-            t.add_row(
-                str(s.position), str(s.n), f"{s.accuracy:.3f}", f"[{s.low:.3f}, {s.high:.3f}]"
+        spec = curve_table(label, c, x_axis)
+        spec.title = f"{title or label} — {x_axis}"
+        tables.append(spec)
+    return tables
+
+
+@dataclass
+class Run:
+    """A finished run folder read for a comparison.
+
+    Attributes:
+        name: its label in tables (the folder name; the path as given when names repeat).
+        folder: the run folder.
+        config: its ``config.json`` (``{}`` when it has none).
+        summary: its ``summary.json``.
+        curves: ``{curve label: {(sample_id, position): correct}}``, of the scored cells only
+            (:func:`ragfix.eval.sweep.summary_counts`: no sample with an overflow cell).
+    """
+
+    name: str
+    folder: Path
+    config: dict
+    summary: dict
+    curves: dict[str, Cells]
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    """Read a run folder (or a file inside one): its config, summary and cells.
+
+    Raises:
+        DataError: no ``summary.json``, an unreadable ``config.json`` / ``summary.json``, a
+            malformed ``records`` / ``tuned_on`` in it, or no scored cell.
+    """
+    from ragfix.eval.sweep import open_store, summary_counts  # sweep imports this module
+
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    summary = read_summary(folder)
+    config_path = folder / CONFIG_FILE
+    config = summary.get("config") or {}
+    if config_path.exists():
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as e:
+            raise DataError(
+                config_path, None, None, f"unreadable run configuration ({e})"
+            ) from None
+    records, _ = summary_counts(list(open_store(folder).load().values()))
+    run = Run(name or folder.name, folder, config, summary, cells_by_curve(records))
+    if not run.curves:
+        raise DataError(folder, None, None, "no scored cell in this run (nothing to compare)")
+    record_range(config.get("records"), config_path)
+    tuned_ranges(run)
+    return run
+
+
+def _file_key(value):
+    """A data setting with every path cut to its file name (``corpus=docs;questions=q.jsonl``
+    for a pipeline sweep)."""
+    if not isinstance(value, str):
+        return value
+    out = []
+    for part in value.split(";"):
+        key, sep, rest = part.partition("=")
+        out.append(f"{key}={Path(rest).name}" if sep and "/" not in key else Path(part).name)
+    return ";".join(out)
+
+
+def _setting(name: str, config: dict):
+    value = config.get(name)
+    if name == "records":  # canonical; the whole file is "all" (checked by load_run)
+        start, stop = record_range(value)
+        if stop == math.inf:
+            return "all" if start == 0 else f"{start}:"
+        return f"{start}:{stop}"
+    return _file_key(value) if name in PATH_FIELDS else value
+
+
+def config_differences(a: dict, b: dict) -> list[str]:
+    """The :data:`CELL_FIELDS` on which two run configurations differ, as ``"num_docs 4 vs 8"``
+    (paths as file names, an absent field as ``none``); ``[]`` when their cells are the same."""
+    out = []
+    for name in CELL_FIELDS:
+        x, y = _setting(name, a), _setting(name, b)
+        if x != y:
+            out.append(f"{name} {'none' if x is None else x} vs {'none' if y is None else y}")
+    return out
+
+
+def record_range(value, where: Path | None = None, field_name: str = "records") -> tuple:
+    """A record range of a ``config.json`` (``"A:B"``, parsed by
+    :func:`ragfix.eval.sweep.parse_records`) as ``(start, stop)``; ``None``, ``""`` or ``"all"``
+    is every record ``(0, inf)``, and so is an open end.
+
+    Raises:
+        DataError: not a record range (names ``where`` and the field).
+    """
+    from ragfix.eval.sweep import parse_records  # sweep imports this module
+
+    if value is None or str(value).strip() in ("", "all"):
+        return 0, math.inf
+    try:
+        rng = parse_records(str(value))
+    except ConfigError:
+        raise DataError(where, None, field_name, f"{value!r} is not a record range 'A:B'") from None
+    return rng.start or 0, math.inf if rng.stop is None else rng.stop
+
+
+def tuned_ranges(run: Run) -> list[tuple[str, tuple, str]]:
+    """The record ranges ``run`` made choices on, from ``tuned_on`` in its ``config.json``:
+    a list (or one) of ``{"data": FILE, "records": "A:B"}`` or of ``"A:B"`` (the run's own data
+    file). Returns ``(file name, (start, stop), "A:B")`` triples.
+
+    Raises:
+        DataError: an entry of another form, or a malformed range.
+    """
+    raw = run.config.get("tuned_on")
+    if raw is None:
+        return []
+    where = run.folder / CONFIG_FILE
+    out = []
+    for item in raw if isinstance(raw, list) else [raw]:
+        if isinstance(item, str):
+            data, records = run.config.get("data"), item
+        elif isinstance(item, dict) and "records" in item:
+            data, records = item.get("data", run.config.get("data")), item["records"]
+        else:
+            raise DataError(
+                where,
+                None,
+                "tuned_on",
+                f"{item!r}: expected 'A:B' or {{'data': ..., 'records': 'A:B'}}",
             )
-        console.print(t)
-        console.print(
-            f"{label}: mean {cur.mean:.3f} | worst {cur.worst:.3f} @ {cur.worst_position} | "
-            f"best {cur.best:.3f} @ {cur.best_position} | gap {cur.gap:.3f}",
-            highlight=False,
+        out.append((_file_key(data), record_range(records, where, "tuned_on"), str(records)))
+    return out
+
+
+def tuned_conflict(tuner: Run, compared: Run) -> str | None:
+    """A one-line reason when ``tuner`` made its choices on records of the data ``compared``
+    is measured on (same file name, overlapping ranges); None when they are disjoint."""
+    data = _setting("data", compared.config)
+    used = record_range(compared.config.get("records"), compared.folder / CONFIG_FILE)
+    shown = compared.config.get("records") or "all"
+    for file, (start, stop), text in tuned_ranges(tuner):
+        if file == data and max(start, used[0]) < min(stop, used[1]):
+            return f"{tuner.name} tuned on records {text} of {file}, which are compared ({shown})"
+    return None
+
+
+def _label(run: Run, curve: str) -> str:
+    return f"{run.name}:{curve}"
+
+
+def compare_runs(
+    paths: list[str | Path],
+    *,
+    plot: str | Path | None = None,
+    title: str | None = None,
+    resamples: int = N_RESAMPLES,
+    seed: int = SEED,
+) -> dict:
+    """Compare run folders: figures of merit of every curve, and paired comparisons where the
+    cells are the same (issue 15's protocol).
+
+    Runs are grouped by :func:`config_differences` (a run joins the first group whose first run
+    has the same cells); in each group every curve is paired with the group's first curve, unless
+    one of the two runs tuned on the compared records (:func:`tuned_conflict`) or they share no
+    cell. Every curve not paired gets a one-line note saying why.
+
+    Args:
+        paths: run folders (or files in them); the first one's first curve is the baseline.
+        plot: draw every curve into this PNG, one panel per group of runs with the same cells.
+        title: the plot's title.
+        resamples, seed: bootstrap settings (:mod:`ragfix.eval.merit`).
+
+    Returns:
+        The comparison (the JSON ``ragfix report --json`` writes): ``kind``, ``bootstrap``,
+        ``alpha``, ``runs`` (name, path, config, x axis and every curve's
+        :class:`~ragfix.eval.merit.CurveMerit`), ``groups`` (run names), ``paired`` (``baseline``
+        and ``other`` labels plus a :class:`~ragfix.eval.merit.PairedMerit`) and ``notes``.
+
+    Raises:
+        DataError: a folder without a readable summary, or a malformed ``tuned_on`` / ``records``.
+    """
+    names = [Path(p).name if Path(p).is_dir() else Path(p).parent.name for p in paths]
+    runs = [
+        load_run(p, n if names.count(n) == 1 else str(p)) for p, n in zip(paths, names, strict=True)
+    ]
+    groups: list[list[Run]] = []
+    notes: list[str] = []
+    for run in runs:
+        group = next((g for g in groups if _same_cells(g[0], run)), None)
+        if group is not None:
+            group.append(run)
+            continue
+        if groups:
+            first = groups[0][0]
+            why = "; ".join(_differences(first, run))
+            notes.append(f"{run.name} not paired with {first.name}: {why}")
+        groups.append([run])
+    paired = []
+    for group in groups:
+        base_run = group[0]
+        base_curve, base_cells = next(iter(base_run.curves.items()))
+        base = _label(base_run, base_curve)
+        for run in group:
+            for curve, cells in run.curves.items():
+                other = _label(run, curve)
+                if other == base:
+                    continue
+                why = tuned_conflict(run, base_run) or tuned_conflict(base_run, run)
+                if why is None:
+                    try:
+                        merit = paired_merit(base_cells, cells, resamples=resamples, seed=seed)
+                    except RagfixError:
+                        why = "no (sample, position) cell in common"
+                    else:
+                        paired.append({"baseline": base, "other": other, **merit.model_dump()})
+                if why is not None:
+                    notes.append(f"{other} not paired with {base}: {why}")
+    if plot is not None:
+        plot_curves(
+            [(r.name, r.summary) for r in runs],
+            Path(plot),
+            title,
+            [[r.name for r in g] for g in groups],
         )
+    return {
+        "kind": COMPARISON_KIND,
+        "bootstrap": Bootstrap(resamples=resamples, seed=seed).model_dump(),
+        "alpha": ALPHA,
+        "runs": [
+            {
+                "name": r.name,
+                "path": str(r.folder),
+                "config": r.config,
+                "x_axis": r.summary.get("x_axis", "prompt position"),
+                "curves": {
+                    c: curve_merit(cells, resamples=resamples, seed=seed).model_dump()
+                    for c, cells in r.curves.items()
+                },
+            }
+            for r in runs
+        ],
+        "groups": [[r.name for r in g] for g in groups],
+        "paired": paired,
+        "notes": notes,
+    }
 
 
-def plot_curves(runs: list[tuple[str, dict]], path: Path, title: str | None = None) -> None:
+def _differences(a: Run, b: Run) -> list[str]:
+    missing = [r.name for r in (a, b) if not r.config]
+    if missing:
+        return [f"no {CONFIG_FILE} in {', '.join(missing)}"]
+    return config_differences(a.config, b.config)
+
+
+def _same_cells(a: Run, b: Run) -> bool:
+    return a is b or not _differences(a, b)
+
+
+#: table kinds of a comparison (``ragfix report`` prints ``comparison``: all of them)
+TABLE_KINDS = ("curve", "merit", "paired", "comparison")
+
+
+def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableSpec]:
+    """The tables of a comparison (:func:`compare_runs`) or of a wrapped ``summary.json``
+    (:func:`load_result`).
+
+    Args:
+        kind: ``curve`` (per-position table of every curve), ``merit`` (figures of merit of every
+            curve), ``paired`` (per-position differences and McNemar p of every pair, then the
+            notes on runs not paired), ``comparison`` (all three).
+
+    Raises:
+        DataError: ``merit`` or ``paired`` asked of a ``summary.json`` (they need the cells: use
+            ``ragfix report RUN --json FILE``).
+    """
+    if kind not in TABLE_KINDS:
+        raise RagfixError(f"unknown table kind {kind!r} (one of: {', '.join(TABLE_KINDS)})")
+    if kind in ("merit", "paired") and comparison.get("kind") != COMPARISON_KIND:
+        raise DataError(
+            comparison.get("source"),
+            None,
+            None,
+            f"{kind} tables need a comparison file (`ragfix report RUN... --json FILE`)",
+        )
+    tables: list[TableSpec] = []
+    if kind in ("curve", "comparison"):
+        for run in comparison["runs"]:
+            several = len(comparison["runs"]) > 1 or comparison.get("kind") == COMPARISON_KIND
+            for c, curve in run["curves"].items():
+                tables.append(
+                    curve_table(f"{run['name']}:{c}" if several else c, curve, run["x_axis"])
+                )
+    if kind in ("merit", "comparison"):
+        tables.append(_merit_table(comparison))
+    if kind in ("paired", "comparison"):
+        tables += [_paired_table(p, comparison) for p in comparison["paired"]]
+        if comparison["notes"]:
+            tables.append(TableSpec("not paired", lines=list(comparison["notes"])))
+    return tables
+
+
+def _merit_table(comparison: dict) -> TableSpec:
+    boot = comparison["bootstrap"]
+    rows = []
+    for run in comparison["runs"]:
+        for c, m in run["curves"].items():
+            rows.append(
+                [
+                    f"{run['name']}:{c}",
+                    str(m["samples"]),
+                    str(m["cells"]),
+                    _f(m["mean"]),
+                    _ci(m["mean_ci"]),
+                    f"{_f(m['worst'])} @ {m['worst_position']}",
+                    _ci(m["worst_ci"]),
+                    f"{_f(m['best'])} @ {m['best_position']}",
+                    _f(m["gap"]),
+                    _ci(m["gap_ci"]),
+                ]
+            )
+    headers = [
+        "curve",
+        "samples",
+        "cells",
+        "mean",
+        "95% CI",
+        "worst @ pos",
+        "95% CI",
+        "best @ pos",
+        "gap",
+        "95% CI",
+    ]
+    line = (
+        f"95% intervals: Wilson at the worst position; {boot['method']} bootstrap over samples "
+        f"({boot['resamples']} resamples, seed {boot['seed']}) for mean and gap."
+    )
+    return TableSpec("figures of merit", headers, rows, [line])
+
+
+def _paired_table(pair: dict, comparison: dict) -> TableSpec:
+    base, other = pair["baseline"], pair["other"]
+    rows = [
+        [
+            str(p["position"]),
+            str(p["n"]),
+            _f(p["baseline"]),
+            _f(p["other"]),
+            _signed(p["diff"]),
+            str(p["only_other"]),
+            str(p["only_baseline"]),
+            f"{p['p_value']:.3g}",
+            significance(p["p_value"]),
+        ]
+        for p in pair["positions"]
+    ]
+    headers = [
+        "position",
+        "n",
+        base,
+        other,
+        "difference",
+        f"right only in {other}",
+        f"right only in {base}",
+        "McNemar p",
+        f"at {comparison['alpha']}",
+    ]
+    line = (
+        f"{other} vs {base}: {pair['cells']} cells ({pair['samples']} samples), mean difference "
+        f"{_signed(pair['mean_diff'])} {_ci(pair['mean_diff_ci'], True)}, gap difference "
+        f"{_signed(pair['gap_diff'])} {_ci(pair['gap_diff_ci'], True)}, right only in {other} "
+        f"{pair['only_other']}, only in {base} {pair['only_baseline']}, McNemar p = "
+        f"{pair['p_value']:.3g} ({significance(pair['p_value'])} at {comparison['alpha']})"
+    )
+    return TableSpec(
+        f"{other} paired with {base} (same samples and positions)", headers, rows, [line]
+    )
+
+
+def load_result(path: str | Path) -> dict:
+    """A result file as a comparison: a comparison JSON as it is, or a run's ``summary.json``
+    wrapped as a one-run comparison (curves without bootstrap intervals, nothing paired).
+
+    Raises:
+        DataError: missing, unreadable, or neither kind of file.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise DataError(path, None, None, f"cannot read the result file ({e.strerror})") from None
+    except ValueError as e:
+        raise DataError(path, None, None, f"not JSON ({e})") from None
+    if isinstance(data, dict) and data.get("kind") == COMPARISON_KIND:
+        return {**data, "source": str(path)}
+    if not isinstance(data, dict) or not isinstance(data.get("curves"), dict):
+        raise DataError(path, None, None, "neither a summary.json nor a comparison file")
+    run = {
+        "name": path.stem,
+        "path": str(path.parent),
+        "config": data.get("config", {}),
+        "x_axis": data.get("x_axis", "prompt position"),
+        "curves": data["curves"],
+    }
+    return {"kind": "summary", "source": str(path), "runs": [run], "paired": [], "notes": []}
+
+
+def write_comparison(path: str | Path, comparison: dict) -> None:
+    """Write a comparison (:func:`compare_runs`) as indented JSON, atomically."""
+    atomic_write_json(path, comparison)
+
+
+def plot_curves(
+    runs: list[tuple[str, dict]],
+    path: Path,
+    title: str | None = None,
+    groups: list[list[str]] | None = None,
+) -> None:
     """Accuracy against gold position with the 95% interval band, one line per curve of every
-    run, saved as a PNG (atomically).
+    run, saved as a PNG (atomically). Runs whose cells differ (another number of passages, other
+    data) go to separate panels side by side.
 
     Args:
         runs: ``(run label, summary dict)`` pairs.
         path: the PNG to write.
+        title: the plot's title (default: model and number of passages of each panel).
+        groups: run labels per panel (default: all runs in one panel).
     """
     import io
 
@@ -208,32 +691,39 @@ def plot_curves(runs: list[tuple[str, dict]], path: Path, title: str | None = No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    summaries = dict(runs)
+    groups = groups or [[label for label, _ in runs]]
+    fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.2), dpi=120, squeeze=False)
     several = len(runs) > 1
-    xlabel = "gold position"
-    for run_label, summary in runs:
-        xlabel = f"gold passage {summary.get('x_axis', 'position')} (0 = first)"
-        for label, c in summary["curves"].items():
-            cur = CurveSummary(**c)
-            xs = [s.position for s in cur.positions]
-            name = f"{run_label}: {label}" if several else label
-            (line,) = ax.plot(xs, [s.accuracy for s in cur.positions], marker="o", label=name)
-            ax.fill_between(
-                xs,
-                [s.low for s in cur.positions],
-                [s.high for s in cur.positions],
-                color=line.get_color(),
-                alpha=0.15,
-            )
-    first = runs[0][1]
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("accuracy (95% Wilson band)")
-    ax.set_ylim(-0.02, 1.02)
-    unit = "KV pairs" if first.get("task") == "kv" else "documents"
-    ax.set_title(title or f"{first.get('model')} · {first.get('num_docs')} {unit}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, group in zip(axes[0], groups, strict=True):
+        for run_label in group:
+            summary = summaries[run_label]
+            for label, c in summary["curves"].items():
+                cur = CurveSummary(**c)
+                xs = [s.position for s in cur.positions]
+                name = f"{run_label}: {label}" if several else label
+                (line,) = ax.plot(xs, [s.accuracy for s in cur.positions], marker="o", label=name)
+                ax.fill_between(
+                    xs,
+                    [s.low for s in cur.positions],
+                    [s.high for s in cur.positions],
+                    color=line.get_color(),
+                    alpha=0.15,
+                )
+        first = summaries[group[0]]
+        ax.set_xlabel(f"gold passage {first.get('x_axis', 'position')} (0 = first)")
+        ax.set_ylabel("accuracy (95% Wilson band)")
+        ax.set_ylim(-0.02, 1.02)
+        unit = "KV pairs" if first.get("task") == "kv" else "documents"
+        panel = f"{first.get('model')} · {first.get('num_docs')} {unit}"
+        ax.set_title(title if title and len(groups) == 1 else panel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title and len(groups) > 1:
+        fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

@@ -10,6 +10,16 @@ to the first, and each one reuses the KV cache of the previous one cropped to th
 prefix (``Backend.generate(..., prefix_reuse=True)``), prefilling only the rest. On a GPU (or with
 ``batch_size > 1``) cells are batched instead.
 
+Work the model cannot really do is never run: a cell whose prompt plus answer budget is longer
+than the backend's ``context_window`` (``Backend.encode``) is stored with the flag ``overflow``
+and no answer, instead of being truncated by the model (which would delete the gold passage at
+one end and fake a curve). Such a sample is left out of the accuracy at *every* position
+(:func:`summary_counts`), so each position's accuracy is over the same questions; the overflow
+cells are counted per position in ``summary.json`` (``flags``) and in the printed table
+(:func:`print_flags`). Gold answers that make the metric loose
+(:func:`ragfix.metrics.degenerate_gold`) are scored, flagged ``degenerate_gold`` and counted the
+same way.
+
 The orchestration (reading the data, resuming, sharding, the report) is
 :func:`ragfix.eval.run_sweep`.
 """
@@ -22,16 +32,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from rich.console import Console
 
 from ragfix.backends.base import Backend
 from ragfix.errors import ConfigError, DataError
+from ragfix.eval.report import TableSpec, print_tables
 from ragfix.io import JsonlStore, atomic_write_json
+from ragfix.metrics import degenerate_gold
 from ragfix.tasks import score_answer, task_prompt
-from ragfix.types import QASample, SweepRecord
+from ragfix.types import Generation, QASample, SweepRecord
 
 CONFIG_FILE = "config.json"
 RESULTS_FILE = "results.jsonl"
+OVERFLOW = "overflow"
+CUT_TO_WINDOW = "cut_to_window"
+DEGENERATE_GOLD = "degenerate_gold"
 
 
 class ConfigMismatchError(ConfigError):
@@ -42,7 +58,8 @@ class SweepConfig(BaseModel):
     """What makes the results of one output folder comparable (checked on every rerun).
 
     Frozen: it is hashed into the cell ids. ``limit`` and ``positions`` are not part of it: a
-    rerun may add samples or positions.
+    rerun may add samples or positions. Validated when built: an unknown field, ``num_docs < 1``
+    or a malformed record range is refused (pydantic ``ValidationError`` naming the value).
 
     Attributes:
         data: the data file (resolved path), or the corpus and question files of a pipeline sweep.
@@ -53,9 +70,11 @@ class SweepConfig(BaseModel):
         backend_options: the options as the user gave them (plus ``adapter`` when one is given).
         distractor_pool: the file distractors were drawn from (raw sweep), or None.
         retrieval: the retriever settings of a pipeline sweep, or None.
+        records: the record range of the data file (``"0:200"``, see :func:`parse_records`),
+            or None for the whole file; a rerun with another range is refused.
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     data: str
     task: str
@@ -65,6 +84,19 @@ class SweepConfig(BaseModel):
     backend_options: dict = Field(default_factory=dict)
     distractor_pool: str | None = None
     retrieval: str | None = None
+    records: str | None = None
+
+    @field_validator("num_docs")
+    @classmethod
+    def _at_least_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"num_docs {v} < 1: a prompt needs at least the gold passage")
+        return v
+
+    @field_validator("records")
+    @classmethod
+    def _range(cls, v: str | None) -> str | None:
+        return None if v is None else format_records(parse_records(v))
 
     def check(self, out: Path) -> bool:
         """Whether ``out/config.json`` exists; if it does, check it matches this configuration.
@@ -127,10 +159,54 @@ def parse_positions(spec: str, num_docs: int) -> list[int]:
                     f"--positions: {part!r} is not 'all', first/middle/last or an integer"
                 ) from None
         if not 0 <= pos < num_docs:
-            raise ConfigError(f"--positions: {pos} is out of range 0..{num_docs - 1}")
+            raise ConfigError(
+                f"--positions: {pos} is out of range 0..{num_docs - 1} for --num-docs {num_docs}"
+            )
         if pos not in out:
             out.append(pos)
     return out
+
+
+def parse_records(spec: str) -> slice:
+    """A record range ``"START:END"`` (0-based, END excluded; either may be left out: ``"200:"``,
+    ``":100"``) as a slice. Record ``i`` is the record on line ``i + 1`` of the file, so a range
+    names the same records whether or not some of them are invalid or skipped (issue 15's
+    protocol: tune on one range, report on a disjoint one).
+
+    Raises:
+        ConfigError: not ``START:END`` with integers ``0 <= START < END``.
+    """
+    start, sep, stop = spec.strip().partition(":")
+    try:
+        a = int(start) if start.strip() else 0
+        b = int(stop) if stop.strip() else None
+    except ValueError:
+        a = b = -1
+    if not sep or a < 0 or (b is not None and b <= a):
+        raise ConfigError(
+            f"--records {spec!r}: expected START:END with 0 <= START < END "
+            "(0-based record indices, END excluded), e.g. 0:200"
+        )
+    return slice(a, b)
+
+
+def select_records(samples: list[QASample], records: slice | None) -> list[QASample]:
+    """The samples read from the records of ``records`` (record ``i`` is on line ``i + 1`` of its
+    file, from ``QASample.source`` = ``"file:line"``), in file order; all when ``None``."""
+    if records is None:
+        return samples
+    lo, hi = records.start or 0, records.stop
+    out = []
+    for s in samples:
+        index = int(s.source.rsplit(":", 1)[1]) - 1
+        if lo <= index and (hi is None or index < hi):
+            out.append(s)
+    return out
+
+
+def format_records(records: slice) -> str:
+    """The canonical text of a record range (``slice(0, 200)`` -> ``"0:200"``)."""
+    return f"{records.start or 0}:{'' if records.stop is None else records.stop}"
 
 
 def cell_id(config: SweepConfig, sample_id: str, position: int) -> str:
@@ -159,20 +235,40 @@ def _prompt(cell: Cell):
     return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
 
 
-def _record(cell: Cell, backend: Backend, gen) -> SweepRecord:
+def fits(backend: Backend, prompt) -> tuple[bool, int]:
+    """Whether ``prompt`` (a :class:`~ragfix.prompts.TaskPrompt`) and its answer budget fit the
+    backend's window: ``len(backend.encode(prompt)) + prompt.max_new_tokens <=
+    backend.context_window``; and the prompt's token count."""
+    n = len(backend.encode(prompt))
+    return n + prompt.max_new_tokens <= backend.context_window, n
+
+
+def cell_flags(answers: list[str], flags: list[str] = ()) -> tuple[list[str], dict]:
+    """``flags`` plus ``degenerate_gold`` when a gold answer is degenerate, and the ``extra``
+    fields that explain them (``{"degenerate_gold": [reasons]}``)."""
+    reasons = degenerate_gold(answers)
+    if not reasons:
+        return list(flags), {}
+    return [*flags, DEGENERATE_GOLD], {DEGENERATE_GOLD: reasons}
+
+
+def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:
+    flags, extra = cell_flags(cell.sample.answers, flags)
     return SweepRecord(
         cell_id=cell.cell_id,
         sample_id=cell.sample.id,
         position=cell.position,
-        prompt_position=cell.position,
+        prompt_position=cell.position if OVERFLOW not in flags else -1,
         num_docs=cell.sample.num_docs,
         backend=backend.name,
         prompt_tokens=gen.prompt_tokens,
         prefill_tokens=gen.prefill_tokens,
         new_tokens=gen.new_tokens,
         answer=gen.text,
-        correct=score_answer(cell.sample, gen.text),
+        correct=OVERFLOW not in flags and score_answer(cell.sample, gen.text),
         seconds=round(gen.seconds, 4),
+        flags=flags,
+        extra=extra,
     )
 
 
@@ -185,6 +281,11 @@ def run_cells(
 ) -> None:
     """Compute ``cells`` and hand each finished record to ``on_record`` as soon as it is done.
 
+    A cell whose prompt does not fit (:func:`fits`) is not run: its record has the flag
+    ``overflow``, an empty answer, ``correct`` False and no prefill or new tokens. With a backend
+    that cuts long prompts by design (``backend.cuts_long_prompts``, the ``truncated``
+    baseline) the cell runs and is flagged ``cut_to_window``.
+
     Args:
         backend: the model backend.
         cells: the cells to compute (already filtered to the unfinished ones).
@@ -194,20 +295,87 @@ def run_cells(
             ``backend.supports_prefix_reuse``; otherwise the cells are batched).
         batch_size: cells per forward batch when prefix reuse is off.
     """
+    runnable = []
+    for c in cells:
+        ok, n = fits(backend, _prompt(c))
+        if ok:
+            runnable.append((c, []))
+        elif backend.cuts_long_prompts:
+            runnable.append((c, [CUT_TO_WINDOW]))
+        else:
+            gen = Generation(text="", prompt_tokens=n, new_tokens=0, prefill_tokens=0, seconds=0)
+            on_record(_record(c, backend, gen, [OVERFLOW]))
     if prefix_reuse and backend.supports_prefix_reuse:
-        by_sample: dict[str, list[Cell]] = {}
-        for c in cells:
-            by_sample.setdefault(c.sample.id, []).append(c)
+        by_sample: dict[str, list[tuple[Cell, list[str]]]] = {}
+        for c, flags in runnable:
+            by_sample.setdefault(c.sample.id, []).append((c, flags))
         for group in by_sample.values():
-            for c in sorted(group, key=lambda c: -c.position):
-                [gen] = backend.generate([_prompt(c)], prefix_reuse=True)
-                on_record(_record(c, backend, gen))
+            for c, flags in sorted(group, key=lambda x: -x[0].position):
+                [gen] = backend.generate([_prompt(c)], batch_size=1, prefix_reuse=True)
+                on_record(_record(c, backend, gen, flags))
         return
-    for start in range(0, len(cells), batch_size):
-        chunk = cells[start : start + batch_size]
-        gens = backend.generate([_prompt(c) for c in chunk], batch_size=batch_size)
-        for c, gen in zip(chunk, gens, strict=True):
-            on_record(_record(c, backend, gen))
+    for start in range(0, len(runnable), batch_size):
+        chunk = runnable[start : start + batch_size]
+        gens = backend.generate([_prompt(c) for c, _ in chunk], batch_size=batch_size)
+        for (c, flags), gen in zip(chunk, gens, strict=True):
+            on_record(_record(c, backend, gen, flags))
+
+
+def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
+    """The records that count towards accuracy, and the flag counts for ``summary.json``.
+
+    A sample with an ``overflow`` cell at any position is left out at every position, so each
+    position's accuracy is over the same samples; its cells are counted, not scored.
+
+    Args:
+        records: the run's records (dicts as stored).
+
+    Returns:
+        ``(scored, extra)``: ``scored`` the records of samples without an overflow cell;
+        ``extra`` = ``{"cells": all records, "scored_cells": len(scored), "excluded_samples":
+        samples left out, "flags": {flag: {position: cells}}}`` (positions as strings, sorted).
+    """
+    over = {r["sample_id"] for r in records if OVERFLOW in r.get("flags", ())}
+    counts: dict[str, dict[int, int]] = {}
+    for r in records:
+        for f in r.get("flags", ()):
+            per = counts.setdefault(f, {})
+            per[int(r["position"])] = per.get(int(r["position"]), 0) + 1
+    scored = [r for r in records if r["sample_id"] not in over]
+    return scored, {
+        "cells": len(records),
+        "scored_cells": len(scored),
+        "excluded_samples": len(over),
+        "flags": {
+            f: {str(p): n for p, n in sorted(per.items())} for f, per in sorted(counts.items())
+        },
+    }
+
+
+def flags_table(summary: dict) -> TableSpec | None:
+    """The flagged cells per position of a ``summary.json`` (one column per flag) with the
+    samples left out of the accuracy under it; None when no cell is flagged."""
+    flags = summary.get("flags") or {}
+    if not flags:
+        return None
+    positions = sorted({int(p) for per in flags.values() for p in per})
+    rows = [[str(p), *(str(per.get(str(p), 0)) for per in flags.values())] for p in positions]
+    lines = []
+    if summary.get("excluded_samples"):
+        lines.append(
+            f"{summary['excluded_samples']} sample(s) overflow the context window at some "
+            f"position and are left out of the accuracy at every position "
+            f"({summary.get('scored_cells', 0)} of {summary.get('cells', 0)} cells scored)"
+        )
+    x_axis = summary.get("x_axis", "position")
+    return TableSpec(f"flagged cells per {x_axis}", ["position", *flags], rows, lines)
+
+
+def print_flags(summary: dict, console: Console | None = None) -> None:
+    """Print :func:`flags_table` (nothing when no cell is flagged)."""
+    spec = flags_table(summary)
+    if spec is not None:
+        print_tables([spec], console)
 
 
 def open_store(out: Path, rank: int = 0, world_size: int = 1) -> JsonlStore:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 from scipy.stats import binomtest
@@ -33,6 +34,39 @@ def best_subspan_em(prediction: str, answers: list[str]) -> bool:
     first = prediction.split("\n")[0].strip()
     pred = normalize_answer(first)
     return any(normalize_answer(a) in pred for a in answers if normalize_answer(a))
+
+
+def degenerate_gold(answers: Sequence[str]) -> list[str]:
+    """Why each degenerate gold answer of ``answers`` makes best_subspan_em loose or void.
+
+    A gold answer is degenerate when its normalised form (:func:`normalize_answer`) is
+
+    * empty (``"*"``, ``"A"``: the article is dropped): Lost in the Middle's metric counts every
+      prediction correct (the empty string is a substring of anything); :func:`best_subspan_em`
+      ignores such a gold, so it can never be matched. Reason ``gold_normalizes_to_empty:'<gold>'``.
+    * one character (``"0"`` is inside ``"10"``). Reason ``gold_len_le_1_char``.
+    * stopwords only (``"The Who"`` becomes ``"who"``, inside "not sure who sang it"), by NLTK's
+      English list as shipped with ``bm25s`` (``STOPWORDS_EN_PLUS``). Reason
+      ``gold_reduces_to_stopword_like:'<normalised>'``.
+
+    The scores stay those of :func:`best_subspan_em` (parity with Lost in the Middle where it is
+    well defined); the sweep flags such cells ``degenerate_gold`` and counts them.
+
+    Returns:
+        one reason per degenerate gold, in the order of ``answers`` (empty: none).
+    """
+    from bm25s.stopwords import STOPWORDS_EN_PLUS
+
+    out = []
+    for a in answers:
+        norm = normalize_answer(a)
+        if not norm:
+            out.append(f"gold_normalizes_to_empty:{a!r}")
+        elif len(norm) <= 1:
+            out.append("gold_len_le_1_char")
+        elif all(w in STOPWORDS_EN_PLUS for w in norm.split()):
+            out.append(f"gold_reduces_to_stopword_like:{norm!r}")
+    return out
 
 
 def kv_match(prediction: str, value: str) -> bool:

@@ -94,7 +94,20 @@ class SweepRecord(BaseModel):
     """One finished sweep cell, as stored (one JSON line) in ``results.jsonl``.
 
     ``position`` is the gold passage's prompt position (raw model) or its retrieval rank (when a
-    reorder strategy is applied); ``prompt_position`` is always where it ended up in the prompt.
+    reorder strategy is applied); ``prompt_position`` is always where it ended up in the prompt
+    (-1: not in the prompt, or no prompt was run).
+
+    ``flags`` name what makes the cell unlike an ordinary scored answer (counted per position in
+    ``summary.json`` and the printed tables, see :mod:`ragfix.eval.sweep`):
+
+    * ``overflow``: the prompt plus the answer budget is longer than the backend's
+      ``context_window``; the model was not run (empty answer, ``new_tokens`` 0) and the
+      sample is left out of the accuracy at every position.
+    * ``cut_to_window``: the same, for a backend that cuts long prompts by design
+      (``truncated``); the cell ran and is scored.
+    * ``degenerate_gold``: a gold answer normalises to nothing, to one character or to stopwords
+      only (:func:`ragfix.metrics.degenerate_gold`; the reasons are in ``extra``); scored as
+      usual, reported so a reader knows the metric is loose there.
     """
 
     cell_id: str
@@ -110,6 +123,7 @@ class SweepRecord(BaseModel):
     answer: str
     correct: bool
     seconds: float
+    flags: list[str] = Field(default_factory=list)
     extra: dict = Field(default_factory=dict)
 
 

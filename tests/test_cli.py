@@ -93,3 +93,58 @@ def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
         NQ, tmp_path / "reuse-True", num_docs=3, limit=1, device="cpu", on_record=again.append
     )
     assert again == []
+
+
+def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(tmp_path):
+    """Issue 15's protocol: ``--records 1:3`` takes records 1 and 2 (lines 2 and 3) of the file,
+    ``--limit 1`` the first of them; the range goes to config.json, and a rerun on another
+    range in the same folder is refused."""
+    from ragfix.connectors.litm import load_samples
+
+    out = tmp_path / "run"
+    args = ["eval", str(NQ), "--num-docs", "3", "--positions", "first", "--device", "cpu"]
+    res = runner.invoke(app, [*args, "--records", "1:3", "--limit", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    [rec] = _records(out)
+    assert rec["sample_id"] == load_samples(NQ, 3, limit=2)[1].id
+    assert json.loads((out / "config.json").read_text())["records"] == "1:3"
+    res = runner.invoke(app, [*args, "--records", "3:5", "--out", str(out)])
+    assert res.exit_code == 2 and "records: '1:3' there, '3:5' now" in res.output
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--records", "5:2"], "error: --records '5:2': expected START:END"),
+        (["--records", "500:600"], "no usable record in --records 500:600"),
+        (["--limit", "0"], "error: --limit 0 < 1"),
+        (["--batch-size", "0"], "error: --batch-size 0 < 1"),
+    ],
+)
+def test_eval_bad_range_or_count_is_one_line(extra, message, tmp_path):
+    res = runner.invoke(app, ["eval", str(NQ), *extra, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "config.json").exists()
+
+
+def test_distill_records_select_the_training_records_and_are_recorded(tmp_path):
+    """``ragfix distill ... --records A:B``: the training samples come from records A..B-1 of
+    each file (before --offset/--candidates); the adapter metadata records the range; a
+    malformed range is one line before any model is loaded."""
+    from ragfix.cli.distill_cmd import _load
+    from ragfix.connectors.litm import load_samples
+    from ragfix.distill import DistillSettings, adapter_metadata
+    from ragfix.distill.loop import TrainResult
+    from ragfix.eval.sweep import parse_records
+
+    every = load_samples(NQ, 3)
+    got = _load([NQ], 3, 1, 1, None, parse_records("2:5"))
+    assert [s.id for s in got] == [every[3].id]  # records 2, 3, 4; skip 1, keep 1
+    res = runner.invoke(
+        app, ["distill", "r1", "--train", str(NQ), "--out", str(tmp_path), "--records", "x"]
+    )
+    assert res.exit_code == 2 and "error: --records 'x'" in res.output
+    result = TrainResult(steps=1, total_steps=1, rows=3, last_loss=0.5, minutes=0.1, finished=True)
+    meta = adapter_metadata(DistillSettings(), {}, got, 3, 3, result, train_records="2:5")
+    assert meta["train_records"] == "2:5" and meta["train_question_ids"] == [every[3].id]

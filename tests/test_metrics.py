@@ -5,6 +5,7 @@ import pytest
 from ragfix.errors import RagfixError
 from ragfix.metrics import (
     best_subspan_em,
+    degenerate_gold,
     kv_match,
     mcnemar_exact,
     normalize_answer,
@@ -33,6 +34,24 @@ def test_normalize_answer_squad_rules():
 )
 def test_best_subspan_em(pred, answers, expected):
     assert best_subspan_em(pred, answers) is expected
+
+
+@pytest.mark.parametrize(
+    "answers,reasons",
+    [
+        (["Wilhelm Conrad Röntgen"], []),
+        (["The Beatles", "the"], ["gold_normalizes_to_empty:'the'"]),
+        (["?!", "7"], ["gold_normalizes_to_empty:'?!'", "gold_len_le_1_char"]),
+        (
+            ["It is", "No"],
+            ["gold_reduces_to_stopword_like:'it is'", "gold_reduces_to_stopword_like:'no'"],
+        ),
+        (["who is who in paris"], []),  # a content word keeps it meaningful
+        (["1990"], []),
+    ],
+)
+def test_degenerate_gold_names_each_reason(answers, reasons):
+    assert degenerate_gold(answers) == reasons
 
 
 def test_kv_match_whole_output_case_insensitive():

@@ -4,12 +4,21 @@ import json
 
 import pytest
 from conftest import BUNDLED
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
 from ragfix.connectors.litm import load_samples
+from ragfix.errors import ConfigError
 from ragfix.eval.report import write_report
-from ragfix.eval.sweep import SweepConfig, open_store, parse_positions, plan_cells, run_cells
+from ragfix.eval.sweep import (
+    SweepConfig,
+    open_store,
+    parse_positions,
+    parse_records,
+    plan_cells,
+    run_cells,
+)
 from ragfix.metrics import mcnemar_exact
 
 NQ = str(BUNDLED / "nq_10docs_sample.jsonl.gz")
@@ -96,6 +105,8 @@ def test_report_compares_runs_cell_by_cell(finished_run, tmp_path):
         r["correct"] = not r["correct"] if r["cell_id"] in flipped else r["correct"]
         r["backend"] = "other"
     (other / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    config = json.loads((out / "config.json").read_text())  # same cells, another backend
+    (other / "config.json").write_text(json.dumps({**config, "backend": "other"}))
     write_report(other, recs)
     png = tmp_path / "cmp.png"
     res = runner.invoke(app, ["report", str(out), str(other), "--out", str(png)])
@@ -182,3 +193,40 @@ def test_malformed_record_stops_or_is_skipped(tmp_path):
     res = runner.invoke(app, ["eval", str(bad), "--out", str(tmp_path / "o"), "--num-docs", "2"])
     assert res.exit_code == 2 and "bad.jsonl:2: malformed JSON" in res.output
     assert parse_positions("first,middle,last", 10) == [0, 4, 9]
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("0:200", slice(0, 200)),
+        ("200:", slice(200, None)),
+        (":5", slice(0, 5)),
+        (" 3:4 ", slice(3, 4)),
+    ],
+)
+def test_parse_records(spec, expected):
+    assert parse_records(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["5:2", "3:3", "-1:4", "a:b", "200", "1:2:3"])
+def test_a_malformed_record_range_is_one_line_naming_it(spec):
+    with pytest.raises(ConfigError, match=r"--records .*expected START:END") as e:
+        parse_records(spec)
+    assert repr(spec) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sweep_config_is_validated_when_built():
+    base = dict(data=NQ, task="qa", num_docs=3, model="smollm2", backend="vanilla")
+    assert SweepConfig(**base, records="0:10").records == "0:10"
+    assert SweepConfig(**base, records=" :10").records == "0:10"  # one spelling per range
+    with pytest.raises(ValidationError, match="extra"):
+        SweepConfig(**base, num_doc=3)  # a typo is refused, not ignored
+    with pytest.raises(ValidationError, match="num_docs 0 < 1"):
+        SweepConfig(**{**base, "num_docs": 0})
+    with pytest.raises(ValidationError, match="--records '9:1'"):
+        SweepConfig(**base, records="9:1")
+
+
+def test_positions_out_of_range_name_both_values():
+    with pytest.raises(ConfigError, match="12 is out of range 0..9 for --num-docs 10"):
+        parse_positions("0,12", 10)

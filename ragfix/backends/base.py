@@ -49,12 +49,16 @@ class Backend(ABC):
             prompt with the same prefix (the sweep then runs a sample's cells in sequence).
         supports_batching: a prompt's answer does not depend on the prompts batched with it;
             when ``False``, :meth:`generate` runs prompts one at a time.
+        cuts_long_prompts: the backend itself cuts a prompt longer than :attr:`context_window`
+            by design (the ``truncated`` baseline); otherwise consumers refuse or flag such a
+            prompt (``overflow``) instead of running it.
     """
 
     name: ClassVar[str] = "vanilla"
     options: BackendOptions
     supports_prefix_reuse: bool = True
     supports_batching: bool = True
+    cuts_long_prompts: bool = False
 
     # ------------------------------------------------------------------ what it is
     @property

@@ -54,6 +54,7 @@ class TruncatedBackend(HFBackend):
     name = "truncated"
     options_model = TruncatedOptions
     supports_prefix_reuse = False  # the cut depends on the whole prompt
+    cuts_long_prompts = True  # the method: long prompts are cut to the window
 
     @property
     def context_window(self) -> int:

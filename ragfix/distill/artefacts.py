@@ -22,6 +22,7 @@ def adapter_metadata(
     excluded=(),
     excluded_candidates: int = 0,
     train_files=(),
+    train_records: str | None = None,
 ) -> dict:
     """The metadata of a finished run (:data:`~ragfix.adapters.METADATA_FILE`).
 
@@ -33,6 +34,8 @@ def adapter_metadata(
         excluded: evaluation samples kept out of training (their ids are recorded).
         excluded_candidates: training candidates dropped because they were among ``excluded``.
         train_files: the data files.
+        train_records: the record range of every training file (``"0:200"``; None: whole
+            files), so an evaluation can be run on a disjoint range.
     """
     return {
         "format": FORMAT,
@@ -41,6 +44,7 @@ def adapter_metadata(
         "variant": settings.variant,
         "base_model": base_identity,
         "train_files": list(train_files),
+        "train_records": train_records,
         "train_question_ids": [s.id for s in kept],
         "train_questions": [s.question for s in kept],
         "questions_tried": tried,

@@ -110,6 +110,7 @@ def distill(
     out_dir: str | Path,
     excluded: Sequence = (),
     train_files: Sequence[str] = (),
+    train_records: str | None = None,
     device: str = "auto",
     dtype: str = "auto",
     resume: bool = True,
@@ -130,6 +131,8 @@ def distill(
         excluded: evaluation samples; any training candidate with the same id or question is
             dropped first, and their ids are recorded in the metadata.
         train_files: the data files, recorded in the metadata.
+        train_records: the record range of the data files the samples were read from
+            (``"0:200"``), recorded in the metadata (None: whole files).
         device, dtype: see :func:`ragfix.models.load_model`.
         resume: reuse the data file and continue from the checkpoint of an earlier run.
         stop_after: see :func:`~ragfix.distill.loop.train_loop`.
@@ -190,6 +193,7 @@ def distill(
         excluded=excluded,
         excluded_candidates=len(samples) - len(candidates),
         train_files=train_files,
+        train_records=train_records,
     )
     if acc.is_main_process:
         save_adapter(trained, out, metadata)

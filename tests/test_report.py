@@ -1,0 +1,283 @@
+"""Comparing runs (figures of merit, pairing rules, ``ragfix report``) and rendering the results
+tables of Markdown files (``ragfix render``)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import bootstrap
+from typer.testing import CliRunner
+
+from ragfix.cli.app import app
+from ragfix.errors import DataError, RagfixError
+from ragfix.eval.merit import curve_merit, paired_merit
+from ragfix.eval.render import render_files
+from ragfix.eval.report import compare_runs, record_range, write_report
+from ragfix.metrics import wilson_interval
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+# Two systems on 10 samples x 3 positions; sample i is right at a position when i < the count:
+#   position:   0   1   2
+#   baseline:   8   2   5    mean .5,    worst .2 @ 1, best .8 @ 0, gap .6
+#   other:      8   9   6    mean .7667, worst .6 @ 2, best .9 @ 1, gap .3
+# Discordant cells: position 1: 7 right only in other (McNemar p = 2 / 2**7), position 2: 1.
+BASE_COUNTS, OTHER_COUNTS = (8, 2, 5), (8, 9, 6)
+
+
+def _cells(counts, samples=10):
+    return {(f"s{i}", pos): i < k for pos, k in enumerate(counts) for i in range(samples)}
+
+
+def _run(folder: Path, counts, backend="vanilla", **config) -> Path:
+    """A finished run folder written directly: results.jsonl, config.json, summary.json."""
+    folder.mkdir(parents=True)
+    cfg = {"data": "/x/kv.jsonl.gz", "task": "kv", "num_docs": 3, "model": "smollm2"}
+    cfg.update(backend=backend, **config)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    records = [
+        {
+            "cell_id": f"{backend}-{sid}-{pos}",
+            "sample_id": sid,
+            "position": pos,
+            "backend": backend,
+            "strategy": "none",
+            "correct": ok,
+        }
+        for (sid, pos), ok in _cells(counts).items()
+    ]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_report(folder, records)
+    return folder
+
+
+def test_figures_of_merit_of_one_curve():
+    m = curve_merit(_cells(BASE_COUNTS))
+    assert (m.samples, m.cells) == (10, 30)
+    assert m.mean == pytest.approx(0.5) and m.gap == pytest.approx(0.6)
+    assert (m.worst_position, m.worst, m.best_position, m.best) == (1, 0.2, 0, 0.8)
+    assert (m.worst_ci.low, m.worst_ci.high) == pytest.approx(wilson_interval(2, 10))
+    assert m.mean_ci.low < m.mean < m.mean_ci.high
+    assert m.gap_ci.low < m.gap < m.gap_ci.high
+    # every position is complete, so the mean over positions is the mean over samples of each
+    # sample's mean: scipy's own percentile bootstrap of that gives nearly the same interval
+    per_sample = [np.mean([i < k for k in BASE_COUNTS]) for i in range(10)]
+    ref = bootstrap(
+        (per_sample,), np.mean, method="percentile", n_resamples=2000, random_state=1
+    ).confidence_interval
+    assert m.mean_ci.low == pytest.approx(ref.low, abs=0.04)
+    assert m.mean_ci.high == pytest.approx(ref.high, abs=0.04)
+    # seeded: the same numbers twice, and the settings travel with them
+    assert curve_merit(_cells(BASE_COUNTS)) == m
+    assert (m.bootstrap.method, m.bootstrap.resamples, m.bootstrap.seed) == ("percentile", 2000, 0)
+
+
+def test_bootstrap_resamples_samples_not_cells():
+    # every sample has the same outcome pattern (right at 0, wrong at 1): resampling samples
+    # never changes the curve, so the intervals have no width; a cell bootstrap would give some
+    cells = {(f"s{i}", pos): pos == 0 for i in range(20) for pos in (0, 1)}
+    m = curve_merit(cells)
+    assert (m.mean_ci.low, m.mean_ci.high) == (0.5, 0.5)
+    assert (m.gap_ci.low, m.gap_ci.high) == (1.0, 1.0)
+    # one sample: no bootstrap interval at all
+    one = curve_merit({("s0", 0): True, ("s0", 1): False})
+    assert one.mean_ci is None and one.gap_ci is None
+
+
+def test_paired_figures_of_merit_and_mcnemar():
+    pm = paired_merit(_cells(BASE_COUNTS), _cells(OTHER_COUNTS))
+    assert (pm.samples, pm.cells) == (10, 30)
+    assert [p.diff for p in pm.positions] == pytest.approx([0.0, 0.7, 0.1])
+    p1, p2 = pm.positions[1], pm.positions[2]
+    assert (p1.only_other, p1.only_baseline, p1.p_value) == (7, 0, pytest.approx(2 / 2**7))
+    assert p1.significant and not p2.significant and p2.p_value == 1.0
+    assert pm.mean_diff == pytest.approx(0.8 / 3) and pm.gap_diff == pytest.approx(-0.3)
+    assert (pm.only_other, pm.only_baseline) == (8, 0)
+    assert pm.p_value == pytest.approx(2 / 2**8) and pm.significant
+    assert pm.mean_diff_ci.low < pm.mean_diff < pm.mean_diff_ci.high
+    assert pm.mean_diff_ci.low > 0  # the gain is on the same samples: the interval excludes 0
+    assert pm.gap_diff_ci.low < pm.gap_diff < pm.gap_diff_ci.high
+    with pytest.raises(RagfixError, match="share no"):
+        paired_merit({("a", 0): True}, {("b", 0): True})
+
+
+def test_report_prints_merit_and_paired_tables_and_writes_json(tmp_path):
+    base = _run(tmp_path / "base", BASE_COUNTS)
+    other = _run(tmp_path / "lora", OTHER_COUNTS, backend="pos2distill", model="smollm2-r1")
+    png, js = tmp_path / "cmp.png", tmp_path / "cmp.json"
+    res = runner.invoke(
+        app, ["report", str(base), str(other), "--out", str(png), "--json", str(js)]
+    )
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "figures of merit" in text and "base:vanilla" in text
+    assert "McNemar p = 0.00781 (significant at 0.05)" in text
+    assert "0.0156" in text and "mean difference +0.267" in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    cmp = json.loads(js.read_text())
+    assert [r["config"]["backend"] for r in cmp["runs"]] == ["vanilla", "pos2distill"]
+    (pair,) = cmp["paired"]
+    assert (pair["baseline"], pair["other"]) == ("base:vanilla", "lora:pos2distill")
+    assert pair["p_value"] == pytest.approx(2 / 2**8) and cmp["notes"] == []
+    assert cmp["runs"][0]["curves"]["vanilla"]["gap"] == pytest.approx(0.6)
+    # --markdown: the same tables as Markdown
+    md = runner.invoke(app, ["report", str(base), str(other), "--out", str(png), "--markdown"])
+    assert md.exit_code == 0, md.output
+    assert "**figures of merit**" in md.output and "|---|---:|" in md.output
+    assert "| 1 | 10 | 0.200 | 0.900 | +0.700 | 7 | 0 | 0.0156 | significant |" in md.output
+
+
+def test_overflow_samples_are_left_out_of_the_comparison(tmp_path):
+    run = _run(tmp_path / "run", BASE_COUNTS)
+    lines = (run / "results.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    for r in recs:  # sample s9 did not fit the window at position 2: out at every position
+        r["flags"] = ["overflow"] if (r["sample_id"], r["position"]) == ("s9", 2) else []
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    m = compare_runs([run])["runs"][0]["curves"]["vanilla"]
+    assert (m["samples"], m["cells"]) == (9, 27)
+    assert [p["accuracy"] for p in m["positions"]] == pytest.approx([8 / 9, 2 / 9, 5 / 9])
+
+
+def test_not_significant_is_said_plainly(tmp_path):
+    base = _run(tmp_path / "a", (5, 5))
+    other = _run(tmp_path / "b", (6, 5), backend="other")
+    cmp = compare_runs([base, other])
+    assert cmp["paired"][0]["p_value"] == 1.0
+    res = runner.invoke(app, ["report", str(base), str(other), "--out", str(tmp_path / "c.png")])
+    assert "McNemar p = 1 (not significant at 0.05)" in " ".join(res.output.split())
+
+
+def test_runs_with_other_cells_are_not_paired(tmp_path):
+    a = _run(tmp_path / "k4", BASE_COUNTS, num_docs=4)
+    b = _run(tmp_path / "k8", OTHER_COUNTS, num_docs=8, records="0:10")
+    c = _run(tmp_path / "k4-lora", OTHER_COUNTS, backend="pos2distill", num_docs=4)
+    cmp = compare_runs([a, b, c], plot=tmp_path / "p.png")
+    assert cmp["groups"] == [["k4", "k4-lora"], ["k8"]]
+    assert cmp["notes"] == ["k8 not paired with k4: num_docs 4 vs 8; records all vs 0:10"]
+    assert [(p["baseline"], p["other"]) for p in cmp["paired"]] == [
+        ("k4:vanilla", "k4-lora:pos2distill")
+    ]
+    # the same file elsewhere is the same data; another file is not
+    d = _run(tmp_path / "moved", OTHER_COUNTS, backend="x", data="/y/kv.jsonl.gz", num_docs=4)
+    e = _run(tmp_path / "nq", OTHER_COUNTS, backend="x", data="/x/nq.jsonl.gz", num_docs=4)
+    cmp = compare_runs([a, d, e])
+    assert [p["other"] for p in cmp["paired"]] == ["moved:x"]
+    assert cmp["notes"] == ["nq not paired with k4: data kv.jsonl.gz vs nq.jsonl.gz"]
+
+
+def test_a_run_that_tuned_on_the_compared_records_is_refused(tmp_path):
+    test = _run(tmp_path / "vanilla", BASE_COUNTS, records="200:400")
+    tuned_here = _run(
+        tmp_path / "sink-here",
+        OTHER_COUNTS,
+        backend="pos2distill",
+        records="200:400",
+        tuned_on=[{"data": "/elsewhere/kv.jsonl.gz", "records": "150:250"}],
+    )
+    cmp = compare_runs([test, tuned_here])
+    assert cmp["paired"] == []
+    assert cmp["notes"] == [
+        "sink-here:pos2distill not paired with vanilla:vanilla: sink-here tuned on records "
+        "150:250 of kv.jsonl.gz, which are compared (200:400)"
+    ]
+    res = runner.invoke(
+        app, ["report", str(test), str(tuned_here), "--out", str(tmp_path / "p.png")]
+    )
+    assert res.exit_code == 0 and "McNemar" not in res.output
+    # tuned on a disjoint range, or on another file: paired
+    for name, tuned in (
+        ("disjoint", "0:200"),
+        ("other-file", {"data": "q.jsonl", "records": "0:"}),
+    ):
+        run = _run(tmp_path / name, OTHER_COUNTS, backend="p", records="200:400", tuned_on=tuned)
+        assert len(compare_runs([test, run])["paired"]) == 1
+    # no records range: compared on every record, so any tuned range of the same file overlaps
+    whole = _run(tmp_path / "whole", BASE_COUNTS, backend="w", tuned_on="0:10")
+    assert compare_runs([_run(tmp_path / "all", BASE_COUNTS), whole])["notes"] == [
+        "whole:w not paired with all:vanilla: whole tuned on records 0:10 of kv.jsonl.gz, "
+        "which are compared (all)"
+    ]
+
+
+@pytest.mark.parametrize("bad", ["5", "10:2", "a:b", "-1:4"])
+def test_malformed_record_ranges_are_named(tmp_path, bad):
+    with pytest.raises(DataError, match=f"records: {bad!r} is not a record range"):
+        record_range(bad, Path("run/config.json"))
+    assert record_range("200:") == (200, math.inf) and record_range(None) == (0, math.inf)
+    run = _run(tmp_path / "run", BASE_COUNTS, tuned_on=bad)
+    res = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "p.png")])
+    assert res.exit_code == 2
+    assert f"config.json: tuned_on: {bad!r} is not a record range" in " ".join(res.output.split())
+
+
+def test_render_round_trip_and_check(tmp_path):
+    base = _run(tmp_path / "runs" / "base", BASE_COUNTS)
+    other = _run(tmp_path / "runs" / "lora", OTHER_COUNTS, backend="pos2distill")
+    results = tmp_path / "results"
+    res = runner.invoke(
+        app,
+        [
+            "report",
+            str(base),
+            str(other),
+            "--out",
+            str(tmp_path / "p.png"),
+            "--json",
+            str(results / "kv.json"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    (results / "base.json").write_text((base / "summary.json").read_text())
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    doc = docs / "kv.md"
+    fenced = "```\n<!-- results:merit nowhere.json -->\n<!-- /results -->\n```\n"
+    doc.write_text(
+        "# KV\n\n<!-- results:merit ../results/kv.json -->\nstale\n<!-- /results -->\n\ntext\n\n"
+        "<!-- results:curve ../results/base.json -->\n<!-- /results -->\n" + fenced
+    )
+    cli = [sys.executable, "-m", "ragfix.eval.render"]
+    check = subprocess.run([*cli, "--check", str(doc)], capture_output=True, text=True)
+    assert check.returncode == 1 and f"out of date: {doc}" in check.stdout
+    assert runner.invoke(app, ["render", str(doc)]).exit_code == 0
+    text = doc.read_text()
+    assert "stale" not in text and text.endswith(fenced) and "\ntext\n" in text
+    assert "| base:vanilla | 10 | 30 | 0.500 |" in text  # merit row of the comparison
+    assert "| 1 | 10 | 0.200 | [0.057, 0.510] |" in text  # Wilson interval of 2 / 10
+    assert runner.invoke(app, ["render", "--check", str(doc)]).exit_code == 0
+    assert subprocess.run([*cli, "--check", str(doc)]).returncode == 0
+    # a new result makes the file out of date
+    _run(tmp_path / "runs" / "lora2", (9, 9, 9), backend="pos2distill")
+    compare = runner.invoke(
+        app,
+        [
+            "report",
+            str(base),
+            str(tmp_path / "runs" / "lora2"),
+            "--out",
+            str(tmp_path / "p.png"),
+            "--json",
+            str(results / "kv.json"),
+        ],
+    )
+    assert compare.exit_code == 0
+    res = runner.invoke(app, ["render", "--check", str(doc)])
+    assert res.exit_code == 1 and "out of date" in res.output
+    # broken blocks are one line naming the file and line
+    doc.write_text("a\n<!-- results:merit ../results/kv.json -->\n")
+    res = runner.invoke(app, ["render", str(doc)])
+    assert res.exit_code == 2 and f"{doc}:2: results block without <!-- /results -->" in res.output
+    doc.write_text("<!-- results:merit ../results/base.json -->\n<!-- /results -->\n")
+    res = runner.invoke(app, ["render", str(doc)])
+    assert res.exit_code == 2 and "merit tables need a comparison file" in res.output
+
+
+def test_every_results_block_of_the_readme_and_docs_is_up_to_date():
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert render_files(files, check=True) == []
