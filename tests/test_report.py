@@ -279,5 +279,10 @@ def test_render_round_trip_and_check(tmp_path):
 
 
 def test_every_results_block_of_the_readme_and_docs_is_up_to_date():
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "adapters").glob("*/README.md")),
+    ]
+    assert ROOT / "adapters" / "smollm2-kv8-r1" / "README.md" in files
     assert render_files(files, check=True) == []
