@@ -22,10 +22,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ragfix.errors import ConfigError, DataError
+from ragfix.errors import ConfigError, ConfigMismatchError, DataError
 from ragfix.eval.report import progress_bar
-from ragfix.eval.sweep import ConfigMismatchError
-from ragfix.io import JsonlStore, atomic_write_json
+from ragfix.io import (
+    CONFIG_FILE,
+    JsonlStore,
+    atomic_write_json,
+    config_differences,
+    read_run_config,
+)
 from ragfix.judge import (
     PairJudgment,
     PairwiseJudge,
@@ -39,7 +44,6 @@ from ragfix.types import JudgePair
 JUDGMENTS_FILE = "judgments.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "judge.png"
-CONFIG_FILE = "config.json"
 
 
 @dataclass
@@ -108,32 +112,14 @@ def summarize_judgments(
     return JudgeRunResult(out=out, summaries=summaries)
 
 
-def _read_config(out: Path) -> dict | None:
-    """The stored ``config.json`` of a run folder, or None.
-
-    Raises:
-        DataError: the file is not readable JSON.
-    """
-    path = out / CONFIG_FILE
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(path, None, None, f"unreadable run configuration ({e})") from None
-
-
 def _check_same(out: Path, theirs: dict | None, mine: dict) -> None:
     """Refuse a run folder whose stored settings differ from ``mine`` (keys of ``mine`` only).
 
     Raises:
         ConfigMismatchError: the folder holds judgments made with other settings.
     """
-    if theirs is None:
-        return
-    diff = [k for k in mine if theirs.get(k) != mine[k]]
-    if diff:
-        detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in diff)
+    detail = "" if theirs is None else config_differences(theirs, mine)
+    if detail:
         raise ConfigMismatchError(
             f"{out} holds judgments made with other settings ({detail}); use another folder"
         )
@@ -221,7 +207,7 @@ def _judge_todo(
         batch_size=batch_size or (32 if on_gpu else 4),
     )
     full = {**config, "identity": json.loads(json.dumps(b.identity()))}
-    _check_same(out, _read_config(out), {"identity": full["identity"]})
+    _check_same(out, read_run_config(out), {"identity": full["identity"]})
     store = JsonlStore(out / JUDGMENTS_FILE, key="pair_id")
 
     def on_result(res: PairJudgment) -> None:
@@ -314,7 +300,7 @@ def run_judge(
         "tie_margin": tie_margin,
         "mtbench_models": list(mtbench_models) if fmt == "mtbench" else None,
     }
-    _check_same(out, _read_config(out), config)
+    _check_same(out, read_run_config(out), config)
     out.mkdir(parents=True, exist_ok=True)
     store = JsonlStore(out / JUDGMENTS_FILE, key="pair_id")
     done = store.load()

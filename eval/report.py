@@ -47,12 +47,11 @@ from ragfix.eval.merit import (
     paired_merit,
     significance,
 )
-from ragfix.io import atomic_write_bytes, atomic_write_json
+from ragfix.io import CONFIG_FILE, atomic_write_bytes, atomic_write_json
 from ragfix.metrics import CurveSummary, position_curve
 
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "curve.png"
-CONFIG_FILE = "config.json"
 #: the ``kind`` of a comparison file written by ``ragfix report --json``
 COMPARISON_KIND = "ragfix-comparison"
 #: ``config.json`` fields that decide what a cell (sample, position) is: the data, the task, the

@@ -36,22 +36,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rich.console import Console
 
 from ragfix.backends.base import Backend
-from ragfix.errors import ConfigError, DataError
+from ragfix.errors import ConfigError, ConfigMismatchError
 from ragfix.eval.report import TableSpec, print_tables
-from ragfix.io import JsonlStore, atomic_write_json
+from ragfix.io import (
+    CONFIG_FILE,
+    JsonlStore,
+    atomic_write_json,
+    config_differences,
+    read_run_config,
+)
 from ragfix.metrics import degenerate_gold
 from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import Generation, QASample, SweepRecord
 
-CONFIG_FILE = "config.json"
 RESULTS_FILE = "results.jsonl"
 OVERFLOW = "overflow"
 CUT_TO_WINDOW = "cut_to_window"
 DEGENERATE_GOLD = "degenerate_gold"
-
-
-class ConfigMismatchError(ConfigError):
-    """The output folder holds results of a different configuration."""
 
 
 class SweepConfig(BaseModel):
@@ -105,17 +106,11 @@ class SweepConfig(BaseModel):
             ConfigMismatchError: the folder was used for another configuration (names the fields).
             DataError: ``config.json`` is not readable JSON.
         """
-        path = out / CONFIG_FILE
-        if not path.exists():
+        theirs = read_run_config(out)
+        if theirs is None:
             return False
-        try:
-            theirs = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise DataError(path, None, None, f"unreadable run configuration ({e})") from None
-        mine = self.model_dump(mode="json")
-        diff = [k for k in mine if theirs.get(k) != mine[k]]
-        if diff:
-            detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in diff)
+        detail = config_differences(theirs, self.model_dump(mode="json"))
+        if detail:
             raise ConfigMismatchError(
                 f"{out} holds results of another configuration ({detail}); use another --out folder"
             )

@@ -33,6 +33,10 @@ class ConfigError(RagfixError):
     """A setting that cannot work (unknown, out of range, or incompatible with the model)."""
 
 
+class ConfigMismatchError(ConfigError):
+    """A run folder holds results of a different configuration."""
+
+
 class ModelNotFoundError(RagfixError):
     """A model name that is neither embedded, cached, a local folder / GGUF file, nor a hub id."""
 
@@ -53,6 +57,7 @@ class IncompatibleMethodsError(RagfixError):
 __all__ = [
     "AdapterError",
     "ConfigError",
+    "ConfigMismatchError",
     "DataError",
     "IncompatibleMethodsError",
     "ModelLoadError",

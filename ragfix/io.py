@@ -16,6 +16,11 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from ragfix.errors import DataError
+
+#: the settings file of every run folder (sweep, pipeline sweep, judge)
+CONFIG_FILE = "config.json"
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -112,3 +117,25 @@ class JsonlStore:
             f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
+
+
+def read_run_config(out: str | Path) -> dict | None:
+    """The stored ``config.json`` of a run folder, or ``None`` when there is none yet.
+
+    Raises:
+        DataError: the file is not readable JSON.
+    """
+    path = Path(out) / CONFIG_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(path, None, None, f"unreadable run configuration ({e})") from None
+
+
+def config_differences(theirs: dict, mine: dict) -> str:
+    """``"key: X there, Y now; ..."`` for the keys of ``mine`` whose stored value differs, or
+    ``""`` when they all agree."""
+    diff = [k for k in mine if theirs.get(k) != mine[k]]
+    return "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in diff)

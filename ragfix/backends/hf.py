@@ -180,20 +180,27 @@ class HFBackend(Backend):
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, generation_config=cfg, tokenizer=self.tokenizer
         )
-        firsts = torch.log_softmax(out.logits[0].float(), dim=-1).cpu() if first_logprobs else None
+        prefill = [len(x) for x in batch]
+        return self._generations(out, batch, ids.shape[1], prefill, stop_at_newline, start)
+
+    def _generations(
+        self, out, batch: list[list[int]], width: int, prefill: list[int], stop: bool, start: float
+    ) -> list[Generation]:
+        """One :class:`Generation` per row of a ``generate`` output whose prompts (padding
+        included) are ``width`` tokens wide; ``seconds`` is the time since ``start`` / ``B``."""
+        firsts = torch.log_softmax(out.logits[0].float(), dim=-1).cpu() if out.logits else None
         secs = (time.perf_counter() - start) / len(batch)
-        width = ids.shape[1]
         gens = []
         for i, (row, prompt) in enumerate(
             zip(out.sequences[:, width:].tolist(), batch, strict=True)
         ):
-            text, n_new = self._decode_answer(row, stop_at_newline)
+            text, n_new = self._decode_answer(row, stop)
             gens.append(
                 Generation(
                     text=text,
                     prompt_tokens=len(prompt),
                     new_tokens=n_new,
-                    prefill_tokens=len(prompt),
+                    prefill_tokens=prefill[i],
                     seconds=secs,
                     first_logprobs=None if firsts is None else firsts[i],
                 )
@@ -329,24 +336,8 @@ class HFBackend(Backend):
             ),
             tokenizer=self.tokenizer,
         )
-        firsts = torch.log_softmax(out.logits[0].float(), dim=-1).cpu() if first_logprobs else None
-        secs = (time.perf_counter() - start) / len(batch)
-        gens = []
-        for i, (row, prompt) in enumerate(
-            zip(out.sequences[:, common + width :].tolist(), batch, strict=True)
-        ):
-            text, n_new = self._decode_answer(row, stop_at_newline)
-            gens.append(
-                Generation(
-                    text=text,
-                    prompt_tokens=len(prompt),
-                    new_tokens=n_new,
-                    prefill_tokens=len(prompt) - common + (common if i == 0 else 0),
-                    seconds=secs,
-                    first_logprobs=None if firsts is None else firsts[i],
-                )
-            )
-        return gens
+        prefill = [len(x) - common + (common if i == 0 else 0) for i, x in enumerate(batch)]
+        return self._generations(out, batch, common + width, prefill, stop_at_newline, start)
 
     def stream(
         self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
