@@ -33,7 +33,7 @@ from ragfix.eval.ppl import read_texts
 from ragfix.io import atomic_write_json
 
 #: the default ``--data``, relative to the working directory (the repository root)
-DATA = "../shared/data/needle_paul_graham_essays.jsonl.gz"
+DATA = "data/needle_paul_graham_essays.jsonl.gz"
 
 
 def _status_kb(field: str) -> int:

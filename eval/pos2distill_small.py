@@ -6,7 +6,7 @@ comparison on the adapter's own training size (fewer documents, passages cut to 
 passage's window keeping its answer), batched, and prints per-position accuracy with the curve's
 mean, worst, best and gap (best_subspan_em, as in Lost in the Middle).
 
-    python eval/pos2distill_small.py ../shared/data/derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz \\
+    python eval/pos2distill_small.py data/derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz \\
         --adapter adapters/smol-r1 --num-docs 5 --max-passage-words 25 --limit 40
 """
 

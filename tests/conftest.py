@@ -1,5 +1,5 @@
 """Shared fixtures: the real embedded model (loaded once per session), tiny seeded models for
-mechanism tests, and the shared data folder."""
+mechanism tests, and the data and case folders."""
 
 from __future__ import annotations
 
@@ -8,16 +8,27 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-BUNDLED = Path(__file__).resolve().parents[1] / "ragfix" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data"
+CASES = ROOT / "tests" / "cases"
+BUNDLED = ROOT / "ragfix" / "data"
 
 
-def shared_file(name: str) -> Path:
-    """A file of ``../shared/data`` (the public data sets beside the repository; sources in its
+def data_file(name: str) -> Path:
+    """A file of the repository's ``data/`` (public evaluation data; sources and licences in its
     README). A missing file fails the test: it must never pass by skipping."""
-    p = SHARED_DATA / name
+    p = DATA / name
     if not p.exists():
-        pytest.fail(f"shared data not available: {p} (see README, 'Data')")
+        pytest.fail(f"data file not available: {p} (see data/README.md)")
+    return p
+
+
+def case_file(name: str) -> Path:
+    """A file of ``tests/cases`` (failing inputs from public bug reports of similar tools); a
+    missing one fails the test."""
+    p = CASES / name
+    if not p.exists():
+        pytest.fail(f"case file not available: {p}")
     return p
 
 

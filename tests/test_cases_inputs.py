@@ -1,4 +1,4 @@
-"""Issue 13, reading inputs and parsing verdicts: each failing case of ``../shared/cases`` (cases
+"""Issue 13, reading inputs and parsing verdicts: each failing case of ``tests/cases`` (cases
 11, 13, 20, 21), the ``--num-docs`` larger than the file's passages mistake, and non-JSONL input,
 asserted on the case's own file through the real readers, the real sweep store and report, and
 the CLI."""
@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import shared_file
+from conftest import case_file, data_file
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -27,16 +27,7 @@ from ragfix.judge import parse_verdict
 from ragfix.tasks import score_answer
 from ragfix.types import SweepRecord
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
 runner = CliRunner()
-
-
-def case_file(name: str) -> Path:
-    """A file of ``../shared/cases``; a missing one fails the test (never skipped)."""
-    p = CASES / name
-    if not p.exists():
-        pytest.fail(f"case file not available: {p}")
-    return p
 
 
 def _only_lines(src: Path, keep: set[int], dst: Path) -> Path:
@@ -338,7 +329,7 @@ def test_num_docs_beyond_the_records_passages_is_refused():
     the record's passage count and --num-docs (it padded each sample with 10 passages of other
     questions); with skip_invalid nothing is left, and the error says why; an explicit
     distractor pool draws the missing ones."""
-    path = shared_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
+    path = data_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
     with pytest.raises(DataError) as e:
         load_samples(path, 30, limit=2)
     assert str(e.value) == (
@@ -348,16 +339,14 @@ def test_num_docs_beyond_the_records_passages_is_refused():
     )
     with pytest.raises(DataError, match=r"no valid records \(200 skipped; first: .*:1: ctxs:"):
         load_samples(path, 30, skip_invalid=True, skipped=SkipCounter())
-    [s] = load_samples(
-        path, 30, limit=1, distractor_pool=shared_file("litm_nq_open_oracle.jsonl.gz")
-    )
+    [s] = load_samples(path, 30, limit=1, distractor_pool=data_file("litm_nq_open_oracle.jsonl.gz"))
     assert len(s.distractors) == 29
     assert s.distractors[:19] == load_samples(path, 20, limit=1)[0].distractors
 
 
 def test_num_docs_beyond_the_records_passages_cli(tmp_path):
     """The new user's command of the issue fails with one line, exit code 2."""
-    path = shared_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
+    path = data_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
     res = runner.invoke(
         app,
         ["eval", str(path), "--num-docs", "30", "--positions", "first,middle,last"]

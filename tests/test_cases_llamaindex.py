@@ -1,4 +1,4 @@
-"""The LlamaIndex components on the failing cases of issue 13 (``../shared/cases/``): 07 (LLM
+"""The LlamaIndex components on the failing cases of issue 13 (``tests/cases/``): 07 (LLM
 settings against the real model), 08 (no, one and blank nodes), 25 (attention-sort without a
 query). The case inputs are copied here so the tests run from a fresh clone."""
 

@@ -1,4 +1,4 @@
-"""Issue 13's failing case of ``ragfix report`` (../shared/cases/32_report_mismatched_runs.json),
+"""Issue 13's failing case of ``ragfix report`` (tests/cases/32_report_mismatched_runs.json),
 run as the case gives it: the real model on the bundled KV sample."""
 
 import json

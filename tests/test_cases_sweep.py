@@ -1,4 +1,4 @@
-"""The failing cases of issue 13 that belong to the sweep (``../shared/cases``): 12 (prompts over
+"""The failing cases of issue 13 that belong to the sweep (``tests/cases``): 12 (prompts over
 the context window) and 09 (degenerate gold answers), each asserted on its right value, through
 the raw sweep (``ragfix eval``) and the pipeline sweep."""
 
@@ -8,23 +8,15 @@ import gzip
 import json
 
 import pytest
-from conftest import BUNDLED, SHARED_DATA, shared_file, tiny_model
+from conftest import BUNDLED, case_file, data_file, tiny_model
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
 from ragfix.eval import run_sweep
 from ragfix.metrics import best_subspan_em, degenerate_gold, normalize_answer
 
-CASES = SHARED_DATA.parent / "cases"
 NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
 runner = CliRunner()
-
-
-def _case(name: str):
-    path = CASES / name
-    if not path.exists():
-        pytest.fail(f"case file not available: {path}")
-    return path
 
 
 def _records(out):
@@ -54,7 +46,7 @@ def _tiny_dir(folder, window: int):
 @pytest.fixture(scope="module")
 def tiny_2048(tmp_path_factory):
     """The case's model window: 2048 tokens."""
-    spec = json.loads(_case("12_context_overflow.json").read_text())
+    spec = json.loads(case_file("12_context_overflow.json").read_text())
     return _tiny_dir(tmp_path_factory.mktemp("tiny2048"), spec["model_context_window"])
 
 
@@ -62,7 +54,7 @@ def _case12_data(path):
     """Case 12's input: the first question of the 20-document BM25-pool file made a 30-document
     record with distractors of other records appended, and a second 30-document record of short
     passages that fits the window (so the run has a question at every position to score)."""
-    with gzip.open(shared_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"), "rt") as f:
+    with gzip.open(data_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"), "rt") as f:
         recs = [json.loads(next(f)) for _ in range(4)]
     first = recs[0]
     gold = normalize_answer(first["answers"][0])
@@ -172,7 +164,7 @@ def test_case12_pipeline_sweep_flags_overflow_without_running(tmp_path):
 def test_case09_degenerate_golds_are_flagged_with_their_reason_and_scored_strictly():
     """Case 09: each gold that normalises to nothing, to one character or to a stopword gets the
     case's flag; the strict score is the case's (an empty gold never matches)."""
-    lines = _case("09_subspan_em_degenerate_gold.jsonl").read_text().splitlines()
+    lines = case_file("09_subspan_em_degenerate_gold.jsonl").read_text().splitlines()
     assert len(lines) == 4
     for line in lines:
         case = json.loads(line)
@@ -187,10 +179,10 @@ def test_case09_sweep_counts_degenerate_gold_cells_in_summary_and_table(tmp_path
     """Case 09 end to end: the four records as a one-passage sweep with the real model; every
     cell is flagged ``degenerate_gold`` with its reason, scored, and counted in summary.json and
     the printed table."""
-    lines = _case("09_subspan_em_degenerate_gold.jsonl").read_text().splitlines()
+    lines = case_file("09_subspan_em_degenerate_gold.jsonl").read_text().splitlines()
     src = [json.loads(x) for x in lines]
     data = tmp_path / "case09.jsonl"
-    data.write_text(_case("09_subspan_em_degenerate_gold.jsonl").read_text())
+    data.write_text(case_file("09_subspan_em_degenerate_gold.jsonl").read_text())
     out = tmp_path / "run"
     res = runner.invoke(
         app, ["eval", str(data), "--num-docs", "1", "--device", "cpu", "--out", str(out)]

@@ -2,7 +2,7 @@ import gzip
 import json
 
 import pytest
-from conftest import shared_file
+from conftest import data_file
 
 from ragfix.bundled import bundled_path
 from ragfix.connectors.corpus import CorpusError, load_documents
@@ -12,7 +12,7 @@ from ragfix.errors import DataError, RagfixError
 
 
 def test_derived_nq_file_counts_and_gold_placement():
-    path = shared_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
+    path = data_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
     samples = load_qa(path, num_docs=10)
     assert len(samples) == 200
     s = samples[0]
@@ -29,14 +29,14 @@ def test_derived_nq_file_counts_and_gold_placement():
 
 
 def test_same_question_same_distractors_across_gold_files():
-    a = load_qa(shared_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"), 20, limit=3)
-    b = load_qa(shared_file("derived_nq_20docs_bm25pool_gold_at_9.jsonl.gz"), 20, limit=3)
+    a = load_qa(data_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"), 20, limit=3)
+    b = load_qa(data_file("derived_nq_20docs_bm25pool_gold_at_9.jsonl.gz"), 20, limit=3)
     assert [x.id for x in a] == [x.id for x in b]
     assert a[1].distractors == b[1].distractors
 
 
 def test_oracle_file_draws_bm25_distractors_without_answers():
-    samples = load_qa(shared_file("litm_nq_open_oracle.jsonl.gz"), num_docs=5, limit=20)
+    samples = load_qa(data_file("litm_nq_open_oracle.jsonl.gz"), num_docs=5, limit=20)
     assert len(samples) == 20
     for s in samples:
         assert len(s.distractors) == 4
@@ -46,7 +46,7 @@ def test_oracle_file_draws_bm25_distractors_without_answers():
 
 
 def test_kv_reader_removes_gold_and_truncates():
-    path = shared_file("litm_kv_retrieval_75_keys.jsonl.gz")
+    path = data_file("litm_kv_retrieval_75_keys.jsonl.gz")
     samples = load_kv(path, num_pairs=8, limit=500)
     assert len(samples) == 500
     s = samples[0]
@@ -133,7 +133,7 @@ def test_too_many_docs_is_refused(tmp_path):
     with pytest.raises(DataError, match="needs 4 distractors"):
         load_qa(p, 5)
     # the real oracle record whose one-letter answer ("S") is in nearly every passage
-    oracle = shared_file("litm_nq_open_oracle.jsonl.gz")
+    oracle = data_file("litm_nq_open_oracle.jsonl.gz")
     with pytest.raises(DataError, match=r"oracle\.jsonl\.gz:1841: ctxs: --num-docs 10 needs 9"):
         load_qa(oracle, 10)
     skipped = SkipCounter()

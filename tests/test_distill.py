@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from conftest import shared_file, tiny_model
+from conftest import data_file, tiny_model
 from typer.testing import CliRunner
 
 from ragfix.adapters import METADATA_FILE, load_adapter
@@ -95,7 +95,7 @@ def test_kl_zero_on_the_teacher_prompt_and_padding_invariant():
 
 # ------------------------------------------------------------------ data construction
 def test_r1_rows_keep_the_distractors_and_put_the_gold_where_asked():
-    samples = load_samples(shared_file(EVAL_FILE), 10, limit=3)
+    samples = load_samples(data_file(EVAL_FILE), 10, limit=3)
     rng = random.Random(0)
     for s in samples:
         rows = r1_rows(s, "x", positions_per_question=4, anchor=0, anchor_copies=1, rng=rng)
@@ -115,14 +115,14 @@ def test_r1_rows_keep_the_distractors_and_put_the_gold_where_asked():
 
 
 def test_truncation_keeps_the_answer_in_the_gold_passage():
-    (s,) = load_samples(shared_file(EVAL_FILE), 4, limit=1)
+    (s,) = load_samples(data_file(EVAL_FILE), 4, limit=1)
     short = shorten_sample(s, 12)
     assert all(len(p.text.split()) <= 12 for p in [short.gold, *short.distractors])
     assert any(a.lower() in short.gold.text.lower() for a in s.answers)
 
 
 def test_r2_rows_and_two_passage_questions():
-    singles = load_samples(shared_file(EVAL_FILE), 6, limit=4)
+    singles = load_samples(data_file(EVAL_FILE), 6, limit=4)
     multi = compose_two_passage(singles, 6)
     assert len(multi) == 2 and multi[0].answers == [singles[0].answers, singles[1].answers]
     m = multi[0]
@@ -147,8 +147,8 @@ def test_r2_rows_and_two_passage_questions():
 
 
 def test_training_questions_are_disjoint_from_evaluation_questions():
-    eval_samples = load_samples(shared_file(EVAL_FILE), 1, limit=40)
-    oracle = load_samples(shared_file(ORACLE_FILE), 1, limit=260)
+    eval_samples = load_samples(data_file(EVAL_FILE), 1, limit=40)
+    oracle = load_samples(data_file(ORACLE_FILE), 1, limit=260)
     kept = exclude_questions(oracle, eval_samples)
     # the derived evaluation file is built from the first oracle questions
     assert len(kept) == 260 - 40
@@ -402,8 +402,8 @@ def test_cli_trains_a_real_adapter(tmp_path, smol_base):
     from ragfix.cli.app import app
 
     out = tmp_path / "smol-r1"
-    args = ["distill", "r1", "--train", str(shared_file(ORACLE_FILE)), "--out", str(out)]
-    args += ["--exclude", str(shared_file(EVAL_FILE)), "--offset", "200", "--candidates", "16"]
+    args = ["distill", "r1", "--train", str(data_file(ORACLE_FILE)), "--out", str(out)]
+    args += ["--exclude", str(data_file(EVAL_FILE)), "--offset", "200", "--candidates", "16"]
     args += ["--questions", "2", "--num-docs", "3", "--max-passage-words", "24"]
     args += ["--positions-per-question", "2", "--effective-batch", "3", "--lr", "5e-3"]
     args += ["--device", "cpu"]

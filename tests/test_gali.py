@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import shared_file, tiny_model
+from conftest import data_file, tiny_model
 from pydantic import ValidationError
 from transformers.models.llama.modeling_llama import repeat_kv
 
@@ -221,7 +221,7 @@ def test_errors(tok):
 
 # ---------------------------------------------------------------- real SmolLM2
 def _essay_ids(tok, n: int) -> list[int]:
-    with gzip.open(shared_file("needle_paul_graham_essays.jsonl.gz"), "rt") as f:
+    with gzip.open(data_file("needle_paul_graham_essays.jsonl.gz"), "rt") as f:
         text = json.loads(f.readline())["text"]
     return tok(text, add_special_tokens=False)["input_ids"][:n]
 

@@ -10,7 +10,7 @@ import json
 import math
 
 import pytest
-from conftest import shared_file
+from conftest import data_file
 from sklearn.metrics import cohen_kappa_score
 
 from ragfix.connectors.pairwise import (
@@ -182,25 +182,25 @@ def test_logit_verdict_is_exactly_order_symmetric():
 # ------------------------------------------------------------------ readers (shared files)
 
 
-def test_readers_on_shared_files():
-    llmbar = load_pairs(shared_file("llmbar_pairs.jsonl.gz"))
+def test_readers_on_data_files():
+    llmbar = load_pairs(data_file("llmbar_pairs.jsonl.gz"))
     assert len(llmbar) == 885
     assert llmbar[0].pair_id == "llmbar:LLMBar/Natural:0" and llmbar[0].label == "A"
     assert sum(p.label == "A" for p in llmbar) == 440
-    panda = load_pairs(shared_file("pandalm_testset_v1.jsonl.gz"))
+    panda = load_pairs(data_file("pandalm_testset_v1.jsonl.gz"))
     assert len(panda) == 999
     labels = [p.label for p in panda]
     assert (labels.count("A"), labels.count("B"), labels.count("tie")) == (422, 472, 105)
     assert sum("empty_answer_a" in p.flags or "empty_answer_b" in p.flags for p in panda) == 54
     assert panda[157].answer_a == "True"  # stored as a JSON boolean in the source
-    shared_file("mtbench_question.jsonl")
-    mt = load_pairs(shared_file("mtbench_model_answers_31models.jsonl.gz"))
+    data_file("mtbench_question.jsonl")
+    mt = load_pairs(data_file("mtbench_model_answers_31models.jsonl.gz"))
     assert len(mt) == 80 and sum(p.reference is not None for p in mt) == 30
     assert mt[0].pair_id == "mtbench:81:gpt-4:gpt-3.5-turbo" and mt[0].label is None
 
 
 def test_shared_swap_judgments_reproduce_gpt4_consistency():
-    per_judge = load_swap_judgments(shared_file("llmbar_vanilla_swap_judgments.jsonl.gz"))
+    per_judge = load_swap_judgments(data_file("llmbar_vanilla_swap_judgments.jsonl.gz"))
     assert sorted(per_judge) == sorted(
         ["GPT-4", "ChatGPT", "ChatGPT-0301", "PaLM2", "LLaMA2", "Falcon"]
     )
@@ -411,7 +411,7 @@ def test_run_judge_resumes_and_records_config_only_after_a_judgment(tmp_path):
     from ragfix.eval import run_judge
     from ragfix.eval.sweep import ConfigMismatchError
 
-    data = shared_file("llmbar_pairs.jsonl.gz")
+    data = data_file("llmbar_pairs.jsonl.gz")
     out = tmp_path / "run"
     # a run that fails before its first judgment (no room for the answer in a 3-token window)
     # leaves no configuration behind: the corrected rerun may use the same folder
@@ -490,7 +490,7 @@ def test_cli_from_judgments(tmp_path):
 
     from ragfix.cli.app import app
 
-    data = shared_file("llmbar_vanilla_swap_judgments.jsonl.gz")
+    data = data_file("llmbar_vanilla_swap_judgments.jsonl.gz")
     r = CliRunner().invoke(app, ["judge", str(data), "--from-judgments", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
     judges = json.loads((tmp_path / "summary.json").read_text())["judges"]
