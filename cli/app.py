@@ -6,6 +6,8 @@ Each command group lives in its own module with a ``register(app)`` function.
 from __future__ import annotations
 
 import importlib
+import os
+from typing import Annotated
 
 import typer
 
@@ -15,6 +17,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode="markdown",
 )
 
 #: command modules, each with ``register(app)``
@@ -26,6 +29,25 @@ COMMAND_MODULES = [
     "ragfix.cli.ppl_cmd",
     "ragfix.cli.judge_cmd",
 ]
+
+
+@app.callback()
+def _global(
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="torch CPU threads for the model (default: $RAGFIX_THREADS, else the cores the "
+            "machine's load leaves free: a busy machine gets fewer threads instead of thrashing)",
+        ),
+    ] = None,
+) -> None:
+    """Fix position bias (lost in the middle) in retrieval-augmented generation."""
+    if threads is not None:
+        from ragfix.models import THREADS_ENV
+
+        os.environ[THREADS_ENV] = str(threads)
+
 
 for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)

@@ -208,15 +208,13 @@ def register(app: typer.Typer) -> None:
                         ensure_converted(smollm2_gguf_path())
                 except ModelNotFoundError as e:
                     console.print(f"[yellow]{e}[/yellow]")
+            rows = installed_models()
             t = Table(title="ragfix models")
-            for col in ("name", "kind", "installed", "cached", "path / install command"):
-                t.add_column(col)
-            for row in installed_models():
-                t.add_row(
-                    row["name"],
-                    row["kind"],
-                    "yes" if row["installed"] else "no",
-                    "yes" if row["cached"] else "no",
-                    row["path"],
-                )
+            for col in ("#", "name", "kind", "installed", "cached"):
+                t.add_column(col, overflow="fold")
+            for i, row in enumerate(rows, 1):
+                yes_no = ["yes" if row[k] else "no" for k in ("installed", "cached")]
+                t.add_row(str(i), row["name"], row["kind"], *yes_no)
             console.print(t)
+            for i, row in enumerate(rows, 1):  # whole paths, never cut to the terminal's width
+                console.print(f"{i}. {row['path']}", highlight=False, soft_wrap=True)

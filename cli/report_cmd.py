@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--check", help="write nothing; exit 1 when a file is out of date")
         ] = False,
     ) -> None:
-        """Rewrite the tables between <!-- results:KIND FILE --> and <!-- /results --> from
+        """Rewrite the tables between `<!-- results:KIND FILE -->` and `<!-- /results -->` from
         the result files under results/ (KIND: curve, merit, paired or comparison; FILE relative
         to the Markdown file)."""
         from ragfix.eval.render import render_files

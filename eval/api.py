@@ -19,10 +19,9 @@ from pathlib import Path
 from rich.console import Console
 
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.report import progress_bar, write_report
+from ragfix.eval.report import RunTally, progress_bar, write_report
 from ragfix.eval.shard import assign_groups, distributed_state, merge_shards
 from ragfix.eval.sweep import (
-    OVERFLOW,
     Cell,
     SweepConfig,
     open_store,
@@ -71,6 +70,7 @@ def _my_share(todo: list[Cell], rank: int, world: int) -> list[Cell]:
 
 def _compute(
     todo: list[Cell],
+    done: list[dict],
     store: JsonlStore,
     config: SweepConfig,
     out: Path,
@@ -84,7 +84,8 @@ def _compute(
     console: Console | None,
 ) -> None:
     """Load the backend, compute ``todo`` and store each record as it is done (``config.json``
-    first, before the first record).
+    first, before the first record). ``done``: the run's records finished before (they count in
+    the progress bar and its accuracy).
 
     Raises:
         ConfigError: the task's answer budget alone fills the backend's window (no prompt could
@@ -98,9 +99,14 @@ def _compute(
             f"prompt in the {backend.context_window}-token window of {config.model}"
         )
     has_config = [config.check(out)]
-    right, scored = [0], [0]
+    tally = RunTally(done)
     with progress_bar(console, disable=console is None or rank != 0) as bar:
-        task = bar.add_task(f"{config.backend} sweep", total=len(todo), status="")
+        task = bar.add_task(
+            f"{config.backend} sweep",
+            total=len(todo) + len(done),
+            completed=len(done),
+            status=tally.status(),
+        )
 
         def store_record(rec: SweepRecord) -> None:
             if world > 1:
@@ -109,10 +115,7 @@ def _compute(
                 config.write(out)
                 has_config[0] = True
             store.append(rec.model_dump())
-            right[0] += rec.correct
-            scored[0] += OVERFLOW not in rec.flags
-            status = f"acc {right[0] / scored[0]:.2f}" if scored[0] else "overflow"
-            bar.update(task, advance=1, status=status)
+            bar.update(task, advance=1, status=tally.add(rec.correct, rec.flags))
             if on_record is not None:
                 on_record(rec)
 
@@ -240,6 +243,7 @@ def run_sweep(
         bs = batch_size or (16 if resolve_device(device).type == "cuda" else 1)
         _compute(
             todo,
+            [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else [],
             store,
             config,
             out,

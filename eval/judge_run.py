@@ -150,17 +150,24 @@ def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console):
 def _judge_missing(
     judge: PairwiseJudge,
     todo: list[JudgePair],
+    finished: list[dict],
     on_result: Callable[[PairJudgment], None],
     console: Console | None,
     label: str,
 ) -> None:
-    """Judge ``todo`` with a progress bar (when ``console`` is given)."""
+    """Judge ``todo`` with a progress bar (when ``console`` is given); the pairs judged before a
+    resume (``finished``) count in the bar and its consistency."""
     if console is None:
         judge.judge_pairs(todo, on_result)
         return
-    counts = {"consistent": 0, "n": 0}
+    counts = {"consistent": sum(bool(r["consistent"]) for r in finished), "n": len(finished)}
     with progress_bar(console) as bar:
-        task = bar.add_task(f"judging ({label})", total=len(todo), status="")
+        task = bar.add_task(
+            f"judging ({label})",
+            total=len(todo) + len(finished),
+            completed=len(finished),
+            status="",
+        )
 
         def tick(res: PairJudgment) -> None:
             on_result(res)
@@ -175,6 +182,7 @@ def _judge_missing(
 def _judge_todo(
     out: Path,
     todo: list[JudgePair],
+    finished: list[dict],
     config: dict,
     load: dict,
     batch_size: int | None,
@@ -215,7 +223,7 @@ def _judge_todo(
             atomic_write_json(out / CONFIG_FILE, full)
         store.append(res.model_dump(mode="json"))
 
-    _judge_missing(judge, todo, on_result, console, config["backend"])
+    _judge_missing(judge, todo, finished, on_result, console, config["backend"])
 
 
 def run_judge(
@@ -309,7 +317,8 @@ def run_judge(
         console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
     if todo:
         load = {"device": device, "dtype": dtype}
-        _judge_todo(out, todo, config, load, batch_size, console)
+        finished = [done[p.pair_id] for p in pairs if p.pair_id in done]
+        _judge_todo(out, todo, finished, config, load, batch_size, console)
     records = store.load()
     name = f"{model} · {backend}"
     summary = summarize([records[p.pair_id] for p in pairs if p.pair_id in records])

@@ -40,7 +40,7 @@ from rich.table import Table
 from ragfix.connectors.corpus import build_corpus, load_questions, resolve_demo
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.report import print_summary, progress_bar, write_report
+from ragfix.eval.report import RunTally, print_summary, progress_bar, write_report
 from ragfix.eval.sweep import (
     CUT_TO_WINDOW,
     OVERFLOW,
@@ -220,18 +220,22 @@ def run_pipeline_sweep(
         )
         engines = _Engines(b, strategies, accuracies, top_k, attention_rounds)
         planned = engines.plan(todo, retrieved, {n.node_id: n for n in cor.nodes})
-        right = scored = 0
+        finished = [done[c[3]] for c in cells if c[3] in done]
+        tally = RunTally(finished)
         with progress_bar(console) as progress:
-            task = progress.add_task("pipeline sweep", total=len(planned), status="")
+            task = progress.add_task(
+                "pipeline sweep",
+                total=len(planned) + len(finished),
+                completed=len(finished),
+                status=tally.status(),
+            )
             for cands, (q, r, s, cell) in planned:
                 rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
                 if not has_config:
                     config.write(out)
                     has_config = True
                 store.append(rec.model_dump())
-                right += rec.correct
-                scored += OVERFLOW not in rec.flags
-                status = f"{s} acc {right / scored:.2f}" if scored else f"{s} overflow"
+                status = f"{s} {tally.add(rec.correct, rec.flags)}"
                 progress.update(task, advance=1, status=status)
 
     records = store.load()
@@ -432,7 +436,7 @@ def print_strategies(summary: dict, console: Console) -> None:
     """One row per curve: mean, worst (and its rank), best and the retrieval-weighted accuracy."""
     t = Table(title="strategies (x-axis: gold retrieval rank)", title_justify="left")
     for col in ("curve", "mean", "worst", "worst rank", "best", "retrieval-weighted"):
-        t.add_column(col, justify="right" if col != "curve" else "left")
+        t.add_column(col, justify="right" if col != "curve" else "left", overflow="fold")
     for label, c in summary["curves"].items():
         t.add_row(
             label,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,8 @@ SUMMARY_FILE = "summary.json"
 PLOT_FILE = "curve.png"
 #: the ``kind`` of a comparison file written by ``ragfix report --json``
 COMPARISON_KIND = "ragfix-comparison"
+#: ``"kind"`` of a benchmark's result file (:func:`write_benchmark`)
+BENCHMARK_KIND = "ragfix-benchmark"
 #: ``config.json`` fields that decide what a cell (sample, position) is: the data, the task, the
 #: passages per prompt, the record range and the prompt layout (distractors, retrieval). Runs are
 #: paired only when they agree on all of them (a field absent from both agrees).
@@ -69,6 +72,35 @@ CELL_FIELDS = (
 #: fields holding file paths, compared by file name (runs made on another machine still pair;
 #: sample ids are hashes of the content, so cells of different contents never match anyway)
 PATH_FIELDS = ("data", "distractor_pool")
+
+
+#: the flag of a cell whose prompt did not fit the model's window (left out of every accuracy)
+OVERFLOW = "overflow"
+
+
+class RunTally:
+    """The running accuracy a sweep's progress bar shows, over the run's scored cells: the cells
+    finished before a resume count too, so a resumed run shows the whole run's accuracy.
+
+    Args:
+        done: records already stored (dicts with ``correct`` and ``flags``).
+    """
+
+    def __init__(self, done: Iterable[dict] = ()) -> None:
+        self.right = self.scored = 0
+        for r in done:
+            self.add(bool(r["correct"]), r.get("flags", ()))
+
+    def add(self, correct: bool, flags: Iterable[str]) -> str:
+        """Count one cell (an overflowed one is not scored); return :meth:`status`."""
+        if OVERFLOW not in flags:
+            self.scored += 1
+            self.right += correct
+        return self.status()
+
+    def status(self) -> str:
+        """``"acc 0.42"``, or ``"no scored cell yet"``."""
+        return f"acc {self.right / self.scored:.2f}" if self.scored else "no scored cell yet"
 
 
 def progress_bar(console: Console | None = None, disable: bool = False) -> Progress:
@@ -216,7 +248,7 @@ def print_tables(tables: list[TableSpec], console: Console | None = None) -> Non
         if spec.headers:
             t = Table(title=spec.title, title_justify="left")
             for i, h in enumerate(spec.headers):
-                t.add_column(h, justify="left" if i == 0 else "right")
+                t.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
             for row in spec.rows:
                 t.add_row(*row)
             console.print(t)
@@ -284,12 +316,14 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     """Read a run folder (or a file inside one): its config, summary and cells.
 
     Raises:
-        DataError: no ``summary.json``, an unreadable ``config.json`` / ``summary.json``, a
-            malformed ``records`` / ``tuned_on`` in it, or no scored cell.
+        DataError: no such folder, no ``summary.json``, an unreadable ``config.json`` /
+            ``summary.json``, a malformed ``records`` / ``tuned_on`` in it, or no scored cell.
     """
     from ragfix.eval.sweep import open_store, summary_counts  # sweep imports this module
 
     path = Path(path)
+    if not path.exists():
+        raise DataError(path, None, None, "no such run folder")
     folder = path if path.is_dir() else path.parent
     summary = read_summary(folder)
     config_path = folder / CONFIG_FILE
@@ -516,7 +550,27 @@ def _same_cells(a: Run, b: Run) -> bool:
 
 
 #: table kinds of a comparison (``ragfix report`` prints ``comparison``: all of them)
-TABLE_KINDS = ("curve", "merit", "paired", "comparison")
+TABLE_KINDS = ("curve", "merit", "paired", "comparison", "benchmark")
+
+
+def write_benchmark(path: str | Path, table: TableSpec, **details) -> dict:
+    """Write a benchmark's table (cells already formatted) as a result file under ``results/``,
+    with the details of the run (settings, raw figures) beside it; atomic.
+
+    Returns:
+        The written object (``"kind": "ragfix-benchmark"``, rendered by the ``benchmark`` table
+        kind).
+    """
+    result = {
+        "kind": BENCHMARK_KIND,
+        "title": table.title,
+        "headers": table.headers,
+        "rows": table.rows,
+        "lines": table.lines,
+        **details,
+    }
+    atomic_write_json(path, result)
+    return result
 
 
 def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableSpec]:
@@ -534,6 +588,16 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
     """
     if kind not in TABLE_KINDS:
         raise RagfixError(f"unknown table kind {kind!r} (one of: {', '.join(TABLE_KINDS)})")
+    if (kind == "benchmark") != (comparison.get("kind") == BENCHMARK_KIND):
+        raise DataError(
+            comparison.get("source"),
+            None,
+            None,
+            "the benchmark table kind is for benchmark result files, and only for them",
+        )
+    if kind == "benchmark":
+        keys = ("title", "headers", "rows", "lines")
+        return [TableSpec(**{k: comparison[k] for k in keys})]
     if kind in ("merit", "paired") and comparison.get("kind") != COMPARISON_KIND:
         raise DataError(
             comparison.get("source"),
@@ -649,7 +713,7 @@ def load_result(path: str | Path) -> dict:
         raise DataError(path, None, None, f"cannot read the result file ({e.strerror})") from None
     except ValueError as e:
         raise DataError(path, None, None, f"not JSON ({e})") from None
-    if isinstance(data, dict) and data.get("kind") == COMPARISON_KIND:
+    if isinstance(data, dict) and data.get("kind") in (COMPARISON_KIND, BENCHMARK_KIND):
         return {**data, "source": str(path)}
     if not isinstance(data, dict) or not isinstance(data.get("curves"), dict):
         raise DataError(path, None, None, "neither a summary.json nor a comparison file")

@@ -37,7 +37,7 @@ from rich.console import Console
 
 from ragfix.backends.base import Backend
 from ragfix.errors import ConfigError, ConfigMismatchError
-from ragfix.eval.report import TableSpec, print_tables
+from ragfix.eval.report import OVERFLOW, TableSpec, print_tables
 from ragfix.io import (
     CONFIG_FILE,
     JsonlStore,
@@ -50,7 +50,6 @@ from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import Generation, QASample, SweepRecord
 
 RESULTS_FILE = "results.jsonl"
-OVERFLOW = "overflow"
 CUT_TO_WINDOW = "cut_to_window"
 DEGENERATE_GOLD = "degenerate_gold"
 

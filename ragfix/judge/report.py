@@ -26,7 +26,9 @@ def print_judge_summary(summaries: dict[str, dict], console: Console | None = No
     t = Table(title="position bias (each pair judged in both orders)", title_justify="left")
     for col in ("judge", "verdicts", "pairs", "consistency [95% CI]", "pref. fairness",
                 "first-slot wins", "ties", "invalid"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("judge", "verdicts") else "right")
+        t.add_column(
+            col, justify="left" if col in ("judge", "verdicts") else "right", overflow="fold"
+        )
     for name, s in summaries.items():
         for kind in ("generated", "logit"):
             m = s.get(kind)
@@ -53,7 +55,9 @@ def print_judge_summary(summaries: dict[str, dict], console: Console | None = No
         return
     a = Table(title="agreement with human labels", title_justify="left")
     for col in ("judge", "verdict", "n", "accuracy [95% CI]", "kappa", "ties", "invalid"):
-        a.add_column(col, justify="left" if col in ("judge", "verdict") else "right")
+        a.add_column(
+            col, justify="left" if col in ("judge", "verdict") else "right", overflow="fold"
+        )
     for name, s in summaries.items():
         for kind in VERDICT_KINDS:
             g = s["agreement"].get(kind)

@@ -1,0 +1,112 @@
+"""Benchmark: seconds per sweep cell for torch CPU thread counts, on an idle machine and beside
+processes that keep cores busy, on the same cells.
+
+Each (busy processes, threads) setting runs the same cells in a fresh child process (the embedded
+model, the bundled KV sample, gold at every position, one cell at a time as the sweep runs them
+without prefix reuse); the busy processes are pure-Python spin loops started beside it, standing
+for another job on the machine. Prints seconds per cell, the ratio against the fastest setting of
+the same load, and whether every setting gave the same answers; writes the table as a result file
+(``--json results/cpu-threads.json``, rendered by ``ragfix render``). The thread count
+:func:`ragfix.models.cpu_threads` picks by default is the measured winner of each load: the cores
+the load leaves free.
+
+    python -m ragfix.eval.bench_threads --threads 1,2 --busy 0,1 --json results/cpu-threads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+from ragfix.eval.report import TableSpec, print_tables, write_benchmark
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _child(threads: int, limit: int, num_docs: int) -> dict:
+    """Run the cells with ``threads`` torch threads; wall seconds per cell and the answers."""
+    from ragfix.backends import load_backend
+    from ragfix.bundled import bundled_path
+    from ragfix.connectors.litm import load_samples
+    from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
+
+    os.environ["RAGFIX_THREADS"] = str(threads)
+    data = bundled_path("kv-sample")
+    samples = load_samples(data, num_docs, limit)
+    backend = load_backend("vanilla", device="cpu")
+    cfg = SweepConfig(data=str(data), task=samples[0].task, num_docs=num_docs, backend="vanilla")
+    cells = plan_cells(cfg, samples, list(range(num_docs)))
+    answers: dict[str, str] = {}
+    run_cells(backend, cells[:1], lambda r: None, prefix_reuse=False)  # warm-up, not timed
+    t = time.perf_counter()
+    run_cells(backend, cells, lambda r: answers.setdefault(r.cell_id, r.answer), prefix_reuse=False)
+    return {"seconds_per_cell": (time.perf_counter() - t) / len(cells), "answers": answers}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    ap.add_argument("--busy", default="0,1", help="comma-separated numbers of busy processes")
+    ap.add_argument("--limit", type=int, default=2, help="KV samples (x --num-docs cells)")
+    ap.add_argument("--num-docs", type=int, default=8)
+    ap.add_argument("--json", default=None, help="write the table as a result file")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(_child(args.child, args.limit, args.num_docs)))
+        return
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    runs: dict[tuple[int, int], dict] = {}
+    for busy in [int(x) for x in args.busy.split(",")]:
+        spinners = [mp.Process(target=_spin, daemon=True) for _ in range(busy)]
+        for p in spinners:
+            p.start()
+        try:
+            for threads in [int(x) for x in args.threads.split(",")]:
+                cmd = [sys.executable, "-m", "ragfix.eval.bench_threads", "--child", str(threads)]
+                cmd += ["--limit", str(args.limit), "--num-docs", str(args.num_docs)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                runs[busy, threads] = json.loads(out.strip().splitlines()[-1])
+                took = runs[busy, threads]["seconds_per_cell"]
+                print(f"busy {busy}, threads {threads}: {took:.2f} s/cell", flush=True)
+        finally:
+            for p in spinners:
+                p.kill()
+
+    first = next(iter(runs.values()))["answers"]
+    same = all(r["answers"] == first for r in runs.values())
+    rows = []
+    for (busy, threads), r in runs.items():
+        best = min(v["seconds_per_cell"] for (b, _), v in runs.items() if b == busy)
+        rows.append(
+            [
+                str(busy),
+                str(threads),
+                f"{r['seconds_per_cell']:.2f}",
+                f"{r['seconds_per_cell'] / best:.2f}x",
+                str(max(1, cores - busy)),
+            ]
+        )
+    table = TableSpec(
+        f"CPU threads · SmolLM2 · KV {args.num_docs} pairs · {len(first)} cells · {cores} cores",
+        ["busy processes", "torch threads", "s / cell", "vs fastest at this load", "default picks"],
+        rows,
+        [f"identical answers in every setting: {'yes' if same else 'no'}"],
+    )
+    print_tables([table])
+    if args.json:
+        flat = {f"busy {b}, threads {t}": r for (b, t), r in runs.items()}
+        write_benchmark(args.json, table, cores=cores, runs=flat)
+
+
+if __name__ == "__main__":
+    main()
