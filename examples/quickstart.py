@@ -16,11 +16,11 @@ from ragfix.bundled import DEMO_CORPUS
 from ragfix.eval.pipeline import run_pipeline_sweep
 
 DOCS = DEMO_CORPUS  # or your folder of .txt / .md / .pdf / .html files
-CHUNK = 64  # chunk size in embedder tokens: the same for the index and the sweep (one index)
 TOP_K = 10
 
-# 1. Index the documents: chunked, embedded by the embedded MiniLM, FAISS, persisted.
-index = build_corpus(DOCS, chunk_size=CHUNK).index
+# 1. Index the documents: chunked (64 embedder tokens, as the sweep below: one index), embedded
+#    by the embedded MiniLM, FAISS, persisted next to them.
+index = build_corpus(DOCS).index
 
 # 2. Ask with the embedded SmolLM2; RagFixPostprocessor goes last among the postprocessors.
 backend = load_backend("vanilla")  # model="smollm2"
@@ -65,7 +65,6 @@ summary = run_pipeline_sweep(
     strategies=["none", "lost-in-the-middle"],
     top_k=TOP_K,
     positions="first,last",
-    chunk_size=CHUNK,
 )
 for label, curve in summary["curves"].items():
     accuracy = {p["position"]: p["accuracy"] for p in curve["positions"]}

@@ -35,11 +35,37 @@ def test_demo_on_one_sample_writes_a_real_summary(tmp_path):
     assert "gap" in res.output and str(out / "summary.json") in " ".join(res.output.split())
 
 
-def test_models_lists_the_embedded_model():
-    res = runner.invoke(app, ["models"])
+def test_models_lists_the_embedded_model_with_whole_paths():
+    from ragfix.models import smollm2_gguf_path
+
+    res = runner.invoke(app, ["models"], env={"COLUMNS": "60"})
     assert res.exit_code == 0, res.output
     rows = [line for line in res.output.splitlines() if "smollm2" in line]
     assert rows and "yes" in rows[0]  # installed
+    assert f"1. {smollm2_gguf_path()}" in res.output.splitlines()  # never cut to the width
+
+
+def test_threads_option_and_variable_set_torch_threads(monkeypatch):
+    import torch
+
+    from ragfix.errors import ConfigError
+    from ragfix.models import THREADS_ENV, cpu_threads, free_cpu_cores
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv(THREADS_ENV, "1")
+        assert cpu_threads() == 1 == torch.get_num_threads()
+        assert cpu_threads(2) == 2 == torch.get_num_threads()  # an explicit count wins
+        monkeypatch.setenv(THREADS_ENV, "two")
+        with pytest.raises(ConfigError, match="RAGFIX_THREADS='two': expected a whole number"):
+            cpu_threads()
+        monkeypatch.delenv(THREADS_ENV)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert cpu_threads() == free_cpu_cores() >= 1
+    finally:
+        torch.set_num_threads(before)
+    res = runner.invoke(app, ["--threads", "0", "models", "--no-prepare"])
+    assert res.exit_code == 2 and "greater than or equal to 1" in res.output
 
 
 def test_eval_on_a_missing_file_is_one_line_naming_it(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
@@ -157,6 +158,36 @@ def test_query_engine_passes_nodes_in_strategy_order(folder, smol):
     assert llm.last_prompt.startswith("<|im_start|>system")
     bm25 = corpus.retriever("bm25", 2).retrieve("capital of Kenya")
     assert bm25[0].node.metadata["doc_id"] == "doc4.html"
+
+
+def test_each_chunking_keeps_its_own_index(folder, tmp_path):
+    # issue 14: build_corpus and the sweep chunk alike by default, and an index built with other
+    # settings is kept beside it instead of being rebuilt each time the settings alternate
+    from ragfix.connectors.corpus import DEFAULT_CHUNK_SIZE
+
+    folder = shutil.copytree(folder, tmp_path / "docs", ignore=shutil.ignore_patterns(".ragfix*"))
+
+    a = build_corpus(folder, chunk_overlap=0)
+    b = build_corpus(folder, chunk_size=16, chunk_overlap=0)
+    assert a.rebuilt and b.rebuilt
+    again = build_corpus(folder, chunk_size=DEFAULT_CHUNK_SIZE, chunk_overlap=0)
+    assert not again.rebuilt and [n.node_id for n in again.nodes] == [n.node_id for n in a.nodes]
+    assert not build_corpus(folder, chunk_size=16, chunk_overlap=0).rebuilt
+    assert sorted(p.name.split("-")[0] for p in (folder / ".ragfix-index").iterdir()) == [
+        "chunk16",
+        f"chunk{DEFAULT_CHUNK_SIZE}",
+    ]
+
+
+def test_a_bad_question_file_fails_before_the_corpus_is_indexed(folder, tmp_path):
+    from ragfix.eval.pipeline import run_pipeline_sweep
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question": "capital of Kenya?", "answers": "Nairobi"}) + "\n")
+    folder = shutil.copytree(folder, tmp_path / "docs", ignore=shutil.ignore_patterns(".ragfix*"))
+    with pytest.raises(DataError, match=r"q.jsonl:1: answers: expected list"):
+        run_pipeline_sweep(folder, q, tmp_path / "run", ["none"], top_k=2)
+    assert not (folder / ".ragfix-index").exists()
 
 
 def test_questions_with_missing_gold_are_clear_errors(folder, tmp_path):

@@ -286,3 +286,34 @@ def test_every_results_block_of_the_readme_and_docs_is_up_to_date():
     ]
     assert ROOT / "adapters" / "smollm2-kv8-r1" / "README.md" in files
     assert render_files(files, check=True) == []
+
+
+def test_benchmark_result_renders_as_its_table_and_only_as_benchmark(tmp_path):
+    from ragfix.eval.report import TableSpec, write_benchmark
+
+    table = TableSpec("CPU threads", ["busy", "s / cell"], [["0", "1.50"], ["1", "9.00"]], ["ok"])
+    write_benchmark(tmp_path / "bench.json", table, cores=2)
+    assert json.loads((tmp_path / "bench.json").read_text())["cores"] == 2
+    doc = tmp_path / "b.md"
+    doc.write_text("<!-- results:benchmark bench.json -->\n<!-- /results -->\n")
+    render_files([doc])
+    table_md = "| busy | s / cell |\n|---|---:|\n| 0 | 1.50 |\n| 1 | 9.00 |"
+    assert f"**CPU threads**\n\n{table_md}\n\nok" in doc.read_text()
+    doc.write_text("<!-- results:merit bench.json -->\n<!-- /results -->\n")
+    with pytest.raises(DataError, match="benchmark table kind is for benchmark result files"):
+        render_files([doc])
+
+
+def test_report_on_a_missing_folder_names_that_folder(tmp_path):
+    res = runner.invoke(app, ["report", str(tmp_path / "nothere")])
+    assert res.exit_code == 2
+    assert res.output.strip() == f"error: {tmp_path / 'nothere'}: no such run folder"
+
+
+def test_progress_status_counts_cells_finished_before_a_resume():
+    from ragfix.eval.report import RunTally
+
+    tally = RunTally([{"correct": True, "flags": []}, {"correct": False, "flags": ["overflow"]}])
+    assert tally.status() == "acc 1.00"  # the overflowed cell is not scored
+    assert tally.add(False, []) == "acc 0.50"
+    assert RunTally().status() == "no scored cell yet"
