@@ -54,7 +54,10 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
-    """Entry point of the ``ragfix`` console script."""
+    """Entry point of the ``ragfix`` console script. The Hugging Face libraries' own progress
+    bars (weights loading, file downloads) are off unless ``HF_HUB_DISABLE_PROGRESS_BARS`` is set:
+    ragfix shows one progress bar per long step itself."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     app()
 
 
