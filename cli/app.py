@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "ragfix.cli.distill_cmd",
     "ragfix.cli.ppl_cmd",
     "ragfix.cli.judge_cmd",
+    "ragfix.cli.bench_cmd",
 ]
 
 

@@ -165,8 +165,9 @@ def run_sweep(
             read (and must be valid, or ``skip_invalid``) so distractors never depend on it.
         limit: use the first ``limit`` samples (of the range).
         batch_size: cells per batch (default 1 on the CPU, 16 on CUDA).
-        prefix_reuse: with batch size 1, reuse the KV cache of the shared prompt prefix across
-            the positions of a sample (same answers, fewer prefill tokens).
+        prefix_reuse: run the positions of a sample over the KV cache of their shared prompt
+            prefix (same answers, fewer prefill tokens): one cell at a time at batch size 1,
+            the cells of a sample in one batch above it (:func:`ragfix.eval.sweep.run_cells`).
         skip_invalid: skip and count malformed records instead of stopping.
         distractor_pool: draw QA distractors from this file (BM25) instead of the sample's own.
         device, dtype: see :func:`ragfix.backends.load_backend` (under a launcher, each rank's
@@ -257,7 +258,7 @@ def run_sweep(
             ),
             rank=rank,
             world=world,
-            prefix_reuse=prefix_reuse and bs == 1,
+            prefix_reuse=prefix_reuse,
             batch_size=bs,
             on_record=on_record,
             console=console,

@@ -1,98 +1,160 @@
-"""Benchmark: the sweep's KV-cache prefix reuse against naive prefill, on the same cells.
+"""Benchmark: the sweep's three ways of running a sample's cells, on the same cells in one run.
 
-For each sample, its cells (gold at every position) run once naively (full prefill per cell) and
-once with prefix reuse, alternating sample by sample so both see the same machine load. Prints
-prefill tokens, wall time, their ratios, and the share of identical answers and identical
-correctness labels (any differing answer is listed).
+* ``naive``: every cell prefilled from scratch and decoded alone;
+* ``prefix reuse``: one cell at a time, the KV cache of the prompt prefix the cells of a sample
+  share kept between them (positions last to first, the cache cropped to the common prefix);
+* ``prefix + batched``: the cells of a sample together: the shared prefix prefilled once, the
+  distinct suffixes as one batch over it, all answers decoded in one batch, each row stopping at
+  its own stop rule (:meth:`ragfix.backends.hf.HFBackend._generate_shared`).
 
-    python -m ragfix.eval.bench_sweep --data nq-sample --num-docs 10 --limit 5
+The modes alternate sample by sample, so they see the same machine load. For each: prefill
+tokens, decoded tokens, wall seconds, cells per second, peak memory (resident set on the CPU,
+allocated on CUDA), and the answers and correctness labels compared with ``naive`` cell by cell
+(any differing answer is listed). The last line is the wall-time ratio of the fastest exact mode
+against naive. ``ragfix bench sweep --json results/NAME.json`` keeps the table as a result file
+(rendered into the README by ``ragfix render``).
+
+    ragfix bench sweep --data nq-sample --num-docs 10 --limit 2
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+import torch
 
-from ragfix.backends import load_backend
-from ragfix.bundled import bundled_path
-from ragfix.connectors.litm import load_samples
-from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
-from ragfix.models import resolve_device
+from ragfix.eval.report import TableSpec
+
+MODES = {"naive": (False, 1), "prefix reuse": (True, 1), "prefix + batched": (True, None)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="nq-sample")
-    ap.add_argument("--num-docs", type=int, default=10)
-    ap.add_argument("--limit", type=int, default=5)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--device", default="auto")
-    args = ap.parse_args(argv)
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with contextlib.suppress(OSError):  # Linux: reset the peak resident set size (VmHWM)
+            Path("/proc/self/clear_refs").write_text("5")
 
-    data = bundled_path(args.data) or Path(args.data)
-    samples = load_samples(data, args.num_docs, args.limit)
-    backend = load_backend("vanilla", model=args.model, device=args.device)
+
+def _peak_mib(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    kib = next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM")), None)
+    return None if kib is None else kib / 1024
+
+
+def bench_sweep(
+    data: str = "nq-sample",
+    num_docs: int = 10,
+    limit: int = 2,
+    model: str = "smollm2",
+    device: str = "auto",
+    on_progress=None,
+) -> tuple[TableSpec, dict]:
+    """Run the same cells in every mode of :data:`MODES` and compare them.
+
+    Args:
+        data: a Lost-in-the-Middle QA or KV file, or a bundled sample name.
+        num_docs: documents (or KV pairs) per prompt; every position is a cell.
+        limit: samples (``limit x num_docs`` cells per mode).
+        model, device: see :func:`ragfix.backends.load_backend` (the ``vanilla`` backend).
+        on_progress: called with a short status line after each sample and mode.
+
+    Returns:
+        ``(table, details)``: the formatted table and the raw figures (per mode: prefill and
+        decoded tokens, wall seconds, peak MiB; the differing answers).
+
+    Raises:
+        DataError, ModelNotFoundError: bad data or model (one line).
+    """
+    from ragfix.backends import load_backend
+    from ragfix.bundled import bundled_path
+    from ragfix.connectors.litm import load_samples
+    from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
+    from ragfix.models import resolve_device
+
+    path = bundled_path(data) or Path(data)
+    samples = load_samples(path, num_docs, limit)
+    backend = load_backend("vanilla", model=model, device=device)
+    dev = resolve_device(device)
     cfg = SweepConfig(
-        data=str(data),
-        task=samples[0].task,
-        num_docs=args.num_docs,
-        model=args.model,
-        backend="vanilla",
+        data=str(path), task=samples[0].task, num_docs=num_docs, model=model, backend="vanilla"
     )
-    results = {"naive": {}, "prefix reuse": {}}
-    wall = {"naive": 0.0, "prefix reuse": 0.0}
-    console = Console()
-    with console.status("running") as status:
-        for i, s in enumerate(samples):
-            cells = plan_cells(cfg, [s], list(range(args.num_docs)))
-            for mode, reuse in (("naive", False), ("prefix reuse", True)):
-                status.update(f"sample {i + 1}/{len(samples)}: {mode}")
-                t = time.perf_counter()
-                run_cells(
-                    backend,
-                    cells,
-                    lambda r, m=mode: results[m].setdefault(r.cell_id, r),
-                    prefix_reuse=reuse,
-                )
-                wall[mode] += time.perf_counter() - t
-
-    naive, reuse = results["naive"], results["prefix reuse"]
-    same_answer = sum(naive[k].answer == reuse[k].answer for k in naive)
-    same_label = sum(naive[k].correct == reuse[k].correct for k in naive)
-    table = Table(
-        title=f"sweep prefix reuse · {args.model} · {data.name} · {args.num_docs} docs "
-        f"· {len(naive)} cells · {resolve_device(args.device)}"
-    )
-    for col in ("mode", "prefill tokens", "wall s", "accuracy"):
-        table.add_column(col, justify="right")
-    for mode, recs in results.items():
-        table.add_row(
-            mode,
-            str(sum(r.prefill_tokens for r in recs.values())),
-            f"{wall[mode]:.1f}",
-            f"{sum(r.correct for r in recs.values()) / len(recs):.3f}",
-        )
-    console.print(table)
-    tok_ratio = sum(r.prefill_tokens for r in naive.values()) / sum(
-        r.prefill_tokens for r in reuse.values()
-    )
-    console.print(
-        f"prefill tokens: {tok_ratio:.2f}x fewer | "
-        f"wall time: {wall['naive'] / wall['prefix reuse']:.2f}x less | "
-        f"identical answers {same_answer}/{len(naive)} | "
-        f"identical correctness labels {same_label}/{len(naive)}"
-    )
-    for k in naive:
-        if naive[k].answer != reuse[k].answer:
-            console.print(
-                f"differs @ position {naive[k].position}: "
-                f"{naive[k].answer!r} vs {reuse[k].answer!r}"
+    records: dict[str, dict] = {m: {} for m in MODES}
+    wall = dict.fromkeys(MODES, 0.0)
+    peak: dict[str, float | None] = dict.fromkeys(MODES)
+    for i, s in enumerate(samples):
+        cells = plan_cells(cfg, [s], list(range(num_docs)))
+        for mode, (reuse, size) in MODES.items():
+            _reset_peak(dev)
+            t = time.perf_counter()
+            run_cells(
+                backend,
+                cells,
+                lambda r, m=mode: records[m].setdefault(r.cell_id, r),
+                prefix_reuse=reuse,
+                batch_size=size or len(cells),
             )
+            wall[mode] += time.perf_counter() - t
+            mib = _peak_mib(dev)
+            peak[mode] = mib if peak[mode] is None or mib is None else max(peak[mode], mib)
+            if on_progress is not None:
+                on_progress(f"sample {i + 1}/{len(samples)}: {mode} done")
 
-
-if __name__ == "__main__":
-    main()
+    naive = records["naive"]
+    details: dict = {"data": str(path), "num_docs": num_docs, "samples": len(samples)}
+    details.update(model=model, device=str(dev), threads=torch.get_num_threads(), modes={})
+    rows, lines = [], []
+    for mode, recs in records.items():
+        same_answer = sum(recs[k].answer == naive[k].answer for k in naive)
+        same_label = sum(recs[k].correct == naive[k].correct for k in naive)
+        prefill = sum(r.prefill_tokens for r in recs.values())
+        decoded = sum(r.new_tokens for r in recs.values())
+        mem = "n/a" if peak[mode] is None else f"{peak[mode]:,.0f}"
+        rows.append(
+            [
+                mode,
+                f"{prefill:,}",
+                f"{decoded:,}",
+                f"{wall[mode]:.1f}",
+                f"{len(recs) / wall[mode]:.3f}",
+                mem,
+                f"{same_label}/{len(naive)}",
+                f"{same_answer}/{len(naive)}",
+            ]
+        )
+        details["modes"][mode] = {
+            "prefill_tokens": prefill,
+            "decoded_tokens": decoded,
+            "wall_s": round(wall[mode], 2),
+            "peak_mib": peak[mode],
+            "identical_labels": same_label,
+            "identical_answers": same_answer,
+        }
+        for k, r in recs.items():
+            if r.answer != naive[k].answer:
+                lines.append(
+                    f"{mode} differs at position {r.position} of {r.sample_id}: "
+                    f"{r.answer!r} vs naive {naive[k].answer!r}"
+                )
+    exact = [
+        m for m in MODES if m != "naive" and details["modes"][m]["identical_labels"] == len(naive)
+    ]
+    best = min(exact, key=lambda m: wall[m]) if exact else None
+    if best is not None:
+        lines.append(f"wall time: {wall['naive'] / wall[best]:.2f}x less than naive ({best})")
+    else:
+        lines.append("wall time: no mode gave naive's labels on every cell")
+    title = (
+        f"sweep modes · {model} · {path.name} · {num_docs} docs · {len(naive)} cells · {dev} "
+        f"· {torch.get_num_threads()} threads"
+    )
+    headers = ["mode", "prefill tokens", "decoded tokens", "wall s", "cells/s", "peak MiB"]
+    headers += ["labels as naive", "answers as naive"]
+    return TableSpec(title, headers, rows, lines), details

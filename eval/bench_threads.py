@@ -10,7 +10,7 @@ the same load, and whether every setting gave the same answers; writes the table
 :func:`ragfix.models.cpu_threads` picks by default is the measured winner of each load: the cores
 the load leaves free.
 
-    python -m ragfix.eval.bench_threads --threads 1,2 --busy 0,1 --json results/cpu-threads.json
+    ragfix bench threads --threads 1,2 --busy 0,1 --json results/cpu-threads.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from ragfix.eval.report import TableSpec, print_tables, write_benchmark
+from ragfix.eval.report import TableSpec
 
 
 def _spin() -> None:
@@ -53,61 +53,60 @@ def _child(threads: int, limit: int, num_docs: int) -> dict:
     return {"seconds_per_cell": (time.perf_counter() - t) / len(cells), "answers": answers}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    ap.add_argument("--busy", default="0,1", help="comma-separated numbers of busy processes")
-    ap.add_argument("--limit", type=int, default=2, help="KV samples (x --num-docs cells)")
-    ap.add_argument("--num-docs", type=int, default=8)
-    ap.add_argument("--json", default=None, help="write the table as a result file")
-    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child is not None:
-        print(json.dumps(_child(args.child, args.limit, args.num_docs)))
-        return
+def bench_threads(
+    threads: list[int], busy: list[int], limit: int = 1, num_docs: int = 8, on_progress=None
+) -> tuple[TableSpec, dict]:
+    """Seconds per cell for each (busy processes, torch threads) setting, each in a fresh child
+    process (see the module docstring).
 
+    Returns:
+        ``(table, details)``: the formatted table and the raw figures (seconds per cell and the
+        answers of every setting, the number of cores).
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     runs: dict[tuple[int, int], dict] = {}
-    for busy in [int(x) for x in args.busy.split(",")]:
-        spinners = [mp.Process(target=_spin, daemon=True) for _ in range(busy)]
+    for b in busy:
+        spinners = [mp.Process(target=_spin, daemon=True) for _ in range(b)]
         for p in spinners:
             p.start()
         try:
-            for threads in [int(x) for x in args.threads.split(",")]:
-                cmd = [sys.executable, "-m", "ragfix.eval.bench_threads", "--child", str(threads)]
-                cmd += ["--limit", str(args.limit), "--num-docs", str(args.num_docs)]
+            for t in threads:
+                cmd = [sys.executable, "-m", "ragfix.eval.bench_threads", "--child", str(t)]
+                cmd += ["--limit", str(limit), "--num-docs", str(num_docs)]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-                runs[busy, threads] = json.loads(out.strip().splitlines()[-1])
-                took = runs[busy, threads]["seconds_per_cell"]
-                print(f"busy {busy}, threads {threads}: {took:.2f} s/cell", flush=True)
+                runs[b, t] = json.loads(out.strip().splitlines()[-1])
+                if on_progress is not None:
+                    took = runs[b, t]["seconds_per_cell"]
+                    on_progress(f"busy {b}, threads {t}: {took:.2f} s/cell")
         finally:
             for p in spinners:
                 p.kill()
-
     first = next(iter(runs.values()))["answers"]
     same = all(r["answers"] == first for r in runs.values())
     rows = []
-    for (busy, threads), r in runs.items():
-        best = min(v["seconds_per_cell"] for (b, _), v in runs.items() if b == busy)
-        rows.append(
-            [
-                str(busy),
-                str(threads),
-                f"{r['seconds_per_cell']:.2f}",
-                f"{r['seconds_per_cell'] / best:.2f}x",
-                str(max(1, cores - busy)),
-            ]
-        )
+    for (b, t), r in runs.items():
+        best = min(v["seconds_per_cell"] for (b2, _), v in runs.items() if b2 == b)
+        secs = r["seconds_per_cell"]
+        rows.append([str(b), str(t), f"{secs:.2f}", f"{secs / best:.2f}x", str(max(1, cores - b))])
     table = TableSpec(
-        f"CPU threads · SmolLM2 · KV {args.num_docs} pairs · {len(first)} cells · {cores} cores",
+        f"CPU threads · SmolLM2 · KV {num_docs} pairs · {len(first)} cells · {cores} cores",
         ["busy processes", "torch threads", "s / cell", "vs fastest at this load", "default picks"],
         rows,
         [f"identical answers in every setting: {'yes' if same else 'no'}"],
     )
-    print_tables([table])
-    if args.json:
-        flat = {f"busy {b}, threads {t}": r for (b, t), r in runs.items()}
-        write_benchmark(args.json, table, cores=cores, runs=flat)
+    details = {"cores": cores, "runs": {f"busy {b}, threads {t}": r for (b, t), r in runs.items()}}
+    return table, details
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The child process of :func:`bench_threads` (``--child THREADS``); ``ragfix bench
+    threads`` is the command."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=1)
+    ap.add_argument("--num-docs", type=int, default=8)
+    ap.add_argument("--child", type=int, required=True)
+    args = ap.parse_args(argv)
+    print(json.dumps(_child(args.child, args.limit, args.num_docs)))
 
 
 if __name__ == "__main__":

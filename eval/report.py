@@ -128,10 +128,19 @@ def curves_from_records(records: list[dict]) -> dict[str, CurveSummary]:
     return {label: position_curve(pairs) for label, pairs in sorted(groups.items())}
 
 
+def through_pipeline(record: dict) -> bool:
+    """Whether a record comes from a pipeline sweep (its ``extra`` says whether the gold chunk
+    had to be added to the retrieved ones); its ``position`` is then a retrieval rank."""
+    return "gold_added" in record.get("extra", {})
+
+
 def curve_label(record: dict) -> str:
-    """The curve a record belongs to: its backend, plus ``/strategy`` for a reorder strategy."""
+    """The curve a record belongs to: its backend, plus ``/strategy`` for a record of a pipeline
+    sweep (``/none`` included: no reordering is a strategy there) or any reorder strategy."""
     strategy = record.get("strategy", "none")
-    return record["backend"] if strategy == "none" else f"{record['backend']}/{strategy}"
+    if strategy == "none" and not through_pipeline(record):
+        return record["backend"]
+    return f"{record['backend']}/{strategy}"
 
 
 def cells_by_curve(records: list[dict]) -> dict[str, dict[tuple[str, int], bool]]:
@@ -153,7 +162,7 @@ def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> 
     config_path = out / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     curves = curves_from_records(records)
-    ranked = any(r.get("strategy", "none") != "none" for r in records)
+    ranked = any(r.get("strategy", "none") != "none" or through_pipeline(r) for r in records)
     return {
         "config": config,
         "model": config.get("model"),

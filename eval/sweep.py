@@ -284,10 +284,12 @@ def run_cells(
         backend: the model backend.
         cells: the cells to compute (already filtered to the unfinished ones).
         on_record: called once per cell, in completion order (e.g. the store's append).
-        prefix_reuse: one cell at a time, each sample's cells from the last gold position to the
-            first, reusing the KV cache of the shared prompt prefix (only where
-            ``backend.supports_prefix_reuse``; otherwise the cells are batched).
-        batch_size: cells per forward batch when prefix reuse is off.
+        prefix_reuse: each sample's cells from the last gold position to the first over the KV
+            cache of the prompt prefix they share (only where ``backend.supports_prefix_reuse``;
+            otherwise the cells are batched by length): at ``batch_size`` 1 one cell at a time
+            with the cache kept between them; above 1, up to ``batch_size`` cells of a sample
+            together, the shared prefix prefilled once and the answers decoded in one batch.
+        batch_size: cells per forward batch.
     """
     runnable = []
     for c in cells:
@@ -304,9 +306,13 @@ def run_cells(
         for c, flags in runnable:
             by_sample.setdefault(c.sample.id, []).append((c, flags))
         for group in by_sample.values():
-            for c, flags in sorted(group, key=lambda x: -x[0].position):
-                [gen] = backend.generate([_prompt(c)], batch_size=1, prefix_reuse=True)
-                on_record(_record(c, backend, gen, flags))
+            group = sorted(group, key=lambda x: -x[0].position)
+            for start in range(0, len(group), batch_size):
+                chunk = group[start : start + batch_size]
+                prompts = [_prompt(c) for c, _ in chunk]
+                gens = backend.generate(prompts, batch_size=batch_size, prefix_reuse=True)
+                for (c, flags), gen in zip(chunk, gens, strict=True):
+                    on_record(_record(c, backend, gen, flags))
         return
     for start in range(0, len(runnable), batch_size):
         chunk = runnable[start : start + batch_size]

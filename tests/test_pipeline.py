@@ -64,7 +64,7 @@ def test_sweep_through_the_pipeline(small_corpus, tmp_path, smol):
         assert r["num_docs"] == 3 and r["answer"]
     added = {r["sample_id"]: r["extra"]["gold_added"] for r in recs}
     assert added == {"nq-0200": False, "nq-0201": True}
-    assert set(summary["curves"]) == {"vanilla", "vanilla/reverse"}
+    assert set(summary["curves"]) == {"vanilla/none", "vanilla/reverse"}
     assert summary["x_axis"] == "retrieval rank" and summary["gold_added"] == 1
     assert (out / "curve.png").stat().st_size > 0
     config = json.loads((out / "config.json").read_text())

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import BUNDLED
+from conftest import BUNDLED, ROOT
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
@@ -150,6 +150,35 @@ def test_prefix_reuse_gives_the_same_answers_as_naive(smol):
     assert sum(r.prefill_tokens for r in reused.values()) < 0.8 * sum(
         r.prefill_tokens for r in naive.values()
     )
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("vanilla", {}),
+        ("rope-scaled", {"rope_type": "linear", "factor": 2.0, "train_window": 256}),
+        ("channel-scaled", {"calibration": str(ROOT / "calib" / "smollm2.json")}),
+        ("gali", {"train_window": 256}),
+    ],
+)
+def test_batched_sweep_gives_the_naive_answers_for_every_backend(name, options):
+    # issue 17: a sample's cells batched (over their shared prefix where the backend allows it,
+    # else by length) give the answers of one cell at a time without any cache reuse
+    from ragfix.backends import load_backend
+
+    backend = load_backend(name, device="cpu", **options)
+    samples = load_samples(NQ, 4, limit=2)
+    cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model="smollm2", backend=name)
+    cells = plan_cells(cfg, samples, [0, 1, 2, 3])
+    naive, batched = {}, {}
+    run_cells(backend, cells, lambda r: naive.setdefault(r.cell_id, r), prefix_reuse=False)
+    run_cells(backend, cells, lambda r: batched.setdefault(r.cell_id, r), batch_size=4)
+    assert {k: r.answer for k, r in batched.items()} == {k: r.answer for k, r in naive.items()}
+    assert len(naive) == 8 and all(r.prompt_tokens > 256 for r in naive.values())
+    shared = sum(r.prefill_tokens for r in batched.values()) < sum(
+        r.prefill_tokens for r in naive.values()
+    )
+    assert shared == backend.supports_prefix_reuse
 
 
 def test_output_folder_of_another_config_is_refused(finished_run):
