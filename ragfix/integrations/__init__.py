@@ -19,18 +19,23 @@ import importlib.util
 
 from ragfix.errors import MissingExtraError
 
+EXTRAS = {
+    "langchain": ("langchain_core", "langchain_community", "langchain_classic"),
+    "haystack": ("haystack",),
+}
+"""The top-level modules each optional extra provides."""
 
-def require_extra(extra: str, *modules: str) -> None:
-    """Check that the modules of an optional extra are installed.
+
+def require_extra(extra: str) -> None:
+    """Check that the modules of an optional extra (:data:`EXTRAS`) are installed.
 
     Args:
         extra: the extra's name (``langchain``, ``haystack``).
-        modules: the top-level modules it provides.
 
     Raises:
         MissingExtraError: one is missing (one line: ``pip install "ragfix[extra]"``).
     """
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingExtraError(
             f'the {extra} integration needs {", ".join(missing)}: pip install "ragfix[{extra}]"'

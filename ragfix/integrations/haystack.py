@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from ragfix.integrations import require_extra
 
-require_extra("haystack", "haystack")
+require_extra("haystack")
 
 import os  # noqa: E402
 from typing import Any  # noqa: E402

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from ragfix.integrations import require_extra
 
-require_extra("langchain", "langchain_core", "langchain_community", "langchain_classic")
+require_extra("langchain")
 
 import os  # noqa: E402
 import warnings  # noqa: E402
