@@ -3,10 +3,13 @@ mechanism tests, and the shared data folder."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # the tests run offline
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 BUNDLED = Path(__file__).resolve().parents[1] / "ragfix" / "data"
