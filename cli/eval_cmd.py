@@ -110,12 +110,19 @@ def register(app: typer.Typer) -> None:
             Path | None, typer.Option(help="bias-profile strategy: a sweep's summary.json")
         ] = None,
         retriever: Annotated[str, typer.Option(help="pipeline mode: faiss or bm25")] = "faiss",
+        framework: Annotated[
+            str,
+            typer.Option(
+                help="pipeline mode: llamaindex, langchain or haystack (the last two need "
+                'pip install "ragfix[langchain]" / "ragfix[haystack]")'
+            ),
+        ] = "llamaindex",
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
     ) -> None:
         """Accuracy as the gold passage moves through every position (table, summary.json,
-        curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex
-        pipeline, one curve per reorder strategy."""
+        curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex,
+        LangChain or Haystack pipeline (--framework), one curve per reorder strategy."""
         with user_errors():
             options = backend_options(backend_opt, calibration, train_window)
             if corpus is not None or questions is not None:
@@ -139,6 +146,7 @@ def register(app: typer.Typer) -> None:
                     backend_options=options,
                     profile=profile,
                     retriever=retriever,
+                    framework=framework,
                     skip_invalid=skip_invalid,
                     device=device,
                     dtype=dtype,

@@ -46,6 +46,7 @@ from ragfix.correct import jaccard, shingles
 from ragfix.errors import ConfigError, DataError, RagfixError
 from ragfix.io import atomic_write_json
 from ragfix.metrics import normalize_answer
+from ragfix.tasks import CHUNK_TEMPLATE
 
 DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")
 INDEX_DIR = ".ragfix-index"
@@ -53,7 +54,7 @@ INDEX_DIR = ".ragfix-index"
 DEFAULT_CHUNK_SIZE = 64
 CORPUS_FIELDS = "id, title, text"
 QUESTION_FIELDS = "question, answers, gold_text or gold_doc_id"
-NODE_TEXT_TEMPLATE = "Document (Title: {metadata_str}) {content}"
+NODE_TEXT_TEMPLATE = CHUNK_TEMPLATE.format(title="{metadata_str}", text="{content}")
 
 
 class CorpusError(RagfixError):

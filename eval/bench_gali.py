@@ -3,7 +3,7 @@ of one layer's blocked attention against the paper's two-full-matrices form.
 
 Run: ``python -m ragfix.eval.bench_gali --train-window 512`` (prints two tables; ``--out`` also
 writes them as JSON). Lengths are 1x, 2x, 4x the (possibly lowered) trained window ``L``, read
-from ``--data`` (default: the Paul Graham essays of ``../shared/data``, relative to the working
+from ``--data`` (default: the Paul Graham essays of ``data/``, relative to the working
 directory, as in the README's commands; they are not shipped with the package); each prefill is
 timed once after a short warm-up.
 

@@ -1,4 +1,5 @@
-"""The position sweep through a real LlamaIndex pipeline (``ragfix eval --corpus --questions``).
+"""The position sweep through a real LlamaIndex, LangChain or Haystack pipeline (``ragfix eval
+--corpus --questions [--framework ...]``).
 
 For every question the real retriever (FAISS over all-MiniLM-L6-v2, or BM25) returns its top-k
 chunks. If the gold chunk is not among them it replaces the lowest-ranked one (``gold_added`` in
@@ -7,29 +8,36 @@ other chunks keep their retrieval order, the scores stay in descending order), f
 ``r``. Each cell runs the real query engine: the candidates come out of a retriever, go through
 :class:`~ragfix.postprocessor.RagFixPostprocessor` with the cell's strategy and through LlamaIndex
 response synthesis (``compact``: the chunks packed into one prompt, one LLM call when they fit;
-LlamaIndex 0.14's ``simple_summarize`` pastes the Python repr of a list into the prompt)
-with :class:`~ragfix.llm.RagFixLLM`. The record keeps the gold chunk's retrieval rank
-(``position``, the x-axis), where it ended up in the prompt (``prompt_position``), whether the
-context was cut and how many LLM calls were made. All strategies run on the same cells.
+LlamaIndex 0.14's ``simple_summarize`` pastes the Python repr of a list into the prompt) with
+:class:`~ragfix.llm.RagFixLLM`. With ``framework="langchain"`` the same candidates go through a
+LangChain chain (``ContextualCompressionRetriever`` with
+:class:`~ragfix.integrations.langchain.RagFixCompressor`, the ``qa`` prompt,
+:class:`~ragfix.integrations.langchain.RagFixChatModel`), with ``"haystack"`` through a Haystack
+pipeline (:class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt builder,
+:class:`~ragfix.integrations.haystack.RagFixChatGenerator`): the same correction code and the same
+prompt text, so the same cell gives the same prompt in every framework (the record's
+``prompt_sha1`` is the SHA-1 of the prompt as the model read it). The record keeps the gold chunk's
+retrieval rank (``position``, the x-axis), where it ended up in the prompt (``prompt_position``),
+whether the context was cut and how many LLM calls were made. All strategies run on the same cells.
 
 A cell whose candidates do not fit the model's window in one prompt (the task's prompt with all
 ``top_k`` chunks, plus the answer budget) is not run: the postprocessor would drop chunks (maybe
-the gold one) and the synthesizer split the context, so the cell would not measure a position.
-It is recorded with the flag ``overflow`` and its question is left out of every curve, as in the
-raw sweep (:func:`ragfix.eval.sweep.summary_counts`); ``summary.json``'s ``flags`` and the
-printed table count flagged cells per rank.
+the gold one) and the synthesizer split the context, so the cell would not measure a position. It
+is recorded with the flag ``overflow`` and its question is left out of every curve, as in the raw
+sweep (:func:`ragfix.eval.sweep.summary_counts`); ``summary.json``'s ``flags`` and the printed
+table count flagged cells per rank.
 
 Results go to ``results.jsonl`` (resumable: a cell id is a hash of the question, rank, strategy,
-model, backend and retrieval settings), then ``summary.json`` and ``curve.png`` (one curve per
-strategy). The summary also holds, per strategy, the accuracy weighted by how often the real
-retriever put the gold chunk at each rank (``retrieval_weighted``): what a user of this retriever
-would see on average.
-"""
+model, backend, retrieval settings and framework), then ``summary.json`` and ``curve.png`` (one
+curve per strategy). The summary also holds, per strategy, the accuracy weighted by how often the
+real retriever put the gold chunk at each rank (``retrieval_weighted``): what a user of this
+retriever would see on average."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -58,10 +66,11 @@ from ragfix.eval.sweep import (
     print_flags,
     summary_counts,
 )
+from ragfix.integrations import require_extra
 from ragfix.io import atomic_write_json
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import check_strategy, load_profile
-from ragfix.tasks import get_task
+from ragfix.tasks import get_task, join_chunks
 from ragfix.types import SweepRecord
 
 
@@ -139,8 +148,10 @@ def run_pipeline_sweep(
     console: Console | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     attention_rounds: int = 1,
+    framework: str = "llamaindex",
 ) -> dict:
-    """Run the position sweep through the LlamaIndex pipeline; returns the summary dict.
+    """Run the position sweep through a LlamaIndex, LangChain or Haystack pipeline; returns the
+    summary dict.
 
     Args:
         corpus: a document folder or JSONL corpus (``demo``: the bundled NQ demo corpus).
@@ -159,6 +170,9 @@ def run_pipeline_sweep(
         console: where tables and progress go.
         chunk_size: chunk size in embedder tokens.
         attention_rounds: rounds of ``attention-sort``.
+        framework: ``llamaindex``, ``langchain`` or ``haystack`` (the last two need their extra):
+            the pipeline the cells run through; part of the run's config and cell ids. The same
+            cell gives the same prompt in each (``prompt_sha1`` in the records).
 
     Raises:
         ConfigError, DataError, CorpusError, ProfileError, ConfigMismatchError,
@@ -177,6 +191,10 @@ def run_pipeline_sweep(
         raise ConfigError("--strategy: give at least one strategy")
     if retriever not in ("faiss", "bm25"):
         raise ConfigError(f"--retriever: {retriever!r} is not faiss or bm25")
+    if framework not in ENGINES:
+        raise ConfigError(f"--framework: {framework!r} is not one of {', '.join(ENGINES)}")
+    if framework != "llamaindex":
+        require_extra(framework)
     validate_backend(backend, adapter, **options)
     resolve_model(model)
     accuracies = None
@@ -203,7 +221,9 @@ def run_pipeline_sweep(
         model=model,
         backend=backend,
         backend_options={**options, **({"adapter": adapter} if adapter else {})},
-        retrieval=f"retriever={retriever};chunk_size={chunk_size};synthesis=compact",
+        retrieval=(
+            f"retriever={retriever};chunk_size={chunk_size};synthesis=compact;framework={framework}"
+        ),
     )
     has_config = config.check(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,7 +245,7 @@ def run_pipeline_sweep(
         b = load_backend(
             backend, model=model, device=device, dtype=dtype, adapter=adapter, **options
         )
-        engines = _Engines(b, strategies, accuracies, top_k, attention_rounds)
+        engines = ENGINES[framework](b, strategies, accuracies, top_k, attention_rounds)
         planned = engines.plan(todo, retrieved, {n.node_id: n for n in cor.nodes})
         finished = [done[c[3]] for c in cells if c[3] in done]
         tally = RunTally(finished)
@@ -266,7 +286,8 @@ def run_pipeline_sweep(
     summary = write_report(out, scored, {**extra, **counts})
     summary["retrieval_weighted"] = retrieval_weighted(summary, natural)
     atomic_write_json(out / "summary.json", summary)
-    print_summary(summary, console, title=f"{model} · {backend} · top-{top_k} · {retriever}")
+    title = f"{model} · {backend} · top-{top_k} · {retriever} · {framework}"
+    print_summary(summary, console, title=title)
     print_flags(summary, console)
     print_strategies(summary, console)
     console.print(
@@ -284,50 +305,62 @@ def _retrieve(retriever, q) -> tuple[list, int | None]:
     return res, ids.index(q.gold_node_id) if q.gold_node_id in ids else None
 
 
+def _chunk(node) -> str:
+    """A candidate node as the LLM reads it (``Document (Title: t) text``)."""
+    from llama_index.core.schema import MetadataMode
+
+    return node.node.get_content(metadata_mode=MetadataMode.LLM)
+
+
+def _parts(node) -> tuple[str, str, str, float | None]:
+    """``(id, title, bare text, score)`` of a candidate node, for another framework's
+    document type."""
+    from llama_index.core.schema import MetadataMode
+
+    content = node.node.get_content(metadata_mode=MetadataMode.NONE)
+    return node.node.node_id, str(node.node.metadata.get("title", "")), content, node.score
+
+
 class _Engines:
-    """One LlamaIndex query engine per strategy over a shared :class:`RagFixLLM` and a
-    retriever that returns the cell's candidates (``compact`` synthesis with the ``qa`` task's
-    prompt); :meth:`run` answers one cell and builds its record."""
+    """One pipeline per strategy in a framework, over a backend and a retriever that returns the
+    cell's candidates (the ``qa`` task's prompt, all kept chunks in one prompt); :meth:`run`
+    answers one cell and builds its record. Subclasses build the framework's pipelines
+    (:meth:`_build`), run the correction alone (:meth:`_order`) and query a pipeline
+    (:meth:`_query`); ``self.llms[s]`` is strategy ``s``'s LLM component (``calls``,
+    ``last_prompt``, ``last_generation``) and ``self.posts[s]`` its correction component
+    (``last_report``)."""
+
+    framework = ""
 
     def __init__(self, backend, strategies, accuracies, top_k: int, attention_rounds: int):
-        from llama_index.core import get_response_synthesizer
-        from llama_index.core.indices.prompt_helper import PromptHelper
-        from llama_index.core.query_engine import RetrieverQueryEngine
-
-        from ragfix.llm import RagFixLLM
-        from ragfix.postprocessor import RagFixPostprocessor, text_qa_template
-
         self.backend, self.top_k = backend, top_k
-        self.template = text_qa_template("qa")
         self.fit: dict[str, tuple[bool, int]] = {}  # cell id -> (fits the window, prompt tokens)
-        self.llm = RagFixLLM(backend, max_new_tokens=32, stop_at_newline=True, prefix_reuse=True)
-        helper = PromptHelper(
-            context_window=self.llm.metadata.context_window,
-            num_output=self.llm.metadata.num_output,
-            tokenizer=backend.tokenize,
-        )
-        self.fixed = _fixed_retriever_class()()
-        self.engines, self.posts = {}, {}
+        self.answer = {"max_new_tokens": 32, "stop_at_newline": True, "prefix_reuse": True}
+        self.llms: dict = {}
+        self.posts: dict = {}
         for s in strategies:
-            self.posts[s] = RagFixPostprocessor(
-                strategy=s,
-                backend=backend,
-                profile=accuracies if s == "bias-profile" else None,
-                num_docs=top_k if s == "bias-profile" else None,
-                dedup_threshold=None,  # every strategy reads the same k chunks
-                attention_rounds=attention_rounds,
+            self._build(
+                s,
+                {
+                    "strategy": s,
+                    "profile": accuracies if s == "bias-profile" else None,
+                    "num_docs": top_k if s == "bias-profile" else None,
+                    "dedup_threshold": None,  # every strategy reads the same k chunks
+                    "attention_rounds": attention_rounds,
+                },
             )
-            synth = get_response_synthesizer(
-                llm=self.llm,
-                response_mode="compact",
-                text_qa_template=text_qa_template("qa"),
-                prompt_helper=helper,
-            )
-            self.engines[s] = RetrieverQueryEngine(
-                retriever=self.fixed,
-                response_synthesizer=synth,
-                node_postprocessors=[self.posts[s]],
-            )
+
+    def _build(self, s: str, settings: dict) -> None:
+        raise NotImplementedError
+
+    def _order(self, s: str, cands: list) -> list[str]:
+        """Node ids of ``cands`` after strategy ``s``'s correction alone."""
+        raise NotImplementedError
+
+    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
+        """Strategy ``s``'s pipeline on ``question`` with ``cands`` retrieved: the node ids the
+        LLM read, in prompt order, and the answer."""
+        raise NotImplementedError
 
     def plan(self, todo: list, retrieved: dict, by_id: dict) -> list[tuple[list, tuple]]:
         """``(candidates, cell)`` for every cell, in run order: per question, static strategies
@@ -350,34 +383,31 @@ class _Engines:
             elif s == "attention-sort":
                 key = (q.id, 1, [n.node.node_id for n in cands])
             else:
-                key = (q.id, 0, [n.node.node_id for n in self.posts[s].postprocess_nodes(cands)])
+                key = (q.id, 0, self._order(s, cands))
             keyed.append((key, cands, cell))
         keyed.sort(key=lambda x: x[0])
         return [(cands, cell) for _key, cands, cell in keyed]
 
     def run(self, q, r: int, s: str, cell: str, cands: list, natural: int | None) -> SweepRecord:
-        """Query strategy ``s``'s engine with ``cands`` as the retrieved nodes; the record of
-        cell ``cell`` (gold at retrieval rank ``r``). When the candidates do not fit the window in
-        one prompt (:meth:`fits`) nothing runs: the record is flagged ``overflow`` (a backend
-        that cuts long prompts by design runs it, flagged ``cut_to_window``)."""
-        from llama_index.core.schema import MetadataMode
-
+        """Query strategy ``s``'s pipeline with ``cands`` as the retrieved nodes; the record of
+        cell ``cell`` (gold at retrieval rank ``r``), with the SHA-1 of the prompt the model read
+        (``prompt_sha1``: the same cell gives the same prompt in every framework). When the
+        candidates do not fit the window in one prompt (:meth:`fits`) nothing runs: the record is
+        flagged ``overflow`` (a backend that cuts long prompts by design runs it, flagged
+        ``cut_to_window``)."""
         fit, n = self.fit.get(cell) or self.fits(q.question, cands)
         if not fit and not self.backend.cuts_long_prompts:
             return self._overflow(q, r, s, cell, n, natural)
-        self.fixed.nodes = cands
-        calls = self.llm.calls
+        llm = self.llms[s]
+        calls = llm.calls
         start = time.perf_counter()
-        resp = self.engines[s].query(q.question)
+        final_ids, answer = self._query(s, q.question, cands)
         secs = time.perf_counter() - start
-        final_ids = [n.node.node_id for n in resp.source_nodes]
-        prompt = " ".join((self.llm.last_prompt or "").split())  # white space may change
-        cut = any(
-            " ".join(n.node.get_content(metadata_mode=MetadataMode.LLM).split()) not in prompt
-            for n in resp.source_nodes
-        )
-        gen = self.llm.last_generation
-        answer = str(resp.response or "")
+        by_id = {n.node.node_id: n for n in cands}
+        seen = llm.last_prompt or ""
+        prompt = " ".join(seen.split())  # white space may change
+        cut = any(" ".join(_chunk(by_id[i]).split()) not in prompt for i in final_ids)
+        gen = llm.last_generation
         rep = self.posts[s].last_report
         flags, explained = cell_flags(q.answers, [] if fit else [CUT_TO_WINDOW])
         return SweepRecord(
@@ -397,10 +427,12 @@ class _Engines:
             flags=flags,
             extra={
                 **explained,
+                "framework": self.framework,
                 "gold_added": natural is None,
                 "natural_rank": natural,
                 "context_cut": cut,
-                "llm_calls": self.llm.calls - calls,
+                "llm_calls": llm.calls - calls,
+                "prompt_sha1": hashlib.sha1(seen.encode()).hexdigest(),
                 "dropped": len(rep.get("dropped_duplicates", []))
                 + len(rep.get("dropped_budget", [])),
                 "order": rep.get("order"),
@@ -408,14 +440,13 @@ class _Engines:
         )
 
     def fits(self, question: str, cands: list) -> tuple[bool, int]:
-        """Whether the ``qa`` prompt with every candidate chunk (as the synthesizer renders them,
+        """Whether the ``qa`` prompt with every candidate chunk (as every framework renders them,
         in candidate order) and the answer budget fit the backend's window, and the prompt's
         token count (see :func:`ragfix.eval.sweep.fits`)."""
-        from llama_index.core.schema import MetadataMode
-
-        context = "\n\n".join(n.node.get_content(metadata_mode=MetadataMode.LLM) for n in cands)
-        user = self.template.format(context_str=context, query_str=question)
-        return fits(self.backend, TaskPrompt(user=user, max_new_tokens=self.llm.max_new_tokens))
+        user = get_task("qa").user_turn(question, join_chunks([_chunk(n) for n in cands]))
+        return fits(
+            self.backend, TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"])
+        )
 
     def _overflow(self, q, r: int, s: str, cell: str, n: int, natural: int | None) -> SweepRecord:
         """The record of a cell that was not run: its prompt of ``n`` tokens does not fit."""
@@ -435,8 +466,187 @@ class _Engines:
             correct=False,
             seconds=0.0,
             flags=flags,
-            extra={**explained, "gold_added": natural is None, "natural_rank": natural},
+            extra={
+                **explained,
+                "framework": self.framework,
+                "gold_added": natural is None,
+                "natural_rank": natural,
+            },
         )
+
+
+class _LlamaIndexEngines(_Engines):
+    """LlamaIndex: a query engine per strategy (a retriever returning the cell's candidates,
+    :class:`~ragfix.postprocessor.RagFixPostprocessor`, ``compact`` synthesis with
+    :class:`~ragfix.llm.RagFixLLM`, one shared LLM)."""
+
+    framework = "llamaindex"
+
+    def _build(self, s: str, settings: dict) -> None:
+        from llama_index.core import get_response_synthesizer
+        from llama_index.core.indices.prompt_helper import PromptHelper
+        from llama_index.core.query_engine import RetrieverQueryEngine
+
+        from ragfix.llm import RagFixLLM
+        from ragfix.postprocessor import RagFixPostprocessor, text_qa_template
+
+        if not self.llms:
+            self.llm = RagFixLLM(self.backend, **self.answer)
+            self.fixed = _fixed_retriever_class()()
+            self.engines: dict = {}
+        self.llms[s] = self.llm
+        self.posts[s] = RagFixPostprocessor(backend=self.backend, **settings)
+        helper = PromptHelper(
+            context_window=self.llm.metadata.context_window,
+            num_output=self.llm.metadata.num_output,
+            tokenizer=self.backend.tokenize,
+        )
+        synth = get_response_synthesizer(
+            llm=self.llm,
+            response_mode="compact",
+            text_qa_template=text_qa_template("qa"),
+            prompt_helper=helper,
+        )
+        self.engines[s] = RetrieverQueryEngine(
+            retriever=self.fixed, response_synthesizer=synth, node_postprocessors=[self.posts[s]]
+        )
+
+    def _order(self, s: str, cands: list) -> list[str]:
+        return [n.node.node_id for n in self.posts[s].postprocess_nodes(cands)]
+
+    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
+        self.fixed.nodes = cands
+        resp = self.engines[s].query(question)
+        return [n.node.node_id for n in resp.source_nodes], str(resp.response or "")
+
+
+class _LangChainEngines(_Engines):
+    """LangChain: a chain per strategy (a ``ContextualCompressionRetriever`` with
+    :class:`~ragfix.integrations.langchain.RagFixCompressor` over a retriever returning the
+    cell's candidates, the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`,
+    one shared chat model)."""
+
+    framework = "langchain"
+
+    def _build(self, s: str, settings: dict) -> None:
+        from operator import itemgetter
+
+        from langchain_classic.retrievers import ContextualCompressionRetriever
+        from langchain_core.output_parsers import StrOutputParser
+        from langchain_core.retrievers import BaseRetriever
+        from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
+
+        from ragfix.integrations.langchain import (
+            RagFixChatModel,
+            RagFixCompressor,
+            format_documents,
+            qa_prompt,
+        )
+
+        if not self.llms:
+
+            class FixedRetriever(BaseRetriever):
+                """Returns the document list it was last given (the cell's candidates)."""
+
+                docs: list = []
+
+                def _get_relevant_documents(self, query, *, run_manager=None):
+                    return list(self.docs)
+
+            self.chat = RagFixChatModel(self.backend, **self.answer)
+            self.fixed = FixedRetriever()
+            self.chains: dict = {}
+        self.llms[s] = self.chat
+        self.posts[s] = RagFixCompressor(backend=self.backend, **settings)
+        retriever = ContextualCompressionRetriever(
+            base_compressor=self.posts[s], base_retriever=self.fixed
+        )
+        answer = (
+            {
+                "context": itemgetter("docs") | RunnableLambda(format_documents),
+                "question": itemgetter("question"),
+            }
+            | qa_prompt()
+            | self.chat
+            | StrOutputParser()
+        )
+        self.chains[s] = RunnableParallel(docs=retriever, question=RunnablePassthrough()).assign(
+            answer=answer
+        )
+
+    @staticmethod
+    def _docs(cands: list) -> list:
+        from langchain_core.documents import Document
+
+        return [
+            Document(page_content=text, metadata={"title": title, "score": score}, id=i)
+            for i, title, text, score in map(_parts, cands)
+        ]
+
+    def _order(self, s: str, cands: list) -> list[str]:
+        return [d.id for d in self.posts[s].compress_documents(self._docs(cands), "")]
+
+    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
+        self.fixed.docs = self._docs(cands)
+        out = self.chains[s].invoke(question)
+        return [d.id for d in out["docs"]], out["answer"]
+
+
+class _HaystackEngines(_Engines):
+    """Haystack: a pipeline per strategy (the cell's candidates as the ranker's input,
+    :class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt builder,
+    :class:`~ragfix.integrations.haystack.RagFixChatGenerator`; a generator per pipeline, as a
+    Haystack component belongs to one pipeline, all over the same backend)."""
+
+    framework = "haystack"
+
+    def _build(self, s: str, settings: dict) -> None:
+        os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # offline evaluation
+        from haystack import Pipeline
+
+        from ragfix.integrations.haystack import (
+            RagFixChatGenerator,
+            RagFixRanker,
+            qa_prompt_builder,
+        )
+
+        if not self.llms:
+            self.pipes: dict = {}
+        self.posts[s] = RagFixRanker(backend=self.backend, **settings)
+        self.llms[s] = RagFixChatGenerator(self.backend, **self.answer)
+        pipe = Pipeline()
+        pipe.add_component("ranker", self.posts[s])
+        pipe.add_component("prompt", qa_prompt_builder())
+        pipe.add_component("llm", self.llms[s])
+        pipe.connect("ranker.context", "prompt.context")
+        pipe.connect("prompt.prompt", "llm.messages")
+        self.pipes[s] = pipe
+
+    @staticmethod
+    def _docs(cands: list) -> list:
+        from haystack import Document
+
+        return [
+            Document(id=i, content=text, meta={"title": title}, score=score)
+            for i, title, text, score in map(_parts, cands)
+        ]
+
+    def _order(self, s: str, cands: list) -> list[str]:
+        return [d.id for d in self.posts[s].run(self._docs(cands))["documents"]]
+
+    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
+        out = self.pipes[s].run(
+            {
+                "ranker": {"documents": self._docs(cands), "query": question},
+                "prompt": {"query": question},
+            }
+        )
+        [reply] = out["llm"]["replies"]
+        return [d.id for d in out["ranker"]["documents"]], reply.text or ""
+
+
+ENGINES = {e.framework: e for e in (_LlamaIndexEngines, _LangChainEngines, _HaystackEngines)}
+"""The frameworks a pipeline sweep runs through (``--framework``)."""
 
 
 def print_strategies(summary: dict, console: Console) -> None:

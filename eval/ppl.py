@@ -1,7 +1,7 @@
 """Perplexity by length beyond the trained window: vanilla, GALI and the RoPE-scaling baselines.
 
 The long-text perplexity test of GALI (arXiv 2502.02659, PG19 experiment), run on any JSON Lines
-file of long texts (field ``text``), e.g. the Paul Graham essays in ``shared/data``. The essays
+file of long texts (field ``text``), e.g. the Paul Graham essays in ``data/``. The essays
 are concatenated in file order and tokenized once; sample ``k`` reads the tokens from offset
 ``k * max_length``, and every length is a prefix of that same text, so the rows of the table
 differ by length and method only.

@@ -50,6 +50,11 @@ class AdapterError(RagfixError):
     """An adapter that does not belong to the model, or whose tensors do not attach to it."""
 
 
+class MissingExtraError(RagfixError):
+    """An optional integration whose framework is not installed; the message names the extra to
+    install (``pip install "ragfix[langchain]"``)."""
+
+
 class IncompatibleMethodsError(RagfixError):
     """Two methods that cannot be combined on the same model (e.g. two attention patches)."""
 
@@ -60,6 +65,7 @@ __all__ = [
     "ConfigMismatchError",
     "DataError",
     "IncompatibleMethodsError",
+    "MissingExtraError",
     "ModelLoadError",
     "ModelNotFoundError",
     "RagfixError",

@@ -124,13 +124,18 @@ class Task:
         """Whether ``answer`` is correct for the gold ``answers``."""
         return bool(self.scorer(answer, answers))
 
+    def placeholder_template(self, context: str, question: str) -> str:
+        """The user turn with the instruction filled in and the given placeholders where the
+        context and the question go (the question is inserted as it is, so this suits tasks
+        whose ``render_question`` is the identity)."""
+        return self.template.format(
+            instruction=self.instruction, context=context, question=question
+        )
+
     def llama_index_template(self) -> str:
         """The user turn as a LlamaIndex text-QA prompt string: ``{context_str}`` where the
-        passages go, ``{query_str}`` where the question goes (the question is inserted as it is,
-        so this suits tasks whose ``render_question`` is the identity)."""
-        return self.template.format(
-            instruction=self.instruction, context="{context_str}", question="{query_str}"
-        )
+        passages go, ``{query_str}`` where the question goes."""
+        return self.placeholder_template("{context_str}", "{query_str}")
 
 
 _TASKS: dict[str, Task] = {}
@@ -188,6 +193,26 @@ KV = register_task(
 )
 
 
+CHUNK_TEMPLATE = "Document (Title: {title}) {text}"
+"""How a retrieved chunk reads in a pipeline's prompt (the Lost-in-the-Middle document line)."""
+CHUNK_SEPARATOR = "\n\n"
+"""What joins the chunks of a pipeline's prompt."""
+
+
+def render_chunk(title: str, text: str) -> str:
+    """A retrieved chunk as the LLM reads it in a pipeline (LlamaIndex renders its nodes with the
+    same template, :data:`CHUNK_TEMPLATE`): ``Document (Title: t) text``, or the bare text for a
+    chunk without a title (as LlamaIndex leaves a node without metadata)."""
+    return CHUNK_TEMPLATE.format(title=title, text=text) if title.strip() else text
+
+
+def join_chunks(chunks: Sequence[str]) -> str:
+    """The ``{context}`` of a pipeline's prompt: the rendered chunks, each stripped, blank ones
+    left out, joined by :data:`CHUNK_SEPARATOR` (how LlamaIndex's ``compact`` synthesis packs a
+    context that fits one prompt), so every framework gives the model the same text."""
+    return CHUNK_SEPARATOR.join(c.strip() for c in chunks if c.strip())
+
+
 def task_prompt(sample: QASample, passages: Sequence[Passage]) -> TaskPrompt:
     """The prompt for ``sample`` with its context in the given order (its task's record).
 
@@ -208,14 +233,18 @@ def score_answer(sample: QASample, answer: str) -> bool:
 
 
 __all__ = [
+    "CHUNK_SEPARATOR",
+    "CHUNK_TEMPLATE",
     "KV",
     "KV_INSTRUCTION",
     "QA",
     "QA_INSTRUCTION",
     "Task",
     "get_task",
+    "join_chunks",
     "kv_answer_prefix",
     "register_task",
+    "render_chunk",
     "render_document",
     "render_kv_pair",
     "score_answer",

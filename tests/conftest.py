@@ -3,10 +3,13 @@ mechanism tests, and the data and case folders."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # the tests run offline
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"

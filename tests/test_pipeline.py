@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
+from ragfix.errors import ConfigError
 from ragfix.eval.pipeline import candidates_with_gold_at, run_pipeline_sweep
 from ragfix.reorder import ProfileError
 
@@ -62,13 +63,16 @@ def test_sweep_through_the_pipeline(small_corpus, tmp_path, smol):
         expected = r["position"] if r["strategy"] == "none" else 2 - r["position"]
         assert r["prompt_position"] == expected
         assert r["num_docs"] == 3 and r["answer"]
+        assert r["extra"]["framework"] == "llamaindex" and len(r["extra"]["prompt_sha1"]) == 40
     added = {r["sample_id"]: r["extra"]["gold_added"] for r in recs}
     assert added == {"nq-0200": False, "nq-0201": True}
     assert set(summary["curves"]) == {"vanilla/none", "vanilla/reverse"}
     assert summary["x_axis"] == "retrieval rank" and summary["gold_added"] == 1
     assert (out / "curve.png").stat().st_size > 0
     config = json.loads((out / "config.json").read_text())
-    assert config["retrieval"] == "retriever=faiss;chunk_size=64;synthesis=compact"
+    assert config["retrieval"] == (
+        "retriever=faiss;chunk_size=64;synthesis=compact;framework=llamaindex"
+    )
     assert config["distractor_pool"] is None
     # a rerun finds every cell done and computes nothing
     before = (out / "results.jsonl").read_text()
@@ -91,4 +95,49 @@ def test_sweep_through_the_pipeline(small_corpus, tmp_path, smol):
             strategies=["bias-profile"],
             top_k=4,
             profile=out / "summary.json",
+        )
+
+
+def test_same_cells_give_the_same_prompts_in_every_framework(small_corpus, tmp_path, smol):
+    """One question, gold at ranks 0 and 2, lost-in-the-middle, through LlamaIndex, LangChain
+    and Haystack: the model reads the same prompt (SHA-1) and answers the same in each cell; the
+    framework is part of the run config and the cell ids."""
+    corpus, questions = small_corpus
+    runs = {}
+    for framework in ("llamaindex", "langchain", "haystack"):
+        out = tmp_path / framework
+        run_pipeline_sweep(
+            corpus=corpus,
+            questions=questions,
+            out=out,
+            strategies=["lost-in-the-middle"],
+            top_k=3,
+            positions="0,2",
+            limit=1,
+            device="cpu",
+            framework=framework,
+        )
+        recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        assert {r["extra"]["framework"] for r in recs} == {framework}
+        assert json.loads((out / "config.json").read_text())["retrieval"].endswith(framework)
+        runs[framework] = {(r["sample_id"], r["position"]): r for r in recs}
+    cells = sorted(runs["llamaindex"])
+    assert len(cells) == 2
+    for cell in cells:
+        li, lc, hs = (runs[f][cell] for f in ("llamaindex", "langchain", "haystack"))
+        assert (
+            li["extra"]["prompt_sha1"] == lc["extra"]["prompt_sha1"] == hs["extra"]["prompt_sha1"]
+        )
+        assert li["answer"] == lc["answer"] == hs["answer"]
+        assert li["prompt_position"] == lc["prompt_position"] == hs["prompt_position"]
+        assert li["extra"]["order"] == lc["extra"]["order"] == hs["extra"]["order"]
+        assert len({li["cell_id"], lc["cell_id"], hs["cell_id"]}) == 3
+    assert [runs["haystack"][c]["prompt_position"] for c in cells] == [0, 1]  # ranks 0, 2
+    with pytest.raises(ConfigError, match="--framework: 'dspy' is not one of"):
+        run_pipeline_sweep(
+            corpus=corpus,
+            questions=questions,
+            out=tmp_path / "x",
+            strategies=["none"],
+            framework="dspy",
         )

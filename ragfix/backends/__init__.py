@@ -10,7 +10,10 @@ model (:func:`ragfix.models.load_model`), applies an adapter if one is given
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from ragfix.backends.base import Backend, BackendOptions, Prompt
 from ragfix.errors import ConfigError
@@ -164,9 +167,75 @@ def load_backend(
     return backend
 
 
+class BackendRef(BaseModel):
+    """What :func:`load_backend` needs to load a backend, as data (for components that are
+    saved to a file and loaded again, e.g. Haystack's YAML pipelines).
+
+    Attributes:
+        name: a registered backend.
+        model: see :func:`ragfix.models.load_model`.
+        adapter: a LoRA adapter folder, or ``None``.
+        options: the backend's options.
+        device, dtype: where and how to load it.
+
+    Raises:
+        pydantic.ValidationError: an unknown field.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "vanilla"
+    model: str = "smollm2"
+    adapter: str | None = None
+    options: dict = Field(default_factory=dict)
+    device: str = "auto"
+    dtype: str = "auto"
+
+    @classmethod
+    def of(cls, backend: Backend) -> BackendRef:
+        """The reference of a loaded backend (its name, model, options and adapter path, from
+        :meth:`Backend.identity`; device and dtype ``auto``)."""
+        adapter = backend.identity().get("adapter") or {}
+        return cls(
+            name=backend.name,
+            model=backend.model_name,
+            adapter=adapter.get("path"),
+            options=backend.options.model_dump(mode="json"),
+        )
+
+    def check(self) -> BackendRef:
+        """``self`` once the backend name, options and adapter requirement are valid (nothing is
+        loaded).
+
+        Raises:
+            ConfigError: unknown backend or a missing adapter.
+            pydantic.ValidationError: an unknown or invalid backend option.
+        """
+        validate_backend(self.name, self.adapter, **self.options)
+        return self
+
+    def load(self) -> Backend:
+        """The backend, loaded once per reference in this process (the components of one
+        pipeline that name the same backend share its model).
+
+        Raises:
+            see :func:`load_backend`.
+        """
+        key = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        if key not in _LOADED:
+            _LOADED[key] = load_backend(
+                self.name, self.model, self.device, self.dtype, self.adapter, **self.options
+            )
+        return _LOADED[key]
+
+
+_LOADED: dict[str, Backend] = {}
+
+
 __all__ = [
     "Backend",
     "BackendOptions",
+    "BackendRef",
     "BackendSpec",
     "Prompt",
     "backend_names",

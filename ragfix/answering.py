@@ -1,0 +1,182 @@
+"""A backend answering one prompt for a framework's LLM component: one place, framework-neutral.
+
+:class:`AnswerFields` holds the settings (pydantic fields, unknown ones refused); the LLM
+components of each framework declare them by inheriting it: :class:`ragfix.llm.RagFixLLM`
+(LlamaIndex), :class:`ragfix.integrations.langchain.RagFixChatModel` (LangChain) and
+:class:`ragfix.integrations.haystack.RagFixGenerator` (Haystack, through
+:class:`AnswerSettings`). :class:`Answerer` checks them against the backend once, wraps a prompt
+in the model's chat template, refuses one that does not fit the window, and answers greedily
+(whole, or streamed piece by piece); it keeps the last prompt exactly as the model read it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ragfix.backends.base import Backend
+from ragfix.errors import ConfigError
+from ragfix.prompts import TaskPrompt
+from ragfix.types import Generation
+
+
+class AnswerFields(BaseModel):
+    """The settings of an LLM component over a backend (a mixin for the framework components).
+
+    Attributes:
+        max_new_tokens: generation budget in tokens.
+        context_window: tokens (prompt plus answer) the framework may fill; default: the
+            backend's :attr:`~ragfix.backends.Backend.context_window`. A larger value is clamped
+            to the backend's window with a ``UserWarning``.
+        stop_at_newline: cut the answer at its first newline (short-answer QA).
+        use_chat_template: wrap the prompt in the model's chat template.
+        prefix_reuse: reuse the KV cache of the common token prefix with the previous prompt
+            (only for backends that allow it, see :attr:`Backend.supports_prefix_reuse`). Same
+            greedy answers up to floating-point noise, fewer prefill tokens when prompts share a
+            head.
+    """
+
+    max_new_tokens: int = Field(default=256, gt=0, description="tokens to generate at most")
+    context_window: int | None = Field(
+        default=None, gt=0, description="prompt + answer tokens; default: the backend's window"
+    )
+    stop_at_newline: bool = Field(default=False, description="cut the answer at a newline")
+    use_chat_template: bool = Field(default=True, description="wrap prompts in the chat template")
+    prefix_reuse: bool = Field(default=False, description="reuse the KV cache of shared prefixes")
+
+    def answer_settings(self) -> dict:
+        """The answer settings alone (the fields of this mixin), as a dict."""
+        return {k: getattr(self, k) for k in AnswerFields.model_fields}
+
+
+class AnswerSettings(AnswerFields):
+    """The answer settings on their own: frozen, unknown settings refused
+    (``pydantic.ValidationError``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Answerer:
+    """A backend answering prompts with checked settings.
+
+    Args:
+        settings: an :class:`AnswerFields` instance (a framework component, or
+            :class:`AnswerSettings`).
+        backend: the backend that answers.
+
+    Attributes:
+        context_window: the window in use (the setting, clamped to the backend's, or the
+            backend's).
+        last_prompt: the last prompt exactly as the model read it (after the chat template).
+        last_generation: the :class:`Generation` of the last non-streaming call.
+        calls: model calls so far.
+
+    Raises:
+        ConfigError: ``max_new_tokens`` leaves no room for a prompt in the context window (the
+            chat template's own tokens counted).
+    """
+
+    def __init__(self, settings: AnswerFields, backend: Backend) -> None:
+        self.settings = AnswerSettings(**settings.answer_settings())
+        self.backend = backend
+        self.last_prompt: str | None = None
+        self.last_generation: Generation | None = None
+        self.calls = 0
+        s, model_window = self.settings, backend.context_window
+        self.context_window = s.context_window or model_window
+        if self.context_window > model_window:
+            warnings.warn(
+                f"context_window={self.context_window} is larger than the window of "
+                f"{backend.model_name} ({backend.name}): clamped to {model_window}",
+                UserWarning,
+                stacklevel=4,
+            )
+            self.context_window = model_window
+        template = len(backend.encode(TaskPrompt(user=""))) if s.use_chat_template else 0
+        if s.max_new_tokens + template >= self.context_window:
+            raise ConfigError(
+                f"num_output={s.max_new_tokens} leaves no room for a prompt in "
+                f"context_window={self.context_window}"
+                + (f" (the chat template alone takes {template} tokens)" if template else "")
+                + "; lower num_output or raise context_window"
+            )
+
+    def model_prompt(self, prompt: str) -> str:
+        """The text the model reads for ``prompt`` (counted as a call, kept as
+        :attr:`last_prompt`).
+
+        Raises:
+            ConfigError: the prompt as the model reads it plus ``max_new_tokens`` exceeds the
+                backend's window: refused, never truncated (unless the backend cuts long prompts
+                by design, :attr:`~ragfix.backends.Backend.cuts_long_prompts`).
+        """
+        s, b = self.settings, self.backend
+        text = b.format_prompt(TaskPrompt(user=prompt)) if s.use_chat_template else prompt
+        size, window = b.count_tokens(text), b.context_window
+        if size + s.max_new_tokens > window and not b.cuts_long_prompts:
+            raise ConfigError(
+                f"the prompt has {size} tokens (chat template included); with "
+                f"num_output={s.max_new_tokens} it exceeds the {window}-token window of "
+                f"{b.model_name}: retrieve fewer or shorter documents, or lower num_output"
+            )
+        self.last_prompt = text
+        self.calls += 1
+        return text
+
+    def generate(self, prompt: str) -> Generation:
+        """The greedy answer to ``prompt`` (kept as :attr:`last_generation`).
+
+        Raises:
+            ConfigError: see :meth:`model_prompt`.
+        """
+        s = self.settings
+        [gen] = self.backend.generate(
+            [self.model_prompt(prompt)],
+            batch_size=1,  # one prompt; with prefix_reuse the cache is kept between calls
+            max_new_tokens=s.max_new_tokens,
+            stop_at_newline=s.stop_at_newline,
+            prefix_reuse=s.prefix_reuse,
+        )
+        self.last_generation = gen
+        return gen
+
+    def stream(self, prompt: str) -> Iterator[str]:
+        """Yield the answer's new text as the model produces it, through
+        :meth:`Backend.stream`. With ``stop_at_newline`` nothing after the first newline of the
+        answer (leading white space aside) is yielded. The backend's stream is closed (its
+        generation stopped, not drained) when the newline rule is hit or when the consumer stops
+        iterating. The prompt is checked (:meth:`model_prompt`) before the first piece is asked
+        for.
+
+        Raises:
+            ConfigError: see :meth:`model_prompt`.
+        """
+        s, text = self.settings, self.model_prompt(prompt)
+
+        def pieces_of() -> Iterator[str]:
+            pieces = self.backend.stream(
+                text, max_new_tokens=s.max_new_tokens, stop_at_newline=s.stop_at_newline
+            )
+            so_far = ""
+            try:
+                for piece in pieces:
+                    stopped = False
+                    if s.stop_at_newline:
+                        both = so_far + piece
+                        cut = both.find("\n", len(both) - len(both.lstrip()))
+                        if cut >= 0:
+                            piece, stopped = both[len(so_far) : cut], True
+                    if piece:
+                        so_far += piece
+                        yield piece
+                    if stopped:
+                        return
+            finally:
+                pieces.close()
+
+        return pieces_of()
+
+
+__all__ = ["AnswerFields", "AnswerSettings", "Answerer"]

@@ -1,0 +1,288 @@
+"""ragfix in LangChain: ``RagFixCompressor`` and ``RagFixChatModel`` (``pip install
+"ragfix[langchain]"``).
+
+The two-line change to an existing retrieval chain (it replaces ``LongContextReorder``, or wraps
+the retriever)::
+
+    from ragfix.integrations.langchain import RagFixCompressor
+    retriever = ContextualCompressionRetriever(
+        base_compressor=RagFixCompressor(strategy="lost-in-the-middle", backend=backend),
+        base_retriever=retriever)
+
+A whole chain over the embedded models (``docs/langchain.md``)::
+
+    from langchain_community.vectorstores import FAISS
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.runnables import RunnableLambda, RunnablePassthrough
+    from ragfix.backends import load_backend
+    from ragfix.integrations.langchain import (RagFixChatModel, RagFixCompressor, embeddings,
+                                               format_documents, qa_prompt)
+
+    backend = load_backend("vanilla")
+    store = FAISS.from_documents(docs, embeddings())
+    retriever = ContextualCompressionRetriever(
+        base_compressor=RagFixCompressor(strategy="lost-in-the-middle", backend=backend),
+        base_retriever=store.as_retriever(search_kwargs={"k": 10}))
+    chain = ({"context": retriever | RunnableLambda(format_documents),
+              "question": RunnablePassthrough()}
+             | qa_prompt() | RagFixChatModel(backend, stop_at_newline=True) | StrOutputParser())
+
+:class:`RagFixCompressor` runs the correction of :mod:`ragfix.correction` (drop blank and
+near-duplicate documents, fit the backend's token budget, reorder), the same code and settings as
+the LlamaIndex :class:`~ragfix.postprocessor.RagFixPostprocessor`. :class:`RagFixChatModel`
+answers with a backend through :mod:`ragfix.answering`, as :class:`~ragfix.llm.RagFixLLM` does.
+:func:`qa_prompt` and :func:`format_documents` give the prompt text the LlamaIndex pipeline gives
+(the ``qa`` task's template, chunks rendered by :func:`ragfix.tasks.render_chunk`).
+"""
+
+from __future__ import annotations
+
+from ragfix.integrations import require_extra
+
+require_extra("langchain")
+
+import os  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from langchain_core.callbacks import CallbackManagerForLLMRun, Callbacks  # noqa: E402
+from langchain_core.documents import (  # noqa: E402
+    BaseDocumentCompressor,
+    BaseDocumentTransformer,
+    Document,
+)
+from langchain_core.language_models.chat_models import BaseChatModel  # noqa: E402
+from langchain_core.messages import (  # noqa: E402
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    HumanMessage,
+)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult  # noqa: E402
+from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
+from pydantic import ConfigDict, PrivateAttr  # noqa: E402
+
+from ragfix.answering import Answerer, AnswerFields  # noqa: E402
+from ragfix.backends.base import Backend  # noqa: E402
+from ragfix.correction import Candidate, Correction, CorrectionFields  # noqa: E402
+from ragfix.errors import ConfigError  # noqa: E402
+from ragfix.tasks import get_task, join_chunks, render_chunk  # noqa: E402
+from ragfix.types import Generation  # noqa: E402
+
+
+def _title(doc: Document) -> str:
+    return str(doc.metadata.get("title", ""))
+
+
+def format_documents(documents: Sequence[Document]) -> str:
+    """The ``{context}`` of :func:`qa_prompt`: each document as ``Document (Title: t) text``
+    (title from ``metadata["title"]``; the bare text without one), joined by a blank line, as
+    the LlamaIndex pipeline renders its nodes (:func:`ragfix.tasks.join_chunks`)."""
+    return join_chunks([render_chunk(_title(d), d.page_content) for d in documents])
+
+
+def qa_prompt(task: str = "qa") -> ChatPromptTemplate:
+    """The task record's user turn as a LangChain chat prompt with ``{context}`` and
+    ``{question}`` (the prompt the bias profiles were measured with; the same text as
+    :func:`ragfix.postprocessor.text_qa_template` for LlamaIndex).
+
+    Raises:
+        ConfigError: unknown task.
+    """
+    user = get_task(task).placeholder_template("{context}", "{question}")
+    return ChatPromptTemplate.from_messages([("human", user)])
+
+
+def embeddings():
+    """The embedded all-MiniLM-L6-v2 as LangChain embeddings (``HuggingFaceEmbeddings`` of
+    ``langchain_community`` over the bundled model folder; offline). For
+    ``FAISS.from_documents(docs, embeddings())``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from langchain_community.embeddings import HuggingFaceEmbeddings
+
+    from ragfix.models import default_embedder_path
+
+    with warnings.catch_warnings():  # langchain-huggingface's copy pins an older hub client
+        warnings.simplefilter("ignore")
+        return HuggingFaceEmbeddings(model_name=str(default_embedder_path()))
+
+
+class RagFixCompressor(CorrectionFields, BaseDocumentCompressor, BaseDocumentTransformer):
+    """Drop blank documents and near-duplicates, fit the token budget, then reorder: a LangChain
+    document compressor (``ContextualCompressionRetriever(base_compressor=...)``) and document
+    transformer (in place of ``LongContextReorder``).
+
+    Documents arrive in retrieval order (rank 0 first; scores are not needed). Each is judged as
+    the LLM reads it through :func:`format_documents`. What was dropped (document ids, or the
+    retrieval rank as a string for a document without one) and the order are in
+    :attr:`last_report`.
+
+    Args:
+        strategy, profile, profile_curve, num_docs, dedup_threshold, token_budget,
+            reserve_tokens, over_budget, attention_rounds: the correction settings
+            (:class:`ragfix.correction.CorrectionFields`, the same for every framework).
+        backend: a :class:`ragfix.backends.Backend` (token counting, model identity,
+            attention-sort); kept as a private attribute.
+
+    Raises:
+        ConfigError: (at construction) see :class:`ragfix.correction.Correction`.
+        pydantic.ValidationError: an unknown setting, an unknown strategy or a value out of range.
+        ragfix.reorder.ProfileError: a profile of another model or number of documents.
+        ragfix.correct.BudgetError: (when run, ``over_budget="error"``) the best document alone
+            exceeds the token budget.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    _correction: Correction = PrivateAttr()
+
+    def __init__(self, backend: Backend | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._correction = Correction(self, backend, noun="document")
+
+    @property
+    def last_report(self) -> dict:
+        """What the last call did (see :meth:`ragfix.correction.Correction.apply`)."""
+        return self._correction.last_report
+
+    def _apply(self, documents: Sequence[Document], query: str | None) -> list[Document]:
+        candidates = [
+            Candidate(
+                id=d.id or str(i),
+                text=render_chunk(_title(d), d.page_content),
+                content=d.page_content,
+                title=_title(d),
+            )
+            for i, d in enumerate(documents)
+        ]
+        return [documents[i] for i in self._correction.apply(candidates, query)]
+
+    def compress_documents(
+        self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
+    ) -> Sequence[Document]:
+        """The corrected documents in prompt order (``query`` is read by attention-sort)."""
+        return self._apply(documents, query)
+
+    def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> list[Document]:
+        """The corrected documents in prompt order (``query=`` is read by attention-sort)."""
+        return self._apply(documents, kwargs.get("query"))
+
+
+class RagFixChatModel(AnswerFields, BaseChatModel):
+    """A ragfix :class:`~ragfix.backends.Backend` as a LangChain chat model (greedy).
+
+    It answers one user turn (a single ``HumanMessage``, e.g. from :func:`qa_prompt`), wrapped in
+    the model's chat template, like :class:`ragfix.llm.RagFixLLM`; streaming goes through
+    :meth:`Backend.stream`. ``stop`` strings cut the answer after generation.
+
+    Args:
+        backend: the backend that answers.
+        max_new_tokens, context_window, stop_at_newline, use_chat_template, prefix_reuse: the
+            answer settings (:class:`ragfix.answering.AnswerFields`).
+
+    The last prompt (as the model read it) and its :class:`Generation` are in
+    :attr:`last_prompt` and :attr:`last_generation`; :attr:`calls` counts model calls.
+
+    Raises:
+        ConfigError: (at construction) ``max_new_tokens`` leaves no room for a prompt; (at a call)
+            messages other than one user turn, or a prompt that does not fit the window (never
+            truncated).
+        pydantic.ValidationError: an unknown setting or a value out of range.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    _answerer: Answerer = PrivateAttr()
+
+    def __init__(self, backend: Backend, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._answerer = Answerer(self, backend)
+        self.context_window = self._answerer.context_window
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragfix"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        b = self._answerer.backend
+        return {"model": b.model_name, "backend": b.name, **self.answer_settings()}
+
+    @property
+    def backend(self) -> Backend:
+        """The backend that answers."""
+        return self._answerer.backend
+
+    @property
+    def last_prompt(self) -> str | None:
+        """The last prompt exactly as the model read it (after the chat template)."""
+        return self._answerer.last_prompt
+
+    @property
+    def last_generation(self) -> Generation | None:
+        """The :class:`Generation` of the last non-streaming call."""
+        return self._answerer.last_generation
+
+    @property
+    def calls(self) -> int:
+        """Number of model calls so far."""
+        return self._answerer.calls
+
+    @staticmethod
+    def _user_turn(messages: list[BaseMessage]) -> str:
+        if len(messages) != 1 or not isinstance(messages[0], HumanMessage):
+            kinds = ", ".join(type(m).__name__ for m in messages) or "none"
+            raise ConfigError(
+                f"RagFixChatModel answers one user turn (one HumanMessage), got: {kinds}"
+            )
+        return messages[0].text
+
+    @staticmethod
+    def _cut(text: str, stop: list[str] | None) -> str:
+        cuts = [text.find(s) for s in stop or [] if s and s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        gen = self._answerer.generate(self._user_turn(messages))
+        meta = {"prompt_tokens": gen.prompt_tokens, "new_tokens": gen.new_tokens}
+        message = AIMessage(content=self._cut(gen.text, stop), response_metadata=meta)
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        pieces = self._answerer.stream(self._user_turn(messages))
+        so_far = ""
+        try:
+            for piece in pieces:
+                kept = self._cut(so_far + piece, stop)[len(so_far) :]
+                if kept:
+                    so_far += kept
+                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=kept))
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(kept, chunk=chunk)
+                    yield chunk
+                if len(kept) < len(piece):  # a stop string was hit
+                    return
+        finally:
+            pieces.close()
+
+
+__all__ = [
+    "RagFixChatModel",
+    "RagFixCompressor",
+    "embeddings",
+    "format_documents",
+    "qa_prompt",
+]
