@@ -78,7 +78,13 @@ def parse_floats(text: str | None, flag: str) -> list[float] | None:
 
 
 ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="'smollm2' (embedded), a HF id, a folder or a .gguf")
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="'smollm2' (embedded), a HF id, a folder, a .gguf, or openai:NAME (a served model, "
+        "with --api-base)",
+    ),
 ]
 BackendOpt = Annotated[
     str,
@@ -90,3 +96,53 @@ BackendOptsOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float16 ...")]
+ApiBaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="openai:NAME models: the server's base URL, e.g. http://127.0.0.1:8000/v1 "
+        "(API key from $OPENAI_API_KEY)"
+    ),
+]
+TokenizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="openai:NAME models: local name of the same model whose tokenizer counts and "
+        "formats prompts (default: the server's usage figures count)"
+    ),
+]
+ContextWindowOpt = Annotated[
+    int | None,
+    typer.Option(help="openai:NAME models: the server's window (default: what /v1/models says)"),
+]
+ConcurrencyOpt = Annotated[
+    int | None, typer.Option(help="openai:NAME models: requests in flight at once (default 4)")
+]
+MaxRetriesOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="openai:NAME models: retries on 429, 5xx, timeouts, with backoff (default 5)"
+    ),
+]
+TimeoutOpt = Annotated[
+    float | None, typer.Option(help="openai:NAME models: seconds per request (default 120)")
+]
+
+
+def remote_options(model: str, **flags) -> dict:
+    """The remote-model flags (``api_base``, ``tokenizer``, ``context_window``, ``concurrency``,
+    ``max_retries``, ``timeout``) that were given, as backend options.
+
+    Raises:
+        ConfigError: a remote flag with a local model, or ``openai:NAME`` without ``--api-base``.
+    """
+    from ragfix.models import REMOTE_PREFIX
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not model.startswith(REMOTE_PREFIX):
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise ConfigError(f"{flag} is for a served model: use --model openai:NAME")
+        return {}
+    if "api_base" not in given:
+        raise ConfigError(f"--model {model} needs --api-base URL (the server's base URL)")
+    return given

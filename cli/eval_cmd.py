@@ -9,13 +9,20 @@ import typer
 from rich.table import Table
 
 from ragfix.cli.common import (
+    ApiBaseOpt,
     BackendOpt,
     BackendOptsOpt,
+    ConcurrencyOpt,
+    ContextWindowOpt,
     DeviceOpt,
     DtypeOpt,
+    MaxRetriesOpt,
     ModelOpt,
+    TimeoutOpt,
+    TokenizerOpt,
     console,
     parse_options,
+    remote_options,
     user_errors,
 )
 from ragfix.errors import ConfigError
@@ -110,6 +117,12 @@ def register(app: typer.Typer) -> None:
             Path | None, typer.Option(help="bias-profile strategy: a sweep's summary.json")
         ] = None,
         retriever: Annotated[str, typer.Option(help="pipeline mode: faiss or bm25")] = "faiss",
+        api_base: ApiBaseOpt = None,
+        tokenizer: TokenizerOpt = None,
+        context_window: ContextWindowOpt = None,
+        concurrency: ConcurrencyOpt = None,
+        max_retries: MaxRetriesOpt = None,
+        timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
     ) -> None:
@@ -117,7 +130,18 @@ def register(app: typer.Typer) -> None:
         curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex
         pipeline, one curve per reorder strategy."""
         with user_errors():
-            options = backend_options(backend_opt, calibration, train_window)
+            options = {
+                **backend_options(backend_opt, calibration, train_window),
+                **remote_options(
+                    model,
+                    api_base=api_base,
+                    tokenizer=tokenizer,
+                    context_window=context_window,
+                    concurrency=concurrency,
+                    max_retries=max_retries,
+                    timeout=timeout,
+                ),
+            }
             if corpus is not None or questions is not None:
                 if corpus is None or questions is None:
                     raise ConfigError("pipeline mode needs both --corpus and --questions")

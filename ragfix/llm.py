@@ -33,7 +33,7 @@ from llama_index.core.llms import CustomLLM
 from llama_index.core.llms.callbacks import llm_completion_callback
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ragfix.backends.base import Backend
+from ragfix.backends.base import Backend, cut_at_newline
 from ragfix.errors import ConfigError
 from ragfix.prompts import TaskPrompt
 from ragfix.types import Generation
@@ -192,20 +192,14 @@ class RagFixLLM(CustomLLM):
             pieces = self._backend.stream(
                 text, max_new_tokens=self.max_new_tokens, stop_at_newline=self.stop_at_newline
             )
+            if self.stop_at_newline:
+                pieces = cut_at_newline(pieces)
             so_far = ""
             try:
                 for piece in pieces:
-                    stopped = False
-                    if self.stop_at_newline:
-                        both = so_far + piece
-                        cut = both.find("\n", len(both) - len(both.lstrip()))
-                        if cut >= 0:
-                            piece, stopped = both[len(so_far) : cut], True
                     if piece:
                         so_far += piece
                         yield CompletionResponse(text=so_far, delta=piece)
-                    if stopped:
-                        return
             finally:
                 pieces.close()
 
