@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "ragfix.cli.distill_cmd",
     "ragfix.cli.ppl_cmd",
     "ragfix.cli.judge_cmd",
+    "ragfix.cli.serve_cmd",
 ]
 
 for _name in COMMAND_MODULES:

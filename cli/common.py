@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -63,6 +64,18 @@ def parse_options(pairs: list[str] | None) -> dict:
     return out
 
 
+def backend_options(
+    opts: list[str] | None, calibration: Path | None, train_window: int | None
+) -> dict:
+    """Merge ``--backend-opt key=value`` with the convenience flags of the method backends."""
+    out = parse_options(opts)
+    if calibration is not None:
+        out["calibration"] = str(calibration)
+    if train_window is not None:
+        out["train_window"] = train_window
+    return out
+
+
 def parse_floats(text: str | None, flag: str) -> list[float] | None:
     """``"0.5,1,2"`` to ``[0.5, 1.0, 2.0]`` (``None`` stays ``None``; empty items are ignored).
 
@@ -93,6 +106,14 @@ BackendOpt = Annotated[
 BackendOptsOpt = Annotated[
     list[str] | None,
     typer.Option("--backend-opt", help="backend option key=value (repeatable)"),
+]
+CalibrationOpt = Annotated[Path | None, typer.Option(help="channel-scaled: calibration JSON")]
+AdapterOpt = Annotated[
+    Path | None,
+    typer.Option(help="LoRA adapter folder (any backend; pos2distill needs one)"),
+]
+TrainWindowOpt = Annotated[
+    int | None, typer.Option(help="gali: the model's trained window L (override)")
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float16 ...")]

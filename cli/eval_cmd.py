@@ -9,9 +9,11 @@ import typer
 from rich.table import Table
 
 from ragfix.cli.common import (
+    AdapterOpt,
     ApiBaseOpt,
     BackendOpt,
     BackendOptsOpt,
+    CalibrationOpt,
     ConcurrencyOpt,
     ContextWindowOpt,
     DeviceOpt,
@@ -20,24 +22,13 @@ from ragfix.cli.common import (
     ModelOpt,
     TimeoutOpt,
     TokenizerOpt,
+    TrainWindowOpt,
+    backend_options,
     console,
-    parse_options,
     remote_options,
     user_errors,
 )
 from ragfix.errors import ConfigError
-
-
-def backend_options(
-    opts: list[str] | None, calibration: Path | None, train_window: int | None
-) -> dict:
-    """Merge ``--backend-opt key=value`` with the convenience flags of the method backends."""
-    out = parse_options(opts)
-    if calibration is not None:
-        out["calibration"] = str(calibration)
-    if train_window is not None:
-        out["train_window"] = train_window
-    return out
 
 
 def print_run(summary: dict, out: Path, title: str) -> None:
@@ -82,16 +73,9 @@ def register(app: typer.Typer) -> None:
         model: ModelOpt = "smollm2",
         backend: BackendOpt = "vanilla",
         backend_opt: BackendOptsOpt = None,
-        calibration: Annotated[
-            Path | None, typer.Option(help="channel-scaled: calibration JSON")
-        ] = None,
-        adapter: Annotated[
-            Path | None,
-            typer.Option(help="LoRA adapter folder (any backend; pos2distill needs one)"),
-        ] = None,
-        train_window: Annotated[
-            int | None, typer.Option(help="gali: the model's trained window L (override)")
-        ] = None,
+        calibration: CalibrationOpt = None,
+        adapter: AdapterOpt = None,
+        train_window: TrainWindowOpt = None,
         distractor_pool: Annotated[
             Path | None, typer.Option(help="file to draw distractors from (BM25)")
         ] = None,
