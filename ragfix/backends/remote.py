@@ -427,6 +427,14 @@ class RemoteBackend(Backend):
         """
         raise self._no_scores("next_token_logprobs")
 
+    def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+        """Not available from a server.
+
+        Raises:
+            RagfixError: always (names what needs it).
+        """
+        raise self._no_scores("loglikelihood")
+
     def token_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
         """Not available from a server (perplexity, ``loglikelihood`` and calibration need it).
 
