@@ -10,13 +10,8 @@ answers 503 to some requests, or strips the log-probabilities from the answers.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,12 +29,6 @@ KV = BUNDLED / "kv_16pairs_sample.jsonl.gz"
 SWEEP = ["--num-docs", "3", "--limit", "1", "--positions", "0,2"]
 PAIRS = 2
 MODEL = "openai:smollm2"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _results(out) -> dict:
@@ -71,29 +60,12 @@ def local(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(local):
     """``ragfix serve --model smollm2`` on a free port of 127.0.0.1; yields its ``/v1`` URL."""
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "ragfix.cli", "serve", "--model", "smollm2", "--device", "cpu"]
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            if proc.poll() is not None:
-                pytest.fail(f"ragfix serve exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    assert json.load(r) == {"status": "ok", "model": "smollm2"}
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.5)
-        else:
-            pytest.fail("ragfix serve did not come up in 120 s")
-        yield url + "/v1"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    from ragfix.serve import serving
+
+    with serving("--model", "smollm2", "--device", "cpu") as url:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health") as r:
+            assert json.load(r) == {"status": "ok", "model": "smollm2"}
+        yield url
 
 
 class Proxy:
