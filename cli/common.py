@@ -149,15 +149,31 @@ TimeoutOpt = Annotated[
 ]
 
 
-def remote_options(model: str, **flags) -> dict:
-    """The remote-model flags (``api_base``, ``tokenizer``, ``context_window``, ``concurrency``,
-    ``max_retries``, ``timeout``) that were given, as backend options.
+def remote_options(
+    model: str,
+    api_base: str | None,
+    tokenizer: str | None,
+    context_window: int | None,
+    concurrency: int | None,
+    max_retries: int | None,
+    timeout: float | None,
+) -> dict:
+    """The remote-model flags that were given, as backend options
+    (:class:`~ragfix.backends.remote.RemoteOptions`).
 
     Raises:
         ConfigError: a remote flag with a local model, or ``openai:NAME`` without ``--api-base``.
     """
     from ragfix.models import REMOTE_PREFIX
 
+    flags = {
+        "api_base": api_base,
+        "tokenizer": tokenizer,
+        "context_window": context_window,
+        "concurrency": concurrency,
+        "max_retries": max_retries,
+        "timeout": timeout,
+    }
     given = {k: v for k, v in flags.items() if v is not None}
     if not model.startswith(REMOTE_PREFIX):
         if given:

@@ -117,13 +117,7 @@ def register(app: typer.Typer) -> None:
             options = {
                 **backend_options(backend_opt, calibration, train_window),
                 **remote_options(
-                    model,
-                    api_base=api_base,
-                    tokenizer=tokenizer,
-                    context_window=context_window,
-                    concurrency=concurrency,
-                    max_retries=max_retries,
-                    timeout=timeout,
+                    model, api_base, tokenizer, context_window, concurrency, max_retries, timeout
                 ),
             }
             if corpus is not None or questions is not None:
