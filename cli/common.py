@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -63,6 +64,18 @@ def parse_options(pairs: list[str] | None) -> dict:
     return out
 
 
+def backend_options(
+    opts: list[str] | None, calibration: Path | None, train_window: int | None
+) -> dict:
+    """Merge ``--backend-opt key=value`` with the convenience flags of the method backends."""
+    out = parse_options(opts)
+    if calibration is not None:
+        out["calibration"] = str(calibration)
+    if train_window is not None:
+        out["train_window"] = train_window
+    return out
+
+
 def parse_floats(text: str | None, flag: str) -> list[float] | None:
     """``"0.5,1,2"`` to ``[0.5, 1.0, 2.0]`` (``None`` stays ``None``; empty items are ignored).
 
@@ -78,7 +91,13 @@ def parse_floats(text: str | None, flag: str) -> list[float] | None:
 
 
 ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="'smollm2' (embedded), a HF id, a folder or a .gguf")
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="'smollm2' (embedded), a HF id, a folder, a .gguf, or openai:NAME (a served model, "
+        "with --api-base)",
+    ),
 ]
 BackendOpt = Annotated[
     str,
@@ -88,5 +107,79 @@ BackendOptsOpt = Annotated[
     list[str] | None,
     typer.Option("--backend-opt", help="backend option key=value (repeatable)"),
 ]
+CalibrationOpt = Annotated[Path | None, typer.Option(help="channel-scaled: calibration JSON")]
+AdapterOpt = Annotated[
+    Path | None,
+    typer.Option(help="LoRA adapter folder (any backend; pos2distill needs one)"),
+]
+TrainWindowOpt = Annotated[
+    int | None, typer.Option(help="gali: the model's trained window L (override)")
+]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float16 ...")]
+ApiBaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="openai:NAME models: the server's base URL, e.g. http://127.0.0.1:8000/v1 "
+        "(API key from $OPENAI_API_KEY)"
+    ),
+]
+TokenizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="openai:NAME models: local name of the same model whose tokenizer counts and "
+        "formats prompts (default: the server's usage figures count)"
+    ),
+]
+ContextWindowOpt = Annotated[
+    int | None,
+    typer.Option(help="openai:NAME models: the server's window (default: what /v1/models says)"),
+]
+ConcurrencyOpt = Annotated[
+    int | None, typer.Option(help="openai:NAME models: requests in flight at once (default 4)")
+]
+MaxRetriesOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="openai:NAME models: retries on 429, 5xx, timeouts, with backoff (default 5)"
+    ),
+]
+TimeoutOpt = Annotated[
+    float | None, typer.Option(help="openai:NAME models: seconds per request (default 120)")
+]
+
+
+def remote_options(
+    model: str,
+    api_base: str | None,
+    tokenizer: str | None,
+    context_window: int | None,
+    concurrency: int | None,
+    max_retries: int | None,
+    timeout: float | None,
+) -> dict:
+    """The remote-model flags that were given, as backend options
+    (:class:`~ragfix.backends.remote.RemoteOptions`).
+
+    Raises:
+        ConfigError: a remote flag with a local model, or ``openai:NAME`` without ``--api-base``.
+    """
+    from ragfix.models import REMOTE_PREFIX
+
+    flags = {
+        "api_base": api_base,
+        "tokenizer": tokenizer,
+        "context_window": context_window,
+        "concurrency": concurrency,
+        "max_retries": max_retries,
+        "timeout": timeout,
+    }
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not model.startswith(REMOTE_PREFIX):
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise ConfigError(f"{flag} is for a served model: use --model openai:NAME")
+        return {}
+    if "api_base" not in given:
+        raise ConfigError(f"--model {model} needs --api-base URL (the server's base URL)")
+    return given

@@ -9,28 +9,26 @@ import typer
 from rich.table import Table
 
 from ragfix.cli.common import (
+    AdapterOpt,
+    ApiBaseOpt,
     BackendOpt,
     BackendOptsOpt,
+    CalibrationOpt,
+    ConcurrencyOpt,
+    ContextWindowOpt,
     DeviceOpt,
     DtypeOpt,
+    MaxRetriesOpt,
     ModelOpt,
+    TimeoutOpt,
+    TokenizerOpt,
+    TrainWindowOpt,
+    backend_options,
     console,
-    parse_options,
+    remote_options,
     user_errors,
 )
 from ragfix.errors import ConfigError
-
-
-def backend_options(
-    opts: list[str] | None, calibration: Path | None, train_window: int | None
-) -> dict:
-    """Merge ``--backend-opt key=value`` with the convenience flags of the method backends."""
-    out = parse_options(opts)
-    if calibration is not None:
-        out["calibration"] = str(calibration)
-    if train_window is not None:
-        out["train_window"] = train_window
-    return out
 
 
 def print_run(summary: dict, out: Path, title: str) -> None:
@@ -75,16 +73,9 @@ def register(app: typer.Typer) -> None:
         model: ModelOpt = "smollm2",
         backend: BackendOpt = "vanilla",
         backend_opt: BackendOptsOpt = None,
-        calibration: Annotated[
-            Path | None, typer.Option(help="channel-scaled: calibration JSON")
-        ] = None,
-        adapter: Annotated[
-            Path | None,
-            typer.Option(help="LoRA adapter folder (any backend; pos2distill needs one)"),
-        ] = None,
-        train_window: Annotated[
-            int | None, typer.Option(help="gali: the model's trained window L (override)")
-        ] = None,
+        calibration: CalibrationOpt = None,
+        adapter: AdapterOpt = None,
+        train_window: TrainWindowOpt = None,
         distractor_pool: Annotated[
             Path | None, typer.Option(help="file to draw distractors from (BM25)")
         ] = None,
@@ -117,6 +108,12 @@ def register(app: typer.Typer) -> None:
                 'pip install "ragfix[langchain]" / "ragfix[haystack]")'
             ),
         ] = "llamaindex",
+        api_base: ApiBaseOpt = None,
+        tokenizer: TokenizerOpt = None,
+        context_window: ContextWindowOpt = None,
+        concurrency: ConcurrencyOpt = None,
+        max_retries: MaxRetriesOpt = None,
+        timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
     ) -> None:
@@ -124,7 +121,12 @@ def register(app: typer.Typer) -> None:
         curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex,
         LangChain or Haystack pipeline (--framework), one curve per reorder strategy."""
         with user_errors():
-            options = backend_options(backend_opt, calibration, train_window)
+            options = {
+                **backend_options(backend_opt, calibration, train_window),
+                **remote_options(
+                    model, api_base, tokenizer, context_window, concurrency, max_retries, timeout
+                ),
+            }
             if corpus is not None or questions is not None:
                 if corpus is None or questions is None:
                     raise ConfigError("pipeline mode needs both --corpus and --questions")

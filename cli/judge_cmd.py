@@ -8,13 +8,20 @@ from typing import Annotated
 import typer
 
 from ragfix.cli.common import (
+    ApiBaseOpt,
     BackendOpt,
     BackendOptsOpt,
+    ConcurrencyOpt,
+    ContextWindowOpt,
     DeviceOpt,
     DtypeOpt,
+    MaxRetriesOpt,
     ModelOpt,
+    TimeoutOpt,
+    TokenizerOpt,
     console,
     parse_options,
+    remote_options,
     user_errors,
 )
 
@@ -32,6 +39,8 @@ def _print_result(result, warn_unparsed: bool = True) -> None:
                 f"[yellow]{inv:.0%} of the generated verdicts could not be parsed[/yellow]; "
                 "the logit verdict (--style verdict) does not depend on parsing"
             )
+    for note in result.notes:
+        console.print(f"[yellow]{note}[/yellow]", highlight=False)
     console.print(" | ".join(f"{k}: {v}" for k, v in result.files.items()), highlight=False)
 
 
@@ -86,6 +95,12 @@ def register(app: typer.Typer) -> None:
         skip_invalid: Annotated[
             bool, typer.Option(help="skip and count malformed records instead of stopping")
         ] = False,
+        api_base: ApiBaseOpt = None,
+        tokenizer: TokenizerOpt = None,
+        context_window: ContextWindowOpt = None,
+        concurrency: ConcurrencyOpt = None,
+        max_retries: MaxRetriesOpt = None,
+        timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
     ) -> None:
@@ -104,7 +119,18 @@ def register(app: typer.Typer) -> None:
                 model=model,
                 backend=backend,
                 adapter=str(adapter) if adapter else None,
-                backend_options=parse_options(backend_opt),
+                backend_options={
+                    **parse_options(backend_opt),
+                    **remote_options(
+                        model,
+                        api_base,
+                        tokenizer,
+                        context_window,
+                        concurrency,
+                        max_retries,
+                        timeout,
+                    ),
+                },
                 style=style,
                 limit=limit,
                 repeats=repeats,

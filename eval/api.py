@@ -79,19 +79,22 @@ def _compute(
     rank: int,
     world: int,
     prefix_reuse: bool,
-    batch_size: int,
+    batch_size: int | None,
+    on_gpu: bool,
     on_record: Callable[[SweepRecord], None] | None,
     console: Console | None,
 ) -> None:
     """Load the backend, compute ``todo`` and store each record as it is done (``config.json``
     first, before the first record). ``done``: the run's records finished before (they count in
-    the progress bar and its accuracy).
+    the progress bar and its accuracy). ``batch_size`` ``None``: the backend's preferred size (a
+    remote model's concurrency), else 16 on CUDA and 1 otherwise.
 
     Raises:
         ConfigError: the task's answer budget alone fills the backend's window (no prompt could
             fit; both numbers named).
     """
     backend = load()
+    bs = batch_size or backend.preferred_batch_size or (16 if on_gpu else 1)
     budget = get_task(config.task).max_new_tokens
     if budget >= backend.context_window and not backend.cuts_long_prompts:
         raise ConfigError(
@@ -119,7 +122,7 @@ def _compute(
             if on_record is not None:
                 on_record(rec)
 
-        run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=batch_size)
+        run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=bs)
 
 
 def run_sweep(
@@ -152,7 +155,10 @@ def run_sweep(
             (``nq-sample``, ``kv-sample``).
         out: the run folder: ``config.json``, ``results.jsonl`` (one record per cell, appended,
             resumable), ``summary.json`` and ``curve.png``.
-        model: ``smollm2`` (embedded), a hub id, a folder or a ``.gguf``.
+        model: ``smollm2`` (embedded), a hub id, a folder, a ``.gguf``, or ``openai:NAME`` (a
+            served model; ``backend_options`` then holds
+            :class:`~ragfix.backends.remote.RemoteOptions`, whose call settings are left out
+            of the configuration so a rerun with other ones resumes).
         backend: a registered backend (:func:`ragfix.backends.backend_names`).
         adapter: a LoRA adapter folder applied under any backend.
         backend_options: the backend's options (validated before anything is loaded); they and
@@ -164,7 +170,8 @@ def run_sweep(
             (a tune range and a disjoint test range, issue 15's protocol). The whole file is
             read (and must be valid, or ``skip_invalid``) so distractors never depend on it.
         limit: use the first ``limit`` samples (of the range).
-        batch_size: cells per batch (default 1 on the CPU, 16 on CUDA).
+        batch_size: cells per batch (default: a remote model's concurrency, else 1 on the CPU
+            and 16 on CUDA).
         prefix_reuse: run the positions of a sample over the KV cache of their shared prompt
             prefix (same answers, fewer prefill tokens): one cell at a time at batch size 1,
             the cells of a sample in one batch above it (:func:`ragfix.eval.sweep.run_cells`).
@@ -189,7 +196,7 @@ def run_sweep(
         ModelNotFoundError: the model cannot be found.
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
-    from ragfix.backends import load_backend, validate_backend
+    from ragfix.backends import load_backend, result_options, validate_backend
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models import resolve_device, resolve_model
@@ -200,7 +207,7 @@ def run_sweep(
             raise ConfigError(f"{name} {value} < 1: give at least 1")
     rng = parse_records(records) if records is not None else None
     path = _resolve_data(data)
-    validate_backend(backend, str(adapter) if adapter else None, **options)
+    validated = validate_backend(backend, str(adapter) if adapter else None, model=model, **options)
     resolve_model(model)  # unknown model / default not installed: fail before any work
     config = SweepConfig(
         data=str(path.resolve()),
@@ -208,7 +215,10 @@ def run_sweep(
         num_docs=num_docs,
         model=model,
         backend=backend,
-        backend_options={**options, **({"adapter": str(adapter)} if adapter else {})},
+        backend_options={
+            **result_options(options, validated),
+            **({"adapter": str(adapter)} if adapter else {}),
+        },
         distractor_pool=str(Path(distractor_pool).resolve()) if distractor_pool else None,
         records=records,
     )
@@ -241,7 +251,6 @@ def run_sweep(
         console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
     todo = _my_share(todo, rank, world)
     if todo:
-        bs = batch_size or (16 if resolve_device(device).type == "cuda" else 1)
         _compute(
             todo,
             [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else [],
@@ -259,7 +268,8 @@ def run_sweep(
             rank=rank,
             world=world,
             prefix_reuse=prefix_reuse,
-            batch_size=bs,
+            batch_size=batch_size,
+            on_gpu=resolve_device(device).type == "cuda",
             on_record=on_record,
             console=console,
         )

@@ -59,6 +59,8 @@ class JudgeRunResult:
         reused: pairs already in ``judgments.jsonl`` (a resumed run).
         skipped_records: malformed records skipped with ``skip_invalid``.
         skipped_examples: the first few of their errors.
+        notes: what the reader must know about the figures (e.g. no logit verdict because the
+            server returned no log-probabilities); also in ``summary.json``.
     """
 
     out: Path
@@ -68,6 +70,7 @@ class JudgeRunResult:
     reused: int = 0
     skipped_records: int = 0
     skipped_examples: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def files(self) -> dict[str, Path]:
@@ -188,7 +191,8 @@ def _judge_todo(
     batch_size: int | None,
     console: Console | None,
 ) -> None:
-    """Load the backend (``load``: device and dtype), check its identity against the folder,
+    """Load the backend (``load``: device, dtype and the options' call settings), check its
+    identity against the folder,
     judge ``todo`` and append each judgment; ``config.json`` is written just before the first
     judgment is stored.
 
@@ -212,7 +216,7 @@ def _judge_todo(
         max_new_tokens=config["max_new_tokens"],
         repeats=config["repeats"],
         tie_margin=config["tie_margin"],
-        batch_size=batch_size or (32 if on_gpu else 4),
+        batch_size=batch_size or b.preferred_batch_size or (32 if on_gpu else 4),
     )
     full = {**config, "identity": json.loads(json.dumps(b.identity()))}
     _check_same(out, read_run_config(out), {"identity": full["identity"]})
@@ -292,7 +296,7 @@ def run_judge(
     check_judge_settings(style, repeats)
     if len(mtbench_models) != 2:
         raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
-    opts = validate_backend(backend, adapter, **(backend_options or {}))
+    opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
     resolve_model(model)
     pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, console)
     config = {
@@ -300,7 +304,7 @@ def run_judge(
         "format": fmt,
         "model": model,
         "backend": backend,
-        "backend_options": opts.model_dump(mode="json"),
+        "backend_options": opts.model_dump(mode="json", exclude=set(opts.call_settings)),
         "adapter": str(Path(adapter).resolve()) if adapter else None,
         "style": style,
         "max_new_tokens": max_new_tokens,
@@ -316,13 +320,28 @@ def run_judge(
     if len(todo) < len(pairs) and console is not None:
         console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
     if todo:
-        load = {"device": device, "dtype": dtype}
+        calls = opts.model_dump(mode="json", include=set(opts.call_settings))
+        load = {"device": device, "dtype": dtype, **calls}
         finished = [done[p.pair_id] for p in pairs if p.pair_id in done]
         _judge_todo(out, todo, finished, config, load, batch_size, console)
     records = store.load()
     name = f"{model} · {backend}"
-    summary = summarize([records[p.pair_id] for p in pairs if p.pair_id in records])
-    extra = {"config": config, "skipped_records": skipped.count, "torn_lines": store.torn_lines}
+    mine = [records[p.pair_id] for p in pairs if p.pair_id in records]
+    summary = summarize(mine)
+    orders = [o for r in mine for o in (r["original"], r["swapped"])]
+    missing = sum(o.get("p_a") is None for o in orders)
+    notes = []
+    if style == "verdict" and missing:
+        notes.append(
+            f"no logit verdict: the server returned no logprobs ({missing} of {len(orders)} "
+            "judged orders have none)"
+        )
+    extra = {
+        "config": config,
+        "skipped_records": skipped.count,
+        "torn_lines": store.torn_lines,
+        "notes": notes,
+    }
     _write_report(out, {name: summary}, extra, f"{data.name}: {name} as judge ({style})")
     return JudgeRunResult(
         out=out,
@@ -332,6 +351,7 @@ def run_judge(
         reused=len(pairs) - len(todo),
         skipped_records=skipped.count,
         skipped_examples=list(skipped.examples),
+        notes=notes,
     )
 
 

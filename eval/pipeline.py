@@ -162,8 +162,10 @@ def run_pipeline_sweep(
         positions: gold retrieval ranks to test (0-based; ``all``, ``first,middle,last``, ``0,4``).
         limit: use the first ``limit`` usable questions.
         model, backend, adapter, backend_options, device, dtype: the model backend (see
-            :func:`ragfix.backends.load_backend`); the options and the adapter path are part of
-            the cell ids.
+            :func:`ragfix.backends.load_backend`); the options (but a remote model's call
+            settings) and the adapter path are part of the cell ids. A remote model
+            (``openai:NAME``) needs a ``tokenizer`` option here: passages are fitted to the
+            window by counting their tokens.
         profile: ``summary.json`` for ``bias-profile`` (same model, ``top_k`` documents).
         retriever: ``faiss`` or ``bm25``.
         skip_invalid: skip and count malformed questions and unreadable files.
@@ -179,7 +181,7 @@ def run_pipeline_sweep(
             ModelNotFoundError: bad input (one line).
         pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from ragfix.backends import load_backend, validate_backend
+    from ragfix.backends import load_backend, result_options, validate_backend
     from ragfix.models import resolve_model
 
     console = console or Console()
@@ -195,7 +197,7 @@ def run_pipeline_sweep(
         raise ConfigError(f"--framework: {framework!r} is not one of {', '.join(ENGINES)}")
     if framework != "llamaindex":
         require_extra(framework)
-    validate_backend(backend, adapter, **options)
+    validated = validate_backend(backend, adapter, model=model, **options)
     resolve_model(model)
     accuracies = None
     if "bias-profile" in strategies:
@@ -220,7 +222,10 @@ def run_pipeline_sweep(
         num_docs=top_k,
         model=model,
         backend=backend,
-        backend_options={**options, **({"adapter": adapter} if adapter else {})},
+        backend_options={
+            **result_options(options, validated),
+            **({"adapter": adapter} if adapter else {}),
+        },
         retrieval=(
             f"retriever={retriever};chunk_size={chunk_size};synthesis=compact;framework={framework}"
         ),
@@ -409,7 +414,9 @@ class _Engines:
         cut = any(" ".join(_chunk(by_id[i]).split()) not in prompt for i in final_ids)
         gen = llm.last_generation
         rep = self.posts[s].last_report
-        flags, explained = cell_flags(q.answers, [] if fit else [CUT_TO_WINDOW])
+        flags, explained = cell_flags(q.answers, [*([] if fit else [CUT_TO_WINDOW]), *gen.flags])
+        if gen.usage is not None:
+            explained["usage"] = gen.usage
         return SweepRecord(
             cell_id=cell,
             sample_id=q.id,

@@ -50,6 +50,7 @@ from ragfix.eval.merit import (
 )
 from ragfix.io import CONFIG_FILE, atomic_write_bytes, atomic_write_json
 from ragfix.metrics import CurveSummary, position_curve
+from ragfix.types import OVERFLOW
 
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "curve.png"
@@ -72,10 +73,6 @@ CELL_FIELDS = (
 #: fields holding file paths, compared by file name (runs made on another machine still pair;
 #: sample ids are hashes of the content, so cells of different contents never match anyway)
 PATH_FIELDS = ("data", "distractor_pool")
-
-
-#: the flag of a cell whose prompt did not fit the model's window (left out of every accuracy)
-OVERFLOW = "overflow"
 
 
 class RunTally:

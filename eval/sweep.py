@@ -37,7 +37,7 @@ from rich.console import Console
 
 from ragfix.backends.base import Backend
 from ragfix.errors import ConfigError, ConfigMismatchError
-from ragfix.eval.report import OVERFLOW, TableSpec, print_tables
+from ragfix.eval.report import TableSpec, print_tables
 from ragfix.io import (
     CONFIG_FILE,
     JsonlStore,
@@ -47,7 +47,7 @@ from ragfix.io import (
 )
 from ragfix.metrics import degenerate_gold
 from ragfix.tasks import score_answer, task_prompt
-from ragfix.types import Generation, QASample, SweepRecord
+from ragfix.types import OVERFLOW, Generation, QASample, SweepRecord
 
 RESULTS_FILE = "results.jsonl"
 CUT_TO_WINDOW = "cut_to_window"
@@ -247,7 +247,14 @@ def cell_flags(answers: list[str], flags: list[str] = ()) -> tuple[list[str], di
 
 
 def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:
-    flags, extra = cell_flags(cell.sample.answers, flags)
+    """The record of a cell: ``flags`` plus the backend's own (:attr:`Generation.flags`); a
+    remote answer's usage figures in ``extra["usage"]`` and, without a local tokenizer,
+    ``extra["token_counts"] = "server"``."""
+    flags, extra = cell_flags(cell.sample.answers, [*flags, *gen.flags])
+    if gen.usage is not None:
+        extra["usage"] = gen.usage
+    if not backend.has_tokenizer:
+        extra["token_counts"] = "server"
     return SweepRecord(
         cell_id=cell.cell_id,
         sample_id=cell.sample.id,
@@ -278,7 +285,11 @@ def run_cells(
     A cell whose prompt does not fit (:func:`fits`) is not run: its record has the flag
     ``overflow``, an empty answer, ``correct`` False and no prefill or new tokens. With a backend
     that cuts long prompts by design (``backend.cuts_long_prompts``, the ``truncated``
-    baseline) the cell runs and is flagged ``cut_to_window``.
+    baseline) the cell runs and is flagged ``cut_to_window``. A backend that cannot count tokens
+    here (a remote model without a tokenizer, ``backend.has_tokenizer`` False) runs every cell
+    and the window is checked on the prompt tokens the server counted: a cell that did not fit,
+    or that the server refused as too long, gets the same ``overflow`` record (its answer
+    dropped).
 
     Args:
         backend: the model backend.
@@ -293,6 +304,9 @@ def run_cells(
     """
     runnable = []
     for c in cells:
+        if not backend.has_tokenizer:  # its size is known once the server has read it
+            runnable.append((c, []))
+            continue
         ok, n = fits(backend, _prompt(c))
         if ok:
             runnable.append((c, []))
@@ -312,13 +326,25 @@ def run_cells(
                 prompts = [_prompt(c) for c, _ in chunk]
                 gens = backend.generate(prompts, batch_size=batch_size, prefix_reuse=True)
                 for (c, flags), gen in zip(chunk, gens, strict=True):
-                    on_record(_record(c, backend, gen, flags))
+                    on_record(_checked(c, backend, gen, flags))
         return
     for start in range(0, len(runnable), batch_size):
         chunk = runnable[start : start + batch_size]
         gens = backend.generate([_prompt(c) for c, _ in chunk], batch_size=batch_size)
         for (c, flags), gen in zip(chunk, gens, strict=True):
-            on_record(_record(c, backend, gen, flags))
+            on_record(_checked(c, backend, gen, flags))
+
+
+def _checked(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:
+    """The record of a cell that ran: flagged ``overflow`` (answer dropped, not scored) when
+    the server refused its prompt or, for a backend that could not count it beforehand, when
+    the prompt tokens the server counted plus the answer budget exceed the window."""
+    late = not backend.has_tokenizer and not backend.cuts_long_prompts
+    if late and gen.prompt_tokens + _prompt(cell).max_new_tokens > backend.context_window:
+        flags = [*flags, OVERFLOW]
+    if OVERFLOW in flags or OVERFLOW in gen.flags:
+        gen = gen.model_copy(update={"text": "", "new_tokens": 0, "prefill_tokens": 0})
+    return _record(cell, backend, gen, flags)
 
 
 def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:

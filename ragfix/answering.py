@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragfix.backends.base import Backend
+from ragfix.backends.base import Backend, cut_at_newline
 from ragfix.errors import ConfigError
 from ragfix.prompts import TaskPrompt
 from ragfix.types import Generation
@@ -159,20 +159,10 @@ class Answerer:
             pieces = self.backend.stream(
                 text, max_new_tokens=s.max_new_tokens, stop_at_newline=s.stop_at_newline
             )
-            so_far = ""
+            if s.stop_at_newline:
+                pieces = cut_at_newline(pieces)
             try:
-                for piece in pieces:
-                    stopped = False
-                    if s.stop_at_newline:
-                        both = so_far + piece
-                        cut = both.find("\n", len(both) - len(both.lstrip()))
-                        if cut >= 0:
-                            piece, stopped = both[len(so_far) : cut], True
-                    if piece:
-                        so_far += piece
-                        yield piece
-                    if stopped:
-                        return
+                yield from (piece for piece in pieces if piece)
             finally:
                 pieces.close()
 

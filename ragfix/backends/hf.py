@@ -20,16 +20,43 @@ from typing import ClassVar
 
 import torch
 
-from ragfix.backends.base import Backend, BackendOptions, Prompt
+from ragfix.backends.base import (
+    Backend,
+    BackendOptions,
+    Prompt,
+    answer_rules,
+    answer_text,
+)
 from ragfix.errors import RagfixError
 from ragfix.models import model_identity
-from ragfix.prompts import TaskPrompt
 from ragfix.types import Generation
 
-#: answer budget and stop rule of a plain-string prompt
-DEFAULT_MAX_NEW_TOKENS = 32
 #: what :meth:`HFBackend.identity` records for a tokenizer without a chat template
 NO_CHAT_TEMPLATE = "none: user text + newline"
+
+
+def chat_text(tokenizer, prompt: Prompt) -> str:
+    """The text a model with ``tokenizer`` reads for ``prompt``: a :class:`TaskPrompt`'s user turn
+    in the tokenizer's chat template (plain ``user + "\\n"`` without one), assistant turn opened
+    and prefilled with its ``assistant_prefix``; a string as it is."""
+    if isinstance(prompt, str):
+        return prompt
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.user}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+    else:
+        text = prompt.user + "\n"
+    return text + prompt.assistant_prefix
+
+
+def template_id(tokenizer) -> str:
+    """What identifies a tokenizer's chat template: the first 12 hex digits of its sha1, or
+    :data:`NO_CHAT_TEMPLATE`."""
+    template = tokenizer.chat_template
+    return hashlib.sha1(template.encode()).hexdigest()[:12] if template else NO_CHAT_TEMPLATE
 
 
 class HFBackend(Backend):
@@ -95,10 +122,7 @@ class HFBackend(Backend):
             "backend": self.name,
             "options": self.options.model_dump(mode="json"),
         }
-        template = self.tokenizer.chat_template
-        out["chat_template"] = (
-            hashlib.sha1(template.encode()).hexdigest()[:12] if template else NO_CHAT_TEMPLATE
-        )
+        out["chat_template"] = template_id(self.tokenizer)
         if self.adapter is not None:
             out["adapter"] = self.adapter
         return out
@@ -107,17 +131,7 @@ class HFBackend(Backend):
     def format_prompt(self, prompt: Prompt) -> str:
         """A :class:`TaskPrompt`'s user turn in the model's chat template (plain ``user + "\\n"``
         for a model without one), assistant turn opened and prefilled; a string as it is."""
-        if isinstance(prompt, str):
-            return prompt
-        if self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.user}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        else:
-            text = prompt.user + "\n"
-        return text + prompt.assistant_prefix
+        return chat_text(self.tokenizer, prompt)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens: the chat template carries them)."""
@@ -144,9 +158,7 @@ class HFBackend(Backend):
         """Answer text and number of generated tokens (padding after EOS dropped)."""
         ids = [i for i in new_ids if i != self.tokenizer.pad_token_id]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if stop_at_newline:
-            text = text.strip().split("\n")[0]
-        return text.strip(), len(ids)
+        return answer_text(text, stop_at_newline), len(ids)
 
     def _left_pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` input ids and attention mask, left padded to the longest prompt."""
@@ -264,15 +276,9 @@ class HFBackend(Backend):
         cache kept between calls; above 1, consecutive prompts (in the given order: put the cells
         of one sample together) are batched over their shared prefix, prefilled once
         (:meth:`_generate_shared`)."""
-        items = []
-        for p in prompts:
-            if isinstance(p, TaskPrompt):
-                mnt = max_new_tokens or p.max_new_tokens
-                stop = p.stop_at_newline if stop_at_newline is None else stop_at_newline
-            else:
-                mnt = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-                stop = True if stop_at_newline is None else stop_at_newline
-            items.append((self.encode(p), mnt, stop))
+        items = [
+            (self.encode(p), *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts
+        ]
         size = batch_size if self.supports_batching else 1
         if prefix_reuse and self.supports_prefix_reuse:
             if size == 1 and not first_logprobs:
@@ -463,4 +469,4 @@ def _groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[in
         yield group
 
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "NO_CHAT_TEMPLATE", "HFBackend"]
+__all__ = ["NO_CHAT_TEMPLATE", "HFBackend", "chat_text", "template_id"]

@@ -9,6 +9,7 @@ MT-bench pairwise judging with position swap: Zheng et al. 2023, section 3.4.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -76,6 +77,10 @@ class PairwiseJudge:
         tie_margin: see :func:`ragfix.judge.verdicts.logit_verdict`.
         batch_size: prompts per batch; both orders of a pair always share a batch.
 
+    With a backend that has no tokenizer here (a remote model without ``--tokenizer``) the
+    letters are read by their text from the top log-probabilities the server returns, and pairs
+    are ordered by characters instead of tokens.
+
     Raises:
         ConfigError: unknown style, ``repeats > 1`` with the ``explain`` style, or a tokenizer
             whose ``A`` / ``B`` are not single tokens after ``[[``.
@@ -100,7 +105,7 @@ class PairwiseJudge:
         self.batch_size = batch_size
         self.generator = torch.Generator().manual_seed(seed)
         self.prefix = VERDICT_PREFIX if style == "verdict" else ""
-        if style == "verdict":
+        if style == "verdict" and backend.has_tokenizer:
             self.token_a = letter_token(backend, self.prefix, "A")
             self.token_b = letter_token(backend, self.prefix, "B")
 
@@ -126,11 +131,28 @@ class PairwiseJudge:
 
     def _order(self, gen: Generation) -> OrderJudgment:
         """One order's judgment from its generation (letter probabilities and sampled verdicts
-        from the first-step log-probabilities in the ``verdict`` style)."""
+        from the first-step log-probabilities in the ``verdict`` style: the full distribution of
+        a local backend, or the top alternatives a server returned, read by their text ``A`` /
+        ``B``, a letter not among them having probability 0; none when the server returned no
+        log-probabilities).
+
+        Raises:
+            ConfigError: ``repeats > 1`` without the full first-step distribution.
+        """
         o = OrderJudgment(raw=gen.text, slot_verdict=parse_verdict(self.prefix + gen.text))
         if self.style != "verdict":
             return o
         lps = gen.first_logprobs
+        if lps is None:
+            if self.repeats > 1:
+                raise ConfigError(
+                    "repeats > 1 samples the verdict from the full next-token distribution, "
+                    f"which {self.backend.model_name} does not return; use repeats 1"
+                )
+            top = gen.first_top_logprobs
+            if top is not None:
+                o.p_a, o.p_b = (math.exp(top.get(x, -math.inf)) for x in ("A", "B"))
+            return o
         o.p_a, o.p_b = letter_probs(lps, self.token_a, self.token_b)
         if self.repeats > 1:
             draws = torch.multinomial(
@@ -190,7 +212,8 @@ class PairwiseJudge:
                     self.prompt(p.question, p.answer_a, p.answer_b, p.reference),
                     self.prompt(p.question, p.answer_b, p.answer_a, p.reference),
                 )
-        order = sorted(prompts, key=lambda i: self.backend.count_tokens(prompts[i][0].user))
+        size = self.backend.count_tokens if self.backend.has_tokenizer else len
+        order = sorted(prompts, key=lambda i: size(prompts[i][0].user))
         per_step = max(1, self.batch_size // 2)
         for start in range(0, len(order), per_step):
             chunk = order[start : start + per_step]

@@ -1,0 +1,122 @@
+"""Benchmark: the same KV prompts through the local backend and through ``ragfix serve`` at
+several client concurrencies, in one run.
+
+The local backend answers the prompts one at a time (batch 1, KV-cache prefix reuse, as a CPU
+sweep does), then is freed; ``ragfix serve`` is started with the same model (prefix reuse on,
+requests one at a time through the model) and the remote backend (``openai:NAME``) sends the
+same prompts with 1, 2, 4 ... requests in flight. Only one model is loaded at a time. Each mode
+gets one warm-up request first. Prints requests/s, the ratio to local and how many answers equal
+the local ones; writes the figures as JSON.
+
+    python -m ragfix.eval.bench_remote --prompts 16 --num-docs 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ragfix.backends import load_backend
+from ragfix.bundled import bundled_path
+from ragfix.connectors.litm import load_samples
+from ragfix.io import atomic_write_json
+from ragfix.serve import serving
+from ragfix.tasks import task_prompt
+
+
+def kv_prompts(n: int, num_docs: int) -> list:
+    """``n`` KV-retrieval prompts of the bundled sample: its samples in order, the gold pair at
+    each position in turn."""
+    samples = load_samples(bundled_path("kv-sample"), num_docs, None)
+    cells = [(s, p) for s in samples for p in range(num_docs)][:n]
+    return [task_prompt(s, s.passages_with_gold_at(p)) for s, p in cells]
+
+
+def _timed(run) -> tuple[list[str], float]:
+    start = time.perf_counter()
+    answers = run()
+    return answers, time.perf_counter() - start
+
+
+def _local(model: str, prompts: list) -> tuple[list[str], float, int]:
+    """Answers, seconds and prompt tokens of ``prompts`` through the local backend, one at a
+    time with prefix reuse, after one warm-up answer."""
+    local = load_backend("vanilla", model=model, device="cpu")
+    local.generate(prompts[:1], batch_size=1)
+    answers, secs = _timed(
+        lambda: [local.generate([p], batch_size=1, prefix_reuse=True)[0].text for p in prompts]
+    )
+    return answers, secs, sum(len(local.encode(p)) for p in prompts)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark (arguments as on the command line); returns what it writes."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--num-docs", type=int, default=4)
+    ap.add_argument("--concurrency", default="1,2,4")
+    ap.add_argument("--out", type=Path, default=Path("results/remote-throughput.json"))
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    prompts = kv_prompts(args.prompts, args.num_docs)
+    console = Console()
+
+    ref, secs, tokens = _local(args.model, prompts)
+    gc.collect()  # the local model is gone before the server loads its own
+    rows = [{"mode": "local", "concurrency": None, "seconds": secs, "same_answers": len(ref)}]
+
+    with serving("--model", args.model, "--device", "cpu") as url:
+        for c in levels:
+            remote = load_backend(
+                "vanilla", model=f"openai:{args.model}", api_base=url, concurrency=c
+            )
+            remote.generate(prompts[:1])  # warm-up
+            answers, secs = _timed(lambda r=remote: [g.text for g in r.generate(prompts)])
+            same = sum(a == b for a, b in zip(answers, ref, strict=True))
+            rows.append({"mode": "serve", "concurrency": c, "seconds": secs, "same_answers": same})
+
+    base = len(prompts) / rows[0]["seconds"]
+    for r in rows:
+        r["requests_per_s"] = round(len(prompts) / r["seconds"], 4)
+        r["ratio_to_local"] = round(r["requests_per_s"] / base, 3)
+        r["seconds"] = round(r["seconds"], 2)
+    out = {
+        "kind": "remote-throughput",
+        "model": args.model,
+        "data": "kv-sample",
+        "num_docs": args.num_docs,
+        "prompts": len(prompts),
+        "prompt_tokens": tokens,
+        "machine": f"{platform.machine()}, cpu, 1 math thread per process",
+        "rows": rows,
+    }
+    atomic_write_json(args.out, out)
+    table = Table(
+        title=f"{args.model} · {len(prompts)} KV prompts ({args.num_docs} pairs, {tokens} prompt "
+        "tokens) · local backend vs ragfix serve"
+    )
+    for col in ("mode", "concurrency", "requests/s", "ratio to local", "same answers", "wall s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r["mode"],
+            "-" if r["concurrency"] is None else str(r["concurrency"]),
+            f"{r['requests_per_s']:.3f}",
+            f"{r['ratio_to_local']:.2f}",
+            f"{r['same_answers']}/{len(prompts)}",
+            f"{r['seconds']:.1f}",
+        )
+    console.print(table)
+    console.print(f"written: {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,464 @@
+"""A model served over HTTP by an OpenAI-compatible endpoint, behind the same model interface.
+
+``load_backend("vanilla", model="openai:NAME", api_base=URL)`` gives a :class:`RemoteBackend`:
+vLLM, llama.cpp's server, Ollama, TGI, a hosted API or ``ragfix serve`` answer the prompts of a
+sweep, a pipeline sweep or a judge run. Requests go through the official ``openai`` client:
+up to ``concurrency`` at once, retried with exponential backoff on 408, 409, 429 and 5xx and on
+connection errors (``max_retries``), each bounded by ``timeout`` seconds. The API key is read from
+``OPENAI_API_KEY`` (a local server needs none).
+
+How prompts travel:
+
+* a :class:`~ragfix.prompts.TaskPrompt` is a chat request with the user turn and, when it has an
+  ``assistant_prefix``, an assistant message holding it, which the server is asked to continue
+  (vLLM's ``continue_final_message=True, add_generation_prompt=False``, honoured by
+  ``ragfix serve``): the model reads what a local backend reads. A server that ignores those
+  fields answers after a closed assistant turn instead (see ``docs/remote.md``).
+* a plain string (already chat-formatted, e.g. by :class:`~ragfix.llm.RagFixLLM`) goes to the
+  completions endpoint as it is, as a local backend reads it.
+
+Decoding is greedy (``temperature=0``); the newline stop rule is ``stop=["\\n"]``. With
+``first_logprobs`` the server is asked for ``logprobs`` with the top
+:data:`TOP_LOGPROBS` alternatives of each answer token; the first step's come back as
+``Generation.first_top_logprobs`` (a server that returns none leaves it ``None``).
+
+Token counts: with a ``tokenizer`` (the local name of the same model) prompts are counted here,
+before they are sent, and the server's own count is compared (``token_count_mismatch`` when they
+differ); without one the server's ``usage`` figures are the counts (a response without them is an
+error, never a guess), and consumers check the window after the answer
+(:attr:`~ragfix.backends.base.Backend.has_tokenizer`). The window is ``context_window`` or the
+``max_model_len`` the server reports in ``/v1/models`` (vLLM, ``ragfix serve``). A prompt the
+server refuses as too long comes back flagged ``overflow`` with no answer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import torch
+from pydantic import Field, field_validator
+
+from ragfix.backends.base import Backend, BackendOptions, Prompt, answer_rules, answer_text
+from ragfix.backends.hf import chat_text, template_id
+from ragfix.errors import ConfigError, ModelNotFoundError, RagfixError
+from ragfix.models import REMOTE_PREFIX, load_tokenizer
+from ragfix.types import OVERFLOW, TOKEN_COUNT_MISMATCH, Generation
+
+#: alternatives asked for per answer token with ``first_logprobs`` (the most OpenAI allows)
+TOP_LOGPROBS = 20
+#: the environment variable holding the API key
+API_KEY_ENV = "OPENAI_API_KEY"
+#: fields of a ``/v1/models`` entry that describe the served model (timestamps and permission
+#: ids, which change between server starts, are left out)
+SERVER_MODEL_FIELDS = ("id", "owned_by", "root", "max_model_len", "meta", "ragfix")
+#: how servers word a prompt longer than the window (OpenAI, vLLM, llama.cpp, TGI)
+_TOO_LONG = re.compile(
+    r"context[_ ]length|maximum context|context window|exceeds? the available context|"
+    r"input validation error: `inputs` tokens",
+    re.IGNORECASE,
+)
+
+
+def is_remote(model: str) -> bool:
+    """Whether ``model`` names a model served over HTTP (``openai:NAME``)."""
+    return model.startswith(REMOTE_PREFIX)
+
+
+class RemoteOptions(BackendOptions):
+    """Settings of a remote model (``--api-base``, ``--tokenizer``, ``--context-window``,
+    ``--concurrency``, ``--max-retries``, ``--timeout``).
+
+    Attributes:
+        api_base: the endpoint's base URL, e.g. ``http://127.0.0.1:8000/v1``.
+        tokenizer: local name of the same model (``smollm2``, a hub id, a folder) whose tokenizer
+            counts prompt tokens and formats prompts; ``None``: the server's usage figures count.
+        context_window: prompt plus answer tokens the server accepts; ``None``: what the server
+            reports (``max_model_len``).
+        concurrency: requests in flight at once (>= 1).
+        max_retries: retries of a request after 408, 409, 429, 5xx or a connection error, with
+            exponential backoff (0.5 s doubling to 8 s, or the server's ``Retry-After``).
+        timeout: seconds a request may take before it is retried.
+    """
+
+    call_settings: ClassVar[frozenset[str]] = frozenset({"concurrency", "max_retries", "timeout"})
+
+    api_base: str
+    tokenizer: str | None = None
+    context_window: int | None = Field(default=None, gt=0)
+    concurrency: int = Field(default=4, ge=1)
+    max_retries: int = Field(default=5, ge=0)
+    timeout: float = Field(default=120.0, gt=0)
+
+    @field_validator("api_base")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"https?://[^/\s]+", v):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL")
+        return v.rstrip("/")
+
+
+def _merge_top(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """``{token text: log-probability}``; tokens with the same text (different ids) are summed
+    (log-sum-exp)."""
+    out: dict[str, float] = {}
+    for text, lp in pairs:
+        if text in out:
+            hi = max(out[text], lp)
+            lp = hi + math.log(math.exp(out[text] - hi) + math.exp(lp - hi))
+        out[text] = lp
+    return out
+
+
+class RemoteBackend(Backend):
+    """A model behind an OpenAI-compatible endpoint (see the module docstring).
+
+    Args:
+        model: the served model's id (``NAME`` of ``openai:NAME``).
+        **options: :class:`RemoteOptions`.
+
+    Raises:
+        pydantic.ValidationError: an unknown or invalid option.
+        RagfixError: the endpoint cannot be reached or refuses the key.
+        ModelNotFoundError: the server does not serve ``model``, or the tokenizer cannot be found.
+        ConfigError: ``context_window`` larger than the window the server reports.
+    """
+
+    name: ClassVar[str] = "vanilla"
+    options_model: ClassVar[type[BackendOptions]] = RemoteOptions
+    supports_prefix_reuse = False
+
+    def __init__(self, model: str, **options):
+        from openai import OpenAI
+
+        self.options = RemoteOptions(**options)
+        self.served = model
+        self.tokenizer = load_tokenizer(self.options.tokenizer) if self.options.tokenizer else None
+        self.has_tokenizer = self.tokenizer is not None
+        self.preferred_batch_size = self.options.concurrency
+        self.client = OpenAI(
+            base_url=self.options.api_base,
+            api_key=os.environ.get(API_KEY_ENV) or "none",
+            max_retries=self.options.max_retries,
+            timeout=self.options.timeout,
+        )
+        self.server_model = self._server_model()
+        reported = self.server_model.get("max_model_len")
+        given = self.options.context_window
+        if given and isinstance(reported, int) and given > reported:
+            raise ConfigError(
+                f"--context-window {given} is larger than the {reported} tokens the server at "
+                f"{self.options.api_base} reports for {model!r}"
+            )
+
+    # ------------------------------------------------------------------ errors
+    def _failed(self, e: Exception) -> RagfixError:
+        """One-line error for a request that failed for good (after the client's retries)."""
+        import openai
+
+        where = f"{self.options.api_base} ({self.served})"
+        if isinstance(e, openai.APIConnectionError):
+            return RagfixError(
+                f"cannot reach {where} after {self.options.max_retries} retries "
+                f"({type(e).__name__}); finished results are saved: rerun to resume"
+            )
+        if isinstance(e, openai.APIStatusError):
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            if e.status_code in (401, 403):
+                return RagfixError(f"{where} refused the API key (set ${API_KEY_ENV}): {msg}")
+            again = e.status_code in (408, 409, 429) or e.status_code >= 500
+            tail = (
+                f" after {self.options.max_retries} retries; finished results are saved: "
+                "rerun to resume"
+                if again
+                else ""
+            )
+            return RagfixError(f"{where} answered HTTP {e.status_code}{tail}: {msg}")
+        return RagfixError(f"{where}: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
+
+    def _needs_tokenizer(self, what: str) -> RagfixError:
+        return RagfixError(
+            f"{self.model_name}: {what} needs the model's tokenizer: give --tokenizer NAME "
+            "(the local name of the same model, e.g. smollm2 or a hub id)"
+        )
+
+    def _no_scores(self, what: str) -> RagfixError:
+        return RagfixError(
+            f"{self.model_name}: {what} needs the model's full next-token distribution, which an "
+            f"OpenAI-compatible server does not give (only the top {TOP_LOGPROBS} log-"
+            "probabilities of generated tokens): use a local model"
+        )
+
+    def _server_model(self) -> dict:
+        """The served model's entry of ``/v1/models`` (its describing fields only).
+
+        Raises:
+            ModelNotFoundError: the server lists models, but not this one.
+        """
+        import openai
+
+        try:
+            listed = [m.model_dump() for m in self.client.models.list()]
+        except openai.NotFoundError:  # a server without /v1/models
+            return {}
+        except openai.APIError as e:
+            raise self._failed(e) from None
+        entry = next((m for m in listed if m.get("id") == self.served), None)
+        if entry is None:
+            served = ", ".join(str(m.get("id")) for m in listed[:20]) or "none"
+            raise ModelNotFoundError(
+                f"{self.options.api_base} does not serve {self.served!r} (it serves: {served})"
+            )
+        return {k: entry[k] for k in SERVER_MODEL_FIELDS if entry.get(k) is not None}
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def model_name(self) -> str:
+        """``openai:NAME``."""
+        return REMOTE_PREFIX + self.served
+
+    @property
+    def context_window(self) -> int:
+        """``context_window`` if given, else the ``max_model_len`` the server reports.
+
+        Raises:
+            ConfigError: neither is known.
+        """
+        window = self.options.context_window or self.server_model.get("max_model_len")
+        if not isinstance(window, int):
+            raise ConfigError(
+                f"the server at {self.options.api_base} does not report the context window of "
+                f"{self.served!r}: give --context-window N"
+            )
+        return window
+
+    def identity(self) -> dict:
+        """The endpoint, the served model's id and what the server says about it (for
+        ``ragfix serve``: the served backend's own identity, weight fingerprint included), the
+        options that change answers, and the tokenizer's chat template if one is given."""
+        return {
+            "model": {
+                "name": self.model_name,
+                "endpoint": self.options.api_base,
+                "server": self.server_model,
+            },
+            "backend": self.name,
+            "options": self.options.model_dump(
+                mode="json", exclude=set(self.options.call_settings)
+            ),
+            "chat_template": template_id(self.tokenizer) if self.tokenizer else "the server's",
+        }
+
+    # ------------------------------------------------------------------ text and tokens
+    def format_prompt(self, prompt: Prompt) -> str:
+        """The text the model reads (the tokenizer's chat template for a
+        :class:`~ragfix.prompts.TaskPrompt`; a string as it is).
+
+        Raises:
+            RagfixError: a ``TaskPrompt`` without a tokenizer.
+        """
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise self._needs_tokenizer("formatting a prompt")
+        return chat_text(self.tokenizer, prompt)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens).
+
+        Raises:
+            RagfixError: no tokenizer was given.
+        """
+        if self.tokenizer is None:
+            raise self._needs_tokenizer("counting tokens")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` without special tokens.
+
+        Raises:
+            RagfixError: no tokenizer was given.
+        """
+        if self.tokenizer is None:
+            raise self._needs_tokenizer("decoding tokens")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ requests
+    def _request(self, prompt: Prompt, max_new_tokens: int, stop: bool, **extra):
+        """One chat (``TaskPrompt``) or completions (string) request; ``extra`` are more fields
+        of the request (``stream``, log-probabilities)."""
+        common = {
+            "model": self.served,
+            "max_tokens": max_new_tokens,
+            "temperature": 0,
+            "stop": ["\n"] if stop else None,
+            **extra,
+        }
+        if isinstance(prompt, str):
+            return self.client.completions.create(prompt=prompt, **common)
+        messages = [{"role": "user", "content": prompt.user}]
+        if prompt.assistant_prefix:
+            messages.append({"role": "assistant", "content": prompt.assistant_prefix})
+            common["extra_body"] = {"continue_final_message": True, "add_generation_prompt": False}
+        return self.client.chat.completions.create(messages=messages, **common)
+
+    def _answer(self, prompt: Prompt, max_new_tokens: int, stop: bool, logprobs: bool):
+        """One greedy answer as a :class:`Generation` (see :meth:`generate`)."""
+        import openai
+
+        start = time.perf_counter()
+        local = len(self.encode(prompt)) if self.tokenizer is not None else None
+        extra = {}
+        if logprobs:
+            extra = (
+                {"logprobs": TOP_LOGPROBS}
+                if isinstance(prompt, str)
+                else {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
+            )
+        try:
+            resp = self._request(prompt, max_new_tokens, stop, **extra)
+        except openai.BadRequestError as e:
+            if not _TOO_LONG.search(f"{e.code or ''} {e}"):
+                raise self._failed(e) from None
+            return Generation(
+                text="",
+                prompt_tokens=-1 if local is None else local,
+                new_tokens=0,
+                prefill_tokens=0,
+                seconds=time.perf_counter() - start,
+                flags=[OVERFLOW],
+            )
+        except openai.APIError as e:
+            raise self._failed(e) from None
+        choice = resp.choices[0]
+        raw = choice.text if isinstance(prompt, str) else (choice.message.content or "")
+        usage = (
+            {
+                "prompt_tokens": resp.usage.prompt_tokens,
+                "completion_tokens": resp.usage.completion_tokens,
+            }
+            if resp.usage is not None
+            else None
+        )
+        if local is None and usage is None:
+            raise RagfixError(
+                f"{self.options.api_base} reported no usage figures for {self.served!r}, so the "
+                "prompt's tokens cannot be counted: give --tokenizer NAME"
+            )
+        flags = []
+        if local is not None and usage is not None and usage["prompt_tokens"] != local:
+            flags.append(TOKEN_COUNT_MISMATCH)
+        n_prompt = usage["prompt_tokens"] if local is None else local
+        return Generation(
+            text=answer_text(raw, stop),
+            prompt_tokens=n_prompt,
+            new_tokens=usage["completion_tokens"] if usage else len(self.tokenize(raw)),
+            prefill_tokens=n_prompt,
+            seconds=time.perf_counter() - start,
+            first_top_logprobs=_first_top(choice.logprobs, isinstance(prompt, str))
+            if logprobs
+            else None,
+            usage=usage,
+            flags=flags,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        batch_size: int = 8,
+        max_new_tokens: int | None = None,
+        stop_at_newline: bool | None = None,
+        first_logprobs: bool = False,
+        prefix_reuse: bool = False,
+    ) -> list[Generation]:
+        """Greedy answers (see :meth:`Backend.generate`), ``concurrency`` requests in flight at
+        once (``batch_size`` and ``prefix_reuse`` do not apply: the server batches and caches
+        as it does). With ``first_logprobs`` each answer's ``first_top_logprobs`` holds the top
+        :data:`TOP_LOGPROBS` alternatives of its first token (``first_logprobs`` stays None).
+
+        Raises:
+            RagfixError: a request failed for good (after its retries), or the server reported no
+                usage figures and no tokenizer was given.
+        """
+        jobs = [(p, *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts]
+        if len(jobs) <= 1 or self.options.concurrency == 1:
+            return [self._answer(*job, first_logprobs) for job in jobs]
+        with ThreadPoolExecutor(min(self.options.concurrency, len(jobs))) as pool:
+            return list(pool.map(lambda job: self._answer(*job, first_logprobs), jobs))
+
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+    ) -> Iterator[str]:
+        """Yield the greedy answer to one prompt as the server streams it; closing the iterator
+        closes the connection (the server stops generating).
+
+        Raises:
+            RagfixError: the request failed for good.
+        """
+        import openai
+
+        try:
+            events = self._request(prompt, max_new_tokens, stop_at_newline, stream=True)
+        except openai.APIError as e:
+            raise self._failed(e) from None
+        try:
+            for ev in events:
+                if not ev.choices:
+                    continue
+                c = ev.choices[0]
+                piece = c.text if isinstance(prompt, str) else c.delta.content
+                if piece:
+                    yield piece
+        finally:
+            events.close()
+
+    # ------------------------------------------------------------------ scoring
+    def next_token_logprobs(self, prompts: Sequence[Prompt], *, batch_size: int = 8):
+        """Not available from a server.
+
+        Raises:
+            RagfixError: always (names what needs it).
+        """
+        raise self._no_scores("next_token_logprobs")
+
+    def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+        """Not available from a server.
+
+        Raises:
+            RagfixError: always (names what needs it).
+        """
+        raise self._no_scores("loglikelihood")
+
+    def token_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
+        """Not available from a server (perplexity, ``loglikelihood`` and calibration need it).
+
+        Raises:
+            RagfixError: always (names what needs it).
+        """
+        raise self._no_scores("scoring text (perplexity, loglikelihood, calibration)")
+
+
+def _first_top(logprobs, completions: bool) -> dict[str, float] | None:
+    """The first answer token's top alternatives ``{text: log-probability}`` from a response's
+    ``logprobs`` (chat: ``content[0].top_logprobs``; completions: ``top_logprobs[0]``), or
+    ``None`` when the server returned none."""
+    if logprobs is None:
+        return None
+    if completions:
+        tops = logprobs.top_logprobs or []
+        return _merge_top(list(tops[0].items())) if tops and tops[0] else None
+    content = logprobs.content or []
+    if not content:
+        return None
+    first = content[0]
+    pairs = [(t.token, t.logprob) for t in first.top_logprobs or []]
+    return _merge_top(pairs or [(first.token, first.logprob)])
+
+
+__all__ = ["API_KEY_ENV", "TOP_LOGPROBS", "RemoteBackend", "RemoteOptions", "is_remote"]
