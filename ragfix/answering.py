@@ -51,6 +51,31 @@ class AnswerFields(BaseModel):
         return {k: getattr(self, k) for k in AnswerFields.model_fields}
 
 
+class AnswererView:
+    """What a framework component over an :class:`Answerer` (its private ``_answerer``) shows:
+    the backend, the last prompt and generation, and the number of model calls."""
+
+    @property
+    def backend(self) -> Backend:
+        """The backend that answers."""
+        return self._answerer.backend
+
+    @property
+    def last_prompt(self) -> str | None:
+        """The last prompt exactly as the model read it (after the chat template)."""
+        return self._answerer.last_prompt
+
+    @property
+    def last_generation(self) -> Generation | None:
+        """The :class:`Generation` of the last non-streaming call."""
+        return self._answerer.last_generation
+
+    @property
+    def calls(self) -> int:
+        """Number of model calls so far (complete and streamed)."""
+        return self._answerer.calls
+
+
 class AnswerSettings(AnswerFields):
     """The answer settings on their own: frozen, unknown settings refused
     (``pydantic.ValidationError``)."""
@@ -169,4 +194,4 @@ class Answerer:
         return pieces_of()
 
 
-__all__ = ["AnswerFields", "AnswerSettings", "Answerer"]
+__all__ = ["AnswerFields", "AnswerSettings", "Answerer", "AnswererView"]

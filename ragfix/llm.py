@@ -33,12 +33,11 @@ from llama_index.core.llms import CustomLLM
 from llama_index.core.llms.callbacks import llm_completion_callback
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ragfix.answering import Answerer, AnswerFields
+from ragfix.answering import Answerer, AnswererView, AnswerFields
 from ragfix.backends.base import Backend
-from ragfix.types import Generation
 
 
-class RagFixLLM(AnswerFields, CustomLLM):
+class RagFixLLM(AnswerFields, AnswererView, CustomLLM):
     """A ragfix :class:`~ragfix.backends.Backend` as a LlamaIndex LLM (completion model).
 
     Args:
@@ -79,26 +78,6 @@ class RagFixLLM(AnswerFields, CustomLLM):
     @classmethod
     def class_name(cls) -> str:
         return "RagFixLLM"
-
-    @property
-    def backend(self) -> Backend:
-        """The backend that answers."""
-        return self._answerer.backend
-
-    @property
-    def last_prompt(self) -> str | None:
-        """The last prompt exactly as the model read it (after the chat template)."""
-        return self._answerer.last_prompt
-
-    @property
-    def last_generation(self) -> Generation | None:
-        """The :class:`Generation` of the last non-streaming call."""
-        return self._answerer.last_generation
-
-    @property
-    def calls(self) -> int:
-        """Number of model calls so far (``complete`` and ``stream_complete``)."""
-        return self._answerer.calls
 
     @property
     def metadata(self) -> LLMMetadata:

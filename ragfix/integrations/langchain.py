@@ -63,12 +63,11 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from pydantic import ConfigDict, PrivateAttr  # noqa: E402
 
-from ragfix.answering import Answerer, AnswerFields  # noqa: E402
+from ragfix.answering import Answerer, AnswererView, AnswerFields  # noqa: E402
 from ragfix.backends.base import Backend  # noqa: E402
 from ragfix.correction import Candidate, Correction, CorrectionFields  # noqa: E402
 from ragfix.errors import ConfigError  # noqa: E402
 from ragfix.tasks import get_task, join_chunks, render_chunk  # noqa: E402
-from ragfix.types import Generation  # noqa: E402
 
 
 def _title(doc: Document) -> str:
@@ -169,7 +168,7 @@ class RagFixCompressor(CorrectionFields, BaseDocumentCompressor, BaseDocumentTra
         return self._apply(documents, kwargs.get("query"))
 
 
-class RagFixChatModel(AnswerFields, BaseChatModel):
+class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
     """A ragfix :class:`~ragfix.backends.Backend` as a LangChain chat model (greedy).
 
     It answers one user turn (a single ``HumanMessage``, e.g. from :func:`qa_prompt`), wrapped in
@@ -208,26 +207,6 @@ class RagFixChatModel(AnswerFields, BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         b = self._answerer.backend
         return {"model": b.model_name, "backend": b.name, **self.answer_settings()}
-
-    @property
-    def backend(self) -> Backend:
-        """The backend that answers."""
-        return self._answerer.backend
-
-    @property
-    def last_prompt(self) -> str | None:
-        """The last prompt exactly as the model read it (after the chat template)."""
-        return self._answerer.last_prompt
-
-    @property
-    def last_generation(self) -> Generation | None:
-        """The :class:`Generation` of the last non-streaming call."""
-        return self._answerer.last_generation
-
-    @property
-    def calls(self) -> int:
-        """Number of model calls so far."""
-        return self._answerer.calls
 
     @staticmethod
     def _user_turn(messages: list[BaseMessage]) -> str:
