@@ -16,6 +16,15 @@ DATA = ROOT / "data"
 CASES = ROOT / "tests" / "cases"
 BUNDLED = ROOT / "ragfix" / "data"
 
+#: five one-sentence documents, one capital city each, for the framework components' tests
+CITY_TEXTS = [
+    "Berlin is the capital and largest city of Germany.",
+    "Madrid is the capital of Spain, on the river Manzanares.",
+    "Ottawa is the capital city of Canada, in Ontario.",
+    "Canberra is the capital city of Australia.",
+    "Nairobi is the capital of Kenya.",
+]
+
 
 def data_file(name: str) -> Path:
     """A file of the repository's ``data/`` (public evaluation data; sources and licences in its

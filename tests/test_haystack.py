@@ -7,6 +7,7 @@ goes to YAML and back."""
 from __future__ import annotations
 
 import pytest
+from conftest import CITY_TEXTS
 from haystack import Document, Pipeline
 from haystack.components.retrievers.in_memory import InMemoryEmbeddingRetriever
 from haystack.dataclasses import ChatMessage
@@ -25,20 +26,14 @@ from ragfix.integrations.haystack import (
 from ragfix.postprocessor import text_qa_template
 from ragfix.prompts import TaskPrompt
 
-TEXTS = [
-    "Berlin is the capital and largest city of Germany.",
-    "Madrid is the capital of Spain, on the river Manzanares.",
-    "Ottawa is the capital city of Canada, in Ontario.",
-    "Canberra is the capital city of Australia.",
-    "Nairobi is the capital of Kenya.",
-]
 QUESTION = "What is the capital of Germany?"
 
 
 @pytest.fixture(scope="module")
 def store():
     docs = [
-        Document(content=t, meta={"title": f"City {i}"}, id=f"d{i}") for i, t in enumerate(TEXTS)
+        Document(content=t, meta={"title": f"City {i}"}, id=f"d{i}")
+        for i, t in enumerate(CITY_TEXTS)
     ]
     store = InMemoryDocumentStore(embedding_similarity_function="cosine")
     store.write_documents(document_embedder().run(docs)["documents"])

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import CITY_TEXTS
 from langchain_classic.retrievers import ContextualCompressionRetriever
 from langchain_community.vectorstores import FAISS
 from langchain_core.documents import Document
@@ -30,13 +31,6 @@ from ragfix.postprocessor import text_qa_template
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import ProfileError
 
-TEXTS = [
-    "Berlin is the capital and largest city of Germany.",
-    "Madrid is the capital of Spain, on the river Manzanares.",
-    "Ottawa is the capital city of Canada, in Ontario.",
-    "Canberra is the capital city of Australia.",
-    "Nairobi is the capital of Kenya.",
-]
 QUESTION = "What is the capital of Germany?"
 
 
@@ -44,7 +38,7 @@ QUESTION = "What is the capital of Germany?"
 def store():
     docs = [
         Document(page_content=t, metadata={"title": f"City {i}"}, id=f"d{i}")
-        for i, t in enumerate(TEXTS)
+        for i, t in enumerate(CITY_TEXTS)
     ]
     return FAISS.from_documents(docs, embeddings())
 
@@ -113,7 +107,7 @@ def test_settings_are_validated_when_built(smol):
         RagFixCompressor(strategy="attention-sort")
     with pytest.raises(ProfileError, match="covers 3 documents but 4"):
         RagFixCompressor(strategy="bias-profile", profile=[0.9, 0.1, 0.5]).compress_documents(
-            [Document(page_content=t) for t in TEXTS[:4]], QUESTION
+            [Document(page_content=t) for t in CITY_TEXTS[:4]], QUESTION
         )
     with pytest.raises(ValidationError, match="max_new_token\n"):
         RagFixChatModel(smol, max_new_token=5)

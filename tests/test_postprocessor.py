@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+from conftest import CITY_TEXTS
 from llama_index.core.schema import NodeWithScore, TextNode
 from pydantic import ValidationError
 
@@ -19,19 +20,11 @@ from ragfix.llm import RagFixLLM
 from ragfix.postprocessor import RagFixPostprocessor
 from ragfix.reorder import ProfileError
 
-TEXTS = [
-    "Berlin is the capital and largest city of Germany.",
-    "Madrid is the capital of Spain, on the river Manzanares.",
-    "Ottawa is the capital city of Canada, in Ontario.",
-    "Canberra is the capital city of Australia.",
-    "Nairobi is the capital of Kenya.",
-]
-
 
 def _nodes(scores=None):
     return [
         NodeWithScore(node=TextNode(text=t, id_=f"n{i}"), score=None if scores is None else s)
-        for i, (t, s) in enumerate(zip(TEXTS, scores or [None] * len(TEXTS), strict=True))
+        for i, (t, s) in enumerate(zip(CITY_TEXTS, scores or [None] * len(CITY_TEXTS), strict=True))
     ]
 
 
@@ -71,8 +64,8 @@ def test_settings_are_pydantic_fields_and_backend_is_private(smol):
 
 def test_duplicates_and_budget_keep_the_best_nodes(smol):
     nodes = _nodes()
-    nodes.insert(2, NodeWithScore(node=TextNode(text=TEXTS[0], id_="dup")))
-    sizes = [smol.count_tokens(t) for t in TEXTS]
+    nodes.insert(2, NodeWithScore(node=TextNode(text=CITY_TEXTS[0], id_="dup")))
+    sizes = [smol.count_tokens(t) for t in CITY_TEXTS]
     post = RagFixPostprocessor(strategy="none", backend=smol, token_budget=sum(sizes[:3]))
     out = post.postprocess_nodes(nodes, query_str="capital?")
     assert [n.node.node_id for n in out] == ["n0", "n1", "n2"]
@@ -112,10 +105,10 @@ def test_bias_profile_checks_model_and_size(tmp_path, smol):
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
-    for i, t in enumerate(TEXTS[:3]):
+    for i, t in enumerate(CITY_TEXTS[:3]):
         (d / f"doc{i}.txt").write_text(t)
-    (d / "doc3.md").write_text(f"# Australia\n\n{TEXTS[3]}")
-    (d / "doc4.html").write_text(f"<html><body><p>{TEXTS[4]}</p></body></html>")
+    (d / "doc3.md").write_text(f"# Australia\n\n{CITY_TEXTS[3]}")
+    (d / "doc4.html").write_text(f"<html><body><p>{CITY_TEXTS[4]}</p></body></html>")
     (d / "blob.txt").write_bytes(b"\x00\x01\x02binary")
     (d / "notes.csv").write_text("ignored,file")
     return d
@@ -129,7 +122,7 @@ def test_folder_reading_skips_and_counts_bad_files(folder, tmp_path):
     ]
     assert skipped.count == 1 and "blob.txt" in skipped.examples[0]
     html = next(d for d in docs if d.id_ == "doc4.html")
-    assert html.text.strip() == TEXTS[4]
+    assert html.text.strip() == CITY_TEXTS[4]
     (tmp_path / "empty").mkdir()
     with pytest.raises(CorpusError, match="no readable documents"):
         load_documents(tmp_path / "empty")
@@ -311,7 +304,7 @@ def test_llm_refuses_a_prompt_that_does_not_fit_the_window(smol):
 
 def test_profile_size_mismatch_names_what_was_dropped(smol):
     nodes = _nodes()
-    nodes.insert(1, NodeWithScore(node=TextNode(text=TEXTS[0], id_="dup")))
+    nodes.insert(1, NodeWithScore(node=TextNode(text=CITY_TEXTS[0], id_="dup")))
     nodes.append(NodeWithScore(node=TextNode(text="  ", id_="blank")))
     post = RagFixPostprocessor(strategy="bias-profile", profile=[0.5] * 6, backend=smol)
     with pytest.raises(ProfileError) as err:
