@@ -61,3 +61,29 @@ def test_readme_quick_start_is_the_example():
     block = re.search(re.escape(README_MARK) + r"\s*```python\n(.*?)```", readme, re.S)
     assert block is not None, f"README.md has no quick start block marked {README_MARK}"
     assert block.group(1) == _code(QUICKSTART)
+
+
+def test_every_other_python_block_of_the_readme_runs(tmp_path):
+    """Every other ``python`` block of the README runs as written, as a fresh process in a
+    folder where ``data/`` is the repository's, and does what it says."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if b != _code(QUICKSTART)]
+    assert len(blocks) == 2, "a new README code block needs its checks here"
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    outputs = []
+    for code in blocks:
+        res = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        outputs.append(res.stdout)
+    answer, score = outputs[0].rstrip("\n").rsplit(" ", 1)
+    assert score in ("True", "False") and answer.strip()  # an answer and its best_subspan_em
+    kv = json.loads((tmp_path / "runs" / "kv" / "summary.json").read_text())
+    assert kv["cells"] == 2 and [p["position"] for p in kv["curves"]["vanilla"]["positions"]] == [
+        0,
+        7,
+    ]
+    judge = json.loads((tmp_path / "runs" / "judge" / "summary.json").read_text())
+    assert judge["config"]["model"] == "smollm2"
