@@ -17,7 +17,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import BUNDLED, shared_file
+from conftest import BUNDLED, data_file
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -52,7 +52,7 @@ def local(tmp_path_factory):
     """The local reference runs: a KV sweep and a judge run with the local vanilla SmolLM2."""
     d = tmp_path_factory.mktemp("local")
     _cli("eval", str(KV), *SWEEP, "--device", "cpu", "--out", str(d / "sweep"))
-    data = shared_file("llmbar_pairs.jsonl.gz")
+    data = data_file("llmbar_pairs.jsonl.gz")
     _cli("judge", str(data), "--limit", str(PAIRS), "--device", "cpu", "--out", str(d / "judge"))
     return d
 
@@ -328,7 +328,7 @@ def test_pipeline_sweep_through_serve_equals_local(server, tmp_path):
 
 
 def test_judge_through_serve_matches_local(server, local, tmp_path):
-    data = shared_file("llmbar_pairs.jsonl.gz")
+    data = data_file("llmbar_pairs.jsonl.gz")
     out = tmp_path / "judge"
     _cli("judge", str(data), "--limit", str(PAIRS), "--model", MODEL, "--api-base", server,
          "--out", str(out))  # fmt: skip
