@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from ragfix.backends import load_backend
 from ragfix.bundled import bundled_path
 from ragfix.connectors.litm import load_samples
-from ragfix.io import atomic_write_json
+from ragfix.eval.report import TableSpec, print_tables, write_benchmark
 from ragfix.serve import serving
 from ragfix.tasks import task_prompt
 
@@ -53,6 +52,29 @@ def _local(model: str, prompts: list) -> tuple[list[str], float, int]:
         lambda: [local.generate([p], batch_size=1, prefix_reuse=True)[0].text for p in prompts]
     )
     return answers, secs, sum(len(local.encode(p)) for p in prompts)
+
+
+def throughput_table(details: dict) -> TableSpec:
+    """The benchmark's table from its figures (``details["measurements"]``: one row per mode,
+    local first)."""
+    rows = details["measurements"]
+    n = details["prompts"]
+    return TableSpec(
+        f"{details['model']} · {n} KV prompts ({details['num_docs']} pairs, "
+        f"{details['prompt_tokens']} prompt tokens) · local backend vs ragfix serve",
+        ["mode", "concurrency", "requests/s", "ratio to local", "same answers", "wall s"],
+        [
+            [
+                r["mode"],
+                "-" if r["concurrency"] is None else str(r["concurrency"]),
+                f"{r['requests_per_s']:.3f}",
+                f"{r['ratio_to_local']:.2f}",
+                f"{r['same_answers']}/{n}",
+                f"{r['seconds']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -87,33 +109,18 @@ def main(argv: list[str] | None = None) -> dict:
         r["requests_per_s"] = round(len(prompts) / r["seconds"], 4)
         r["ratio_to_local"] = round(r["requests_per_s"] / base, 3)
         r["seconds"] = round(r["seconds"], 2)
-    out = {
-        "kind": "remote-throughput",
+    details = {
         "model": args.model,
         "data": "kv-sample",
         "num_docs": args.num_docs,
         "prompts": len(prompts),
         "prompt_tokens": tokens,
         "machine": f"{platform.machine()}, cpu, 1 math thread per process",
-        "rows": rows,
+        "measurements": rows,
     }
-    atomic_write_json(args.out, out)
-    table = Table(
-        title=f"{args.model} · {len(prompts)} KV prompts ({args.num_docs} pairs, {tokens} prompt "
-        "tokens) · local backend vs ragfix serve"
-    )
-    for col in ("mode", "concurrency", "requests/s", "ratio to local", "same answers", "wall s"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
-            r["mode"],
-            "-" if r["concurrency"] is None else str(r["concurrency"]),
-            f"{r['requests_per_s']:.3f}",
-            f"{r['ratio_to_local']:.2f}",
-            f"{r['same_answers']}/{len(prompts)}",
-            f"{r['seconds']:.1f}",
-        )
-    console.print(table)
+    table = throughput_table(details)
+    print_tables([table], console)
+    out = write_benchmark(args.out, table, **details)
     console.print(f"written: {args.out}")
     return out
 
