@@ -53,8 +53,10 @@ def register(app: typer.Typer) -> None:
         data: Annotated[
             Path | None,
             typer.Argument(
-                help="Lost-in-the-Middle QA or KV-retrieval file (.jsonl, .jsonl.gz), "
-                "or a bundled sample: nq-sample, kv-sample"
+                help="Lost-in-the-Middle QA or KV-retrieval file, JSON Lines (.jsonl, .jsonl.gz), "
+                "one record a line: QA reads question, answers, ctxs (title, text, isgold); KV "
+                "reads ordered_kv_records ([key, value] pairs), key, value. Or a bundled sample: "
+                "nq-sample, kv-sample"
             ),
         ] = None,
         out: Annotated[Path, typer.Option("--out", "-o", help="run folder (resumable)")] = Path(
