@@ -258,8 +258,10 @@ class _GaliRun:
                 # sigma[m, n] = noise_std * (m - n) / T with token indices m (query), n (key)
                 sigma = (query_idx[:, None] - key_idx[None, :]).clamp_(min=0).to(q.dtype)
                 sigma.mul_(opts.noise_std / total).mul_(noise_keys)
+                # one draw for the whole batch: every row gets the noise it would get alone, so
+                # a prompt's answer does not depend on its batch mates
                 eps = torch.randn(
-                    logits.shape, generator=self.generator, device=q.device, dtype=q.dtype
+                    (1, *logits.shape[1:]), generator=self.generator, device=q.device, dtype=q.dtype
                 )
                 logits.add_(eps.mul_(sigma))
             future = key_idx[None, :] > query_idx[:, None]  # [n, T] bottom-right causal mask
@@ -317,7 +319,8 @@ class GaliOptions(BackendOptions):
             (default ``128 * L / 8192``, at least 1).
         noise: add the paper's Gaussian noise to interpolated logits.
         noise_std: ``std_base``, the noise standard deviation at token distance ``T``.
-        seed: seed of the noise generator (reset for every batch).
+        seed: seed of the noise generator, reset for every batch; every row of a batch gets the
+            noise it would get alone.
         query_block: query rows per attention block (``None``: the whole chunk at once).
     """
 
