@@ -140,7 +140,7 @@ def test_interrupted_sweep_keeps_every_finished_cell(smol, tmp_path):
 
 
 def test_prefix_reuse_gives_the_same_answers_as_naive(smol):
-    samples = load_samples(NQ, 4, limit=2)
+    samples = load_samples(NQ, 4, limit=1)
     cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model="smollm2", backend="vanilla")
     cells = plan_cells(cfg, samples, [0, 1, 2, 3])
     naive, reused = {}, {}
