@@ -55,12 +55,12 @@ def threads_cmd(
 ) -> None:
     """Seconds per sweep cell for torch thread counts, on an idle machine and beside busy
     processes (each setting in a fresh process)."""
-    from ragfix.cli.common import parse_floats
+    from ragfix.cli.common import parse_numbers
     from ragfix.eval.bench_threads import bench_threads
 
     with user_errors(), console.status("benchmark") as status:
-        t = [int(x) for x in parse_floats(threads, "--threads")]
-        b = [int(x) for x in parse_floats(busy, "--busy")]
+        t = parse_numbers(threads, "--threads", int)
+        b = parse_numbers(busy, "--busy", int)
         table, details = bench_threads(t, b, limit, num_docs, status.update)
     _show(table, details, json_out)
 

@@ -13,7 +13,7 @@ from ragfix.cli.common import (
     DtypeOpt,
     ModelOpt,
     console,
-    parse_floats,
+    parse_numbers,
     user_errors,
 )
 from ragfix.errors import ConfigError
@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
                 "kv_examples": kv_examples,
                 "kv_pairs": kv_pairs,
                 "layers": _layers(layers),
-                "factors": parse_floats(factors, "--factors"),
+                "factors": parse_numbers(factors, "--factors"),
                 "top_k": top_k,
                 "seed": seed,
             }

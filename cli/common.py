@@ -76,18 +76,20 @@ def backend_options(
     return out
 
 
-def parse_floats(text: str | None, flag: str) -> list[float] | None:
-    """``"0.5,1,2"`` to ``[0.5, 1.0, 2.0]`` (``None`` stays ``None``; empty items are ignored).
+def parse_numbers(text: str | None, flag: str, kind: type = float) -> list | None:
+    """``"0.5,1,2"`` to ``[0.5, 1.0, 2.0]`` (``kind`` ``int``: whole numbers only; ``None``
+    stays ``None``; empty items are ignored).
 
     Raises:
-        ConfigError: an item that is not a number (the message names ``flag``).
+        ConfigError: an item that is not a number of that kind (the message names ``flag``).
     """
     if text is None:
         return None
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected numbers separated by commas") from None
+        what = "whole numbers" if kind is int else "numbers"
+        raise ConfigError(f"{flag} {text!r}: expected {what} separated by commas") from None
 
 
 ModelOpt = Annotated[

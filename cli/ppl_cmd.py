@@ -13,7 +13,7 @@ from ragfix.cli.common import (
     DtypeOpt,
     ModelOpt,
     console,
-    parse_floats,
+    parse_numbers,
     parse_options,
     user_errors,
 )
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
                 data,
                 model=model,
                 train_window=train_window,
-                ratios=tuple(parse_floats(ratios, "--ratios")),
+                ratios=tuple(parse_numbers(ratios, "--ratios")),
                 methods=tuple(m.strip() for m in methods.split(",")),
                 samples=samples,
                 gali_options=parse_options(backend_opt),

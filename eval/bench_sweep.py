@@ -103,7 +103,8 @@ def bench_sweep(
             )
             wall[mode] += time.perf_counter() - t
             mib = _peak_mib(dev)
-            peak[mode] = mib if peak[mode] is None or mib is None else max(peak[mode], mib)
+            if mib is not None:
+                peak[mode] = max(peak[mode] or 0.0, mib)
             if on_progress is not None:
                 on_progress(f"sample {i + 1}/{len(samples)}: {mode} done")
 

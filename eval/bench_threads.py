@@ -63,7 +63,9 @@ def bench_threads(
         ``(table, details)``: the formatted table and the raw figures (seconds per cell and the
         answers of every setting, the number of cores).
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from ragfix.models import usable_cpu_cores
+
+    cores = usable_cpu_cores()
     runs: dict[tuple[int, int], dict] = {}
     for b in busy:
         spinners = [mp.Process(target=_spin, daemon=True) for _ in range(b)]

@@ -306,12 +306,17 @@ def resolve_device(device: str = "auto") -> torch.device:
 THREADS_ENV = "RAGFIX_THREADS"
 
 
+def usable_cpu_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one), at least 1."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return usable or 1
+
+
 def free_cpu_cores() -> int:
     """Cores this process may use (its CPU affinity) less the machine's 1-minute load average,
     rounded; at least 1. The load average counts the runnable processes already there, so on a
     machine another job keeps busy a model process does not ask for cores it would fight over."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (usable or 1) - round(os.getloadavg()[0]))
+    return max(1, usable_cpu_cores() - round(os.getloadavg()[0]))
 
 
 def cpu_threads(threads: int | None = None) -> int:
