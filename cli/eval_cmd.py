@@ -34,15 +34,12 @@ from ragfix.errors import ConfigError
 def print_run(summary: dict, out: Path, title: str) -> None:
     """The per-position tables of a finished sweep, its flagged cells per position (overflow,
     degenerate gold) and where its files are."""
-    from ragfix.eval.report import print_summary
+    from ragfix.eval.report import print_run_files, print_summary
     from ragfix.eval.sweep import print_flags
 
     print_summary(summary, console, title=title)
     print_flags(summary, console)
-    console.print(
-        f"results: {out / 'results.jsonl'} | summary: {out / 'summary.json'} | "
-        f"plot: {out / 'curve.png'}"
-    )
+    print_run_files(out, console)
 
 
 def register(app: typer.Typer) -> None:

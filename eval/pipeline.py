@@ -54,7 +54,13 @@ from ragfix.connectors.corpus import (
 )
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.report import RunTally, print_summary, progress_bar, write_report
+from ragfix.eval.report import (
+    RunTally,
+    print_run_files,
+    print_summary,
+    progress_bar,
+    write_report,
+)
 from ragfix.eval.sweep import (
     CUT_TO_WINDOW,
     OVERFLOW,
@@ -295,10 +301,7 @@ def run_pipeline_sweep(
     print_summary(summary, console, title=title)
     print_flags(summary, console)
     print_strategies(summary, console)
-    console.print(
-        f"results: {out / 'results.jsonl'} | summary: {out / 'summary.json'} | "
-        f"plot: {out / 'curve.png'}"
-    )
+    print_run_files(out, console)
     return summary
 
 

@@ -49,9 +49,10 @@ from ragfix.eval.merit import (
     significance,
 )
 from ragfix.io import CONFIG_FILE, atomic_write_bytes, atomic_write_json
-from ragfix.metrics import CurveSummary, position_curve
+from ragfix.metrics import CurveSummary, continues_context, position_curve
 from ragfix.types import OVERFLOW
 
+RESULTS_FILE = "results.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "curve.png"
 #: the ``kind`` of a comparison file written by ``ragfix report --json``
@@ -191,6 +192,13 @@ def read_summary(folder: Path) -> dict:
         raise DataError(path, None, None, f"not a ragfix summary ({e})") from None
 
 
+def print_run_files(out: Path, console: Console) -> None:
+    """Where a finished sweep's files are, one per line and never cut by the terminal's width
+    (a path must paste back whole)."""
+    for name, file in (("results", RESULTS_FILE), ("summary", SUMMARY_FILE), ("plot", PLOT_FILE)):
+        console.print(f"{name}: {out / file}", soft_wrap=True, highlight=False)
+
+
 def write_report(out: Path, records: list[dict], extra: dict | None = None) -> dict:
     """Write ``summary.json`` and ``curve.png`` into ``out`` (atomically); return the summary."""
     summary = build_summary(out, records, extra)
@@ -309,6 +317,8 @@ class Run:
         summary: its ``summary.json``.
         curves: ``{curve label: {(sample_id, position): correct}}``, of the scored cells only
             (:func:`ragfix.eval.sweep.summary_counts`: no sample with an overflow cell).
+        continued: ``{curve label: answers that continue the context}``
+            (:func:`ragfix.metrics.continues_context`), over the same cells.
     """
 
     name: str
@@ -316,6 +326,7 @@ class Run:
     config: dict
     summary: dict
     curves: dict[str, Cells]
+    continued: dict[str, int]
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -342,7 +353,10 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
                 config_path, None, None, f"unreadable run configuration ({e})"
             ) from None
     records, _ = summary_counts(list(open_store(folder).load().values()))
-    run = Run(name or folder.name, folder, config, summary, cells_by_curve(records))
+    continued = {label: 0 for label in cells_by_curve(records)}
+    for r in records:
+        continued[curve_label(r)] += continues_context(r.get("answer", ""))
+    run = Run(name or folder.name, folder, config, summary, cells_by_curve(records), continued)
     if not run.curves:
         raise DataError(folder, None, None, "no scored cell in this run (nothing to compare)")
     record_range(config.get("records"), config_path)
@@ -535,6 +549,7 @@ def compare_runs(
                     c: curve_merit(cells, resamples=resamples, seed=seed).model_dump()
                     for c, cells in r.curves.items()
                 },
+                "continued": r.continued,
             }
             for r in runs
         ],
@@ -663,7 +678,19 @@ def _merit_table(comparison: dict) -> TableSpec:
         f"95% intervals: Wilson at the worst position; {boot['method']} bootstrap over samples "
         f"({boot['resamples']} resamples, seed {boot['seed']}) for mean and gap."
     )
-    return TableSpec("figures of merit", headers, rows, [line])
+    lines = [line]
+    counts = [
+        f"{run['name']}:{c} {run['continued'][c]} of {m['cells']}"
+        for run in comparison["runs"]
+        if "continued" in run  # comparison files written before the count existed lack it
+        for c, m in run["curves"].items()
+    ]
+    if any(run.get("config", {}).get("task") == "qa" for run in comparison["runs"]) and counts:
+        lines.append(
+            "Answers that continue the document list instead of answering "
+            f"(`Document [...`): {'; '.join(counts)}."
+        )
+    return TableSpec("figures of merit", headers, rows, lines)
 
 
 def _paired_table(pair: dict, comparison: dict) -> TableSpec:

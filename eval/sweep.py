@@ -37,7 +37,7 @@ from rich.console import Console
 
 from ragfix.backends.base import Backend
 from ragfix.errors import ConfigError, ConfigMismatchError
-from ragfix.eval.report import TableSpec, print_tables
+from ragfix.eval.report import RESULTS_FILE, TableSpec, print_tables
 from ragfix.io import (
     CONFIG_FILE,
     JsonlStore,
@@ -49,7 +49,6 @@ from ragfix.metrics import degenerate_gold
 from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import OVERFLOW, Generation, QASample, SweepRecord
 
-RESULTS_FILE = "results.jsonl"
 CUT_TO_WINDOW = "cut_to_window"
 DEGENERATE_GOLD = "degenerate_gold"
 

@@ -10,6 +10,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # the tests run offline
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # ``pytest -n 2``: one torch thread per worker (and per process a test starts), so the workers
+    # do not thrash each other's cores (results/cpu-threads.json)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"

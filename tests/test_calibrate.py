@@ -4,28 +4,37 @@ and an end-to-end run on a tiny model with the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import data_file, tiny_model
 from typer.testing import CliRunner
 
 from ragfix.backends.channel_scaling import (
     ChannelScalingBackend,
     ChannelScalingCalibration,
+    SettingScore,
     apply_channel_scaling,
 )
 from ragfix.backends.hf import HFBackend
 from ragfix.calibrate import (
+    CalibrationPrompt,
     CalibrationSettings,
+    _split,
     calibrate,
+    calibration_prompts,
+    calibration_table,
     example_losses,
     kv_calibration_examples,
     mean_hidden_states,
+    qa_calibration_examples,
     random_text_ids,
+    score_setting,
     screen_channels,
+    select,
 )
 from ragfix.errors import ConfigError, DataError
 
@@ -72,15 +81,61 @@ def test_shared_prefix_loss_equals_full_teacher_forcing(arch, attn):
 
 def test_kv_calibration_prompts_put_the_gold_pair_at_the_depths(smol):
     examples = kv_calibration_examples(smol, examples=3, pairs=8, seed=3)
-    for (prompt_ids, answer_ids), depth in zip(examples, [2, 4, 6], strict=True):
-        text = smol.detokenize(prompt_ids)
-        value = smol.detokenize(answer_ids)
+    for e, depth in zip(examples, [2, 4, 6], strict=True):
+        assert (e.task, e.depth) == ("kv", depth)
+        text = smol.detokenize(e.prompt_ids)
+        value = smol.detokenize(e.answer_ids)
         pair_lines = [line for line in text.splitlines() if '": "' in line]
         assert len(pair_lines) == 8
         assert value in pair_lines[depth]
-        key = json.loads("{" + pair_lines[depth].strip(" ,{}") + "}")
-        assert text.rstrip().endswith(f'The value of key "{next(iter(key))}" is "')
+        # the bare value follows the generation prompt, as in the official calibration set
+        assert text.endswith("Corresponding value:\nassistant\n")  # special tokens dropped
     assert kv_calibration_examples(smol, 3, 8, seed=3) == examples  # seeded
+
+
+def test_qa_calibration_prompts_come_from_the_range_with_the_gold_at_the_depths(smol):
+    path = data_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")
+    examples = qa_calibration_examples(smol, path, "100:200", examples=4, num_docs=10)
+    with gzip.open(path, "rt") as f:
+        records = [json.loads(line) for line in f][100:104]
+    for e, rec, depth in zip(examples, records, [2, 5, 7, 2], strict=True):
+        assert (e.task, e.depth) == ("qa", depth)
+        text = smol.detokenize(e.prompt_ids)
+        assert text.endswith(f"Question: {rec['question']}\nAnswer:\nassistant\n")
+        gold_line = next(
+            line for line in text.splitlines() if line.startswith(f"Document [{depth + 1}]")
+        )
+        assert rec["ctxs"][0]["text"] in gold_line
+        assert smol.detokenize(e.answer_ids) == " " + rec["answers"][0]
+    with pytest.raises(ConfigError, match=r"records 195:200 hold 5 valid QA samples, 6 wanted"):
+        qa_calibration_examples(smol, path, "195:200", examples=6, num_docs=10)
+    kv = data_file("litm_kv_retrieval_75_keys.jsonl.gz")
+    with pytest.raises(ConfigError, match="QA calibration needs a QA file"):
+        qa_calibration_examples(smol, kv, "0:10", examples=2, num_docs=10)
+
+
+def test_scores_split_and_selection():
+    def prompt(task, depth):
+        return CalibrationPrompt(task, depth, [1], [2])
+
+    examples = [prompt("kv", 1), prompt("kv", 2), prompt("kv", 1), prompt("qa", 5), prompt("qa", 2)]
+    s = score_setting(np.array([1.0, 4.0, 3.0, 0.5, 1.5]), examples, 7, 0.0)
+    assert s.by_depth == {"kv@1": 2.0, "kv@2": 4.0, "qa@2": 1.5, "qa@5": 0.5}
+    assert s.loss == pytest.approx(2.0)
+    assert s.gap == pytest.approx((2.0 + 1.0) / 2)  # per task max - min, averaged
+    tune, held = _split([prompt("kv", d) for d in (1, 2, 3, 1)] + [prompt("qa", 4)] * 3)
+    assert [(e.task, e.depth) for e in tune] == [("kv", 1), ("kv", 3), ("qa", 4), ("qa", 4)]
+    assert [(e.task, e.depth) for e in held] == [("kv", 2), ("kv", 1), ("qa", 4)]
+
+    def score(channel, factor, loss, gap):
+        return SettingScore(channel=channel, factor=factor, loss=loss, gap=gap)
+
+    best_tuned = score(8, 0.0, 1.0, 1.0)
+    heldout = [score(None, 1.0, 1.0, 0.5), score(8, 0.0, 0.9, 0.7), score(3, -1.0, 1.2, 0.2)]
+    assert select(heldout, best_tuned, "loss") == heldout[1]
+    assert select(heldout, best_tuned, "gap") == heldout[2]
+    unmodified = select(heldout[:2], best_tuned, "gap")  # nothing beats the unmodified model
+    assert (unmodified.channel, unmodified.factor, unmodified.gap) == (8, 1.0, 0.5)
 
 
 def test_random_text_ids(smol):
@@ -102,23 +157,60 @@ def test_calibrate_end_to_end_and_artefact(smol, tmp_path):
         backend,
         samples=3,
         length=64,
-        kv_examples=3,
+        kv_examples=4,
         kv_pairs=4,
+        qa_data=str(data_file("derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz")),
+        qa_records="100:200",
+        qa_docs=3,
         layers=[3, 4],
         top_k=3,
+        finalists=2,
+        stability_seed=1,
     )
+    assert settings.qa_examples == 4  # as many as the KV half
     cal = calibrate(backend, settings, progress=False)
-    assert cal.channel in [c.channel for c in cal.candidates]
+    assert cal.prompts == {"tune": 4, "heldout": 4}
     best = min(cal.candidates, key=lambda c: c.loss)
-    assert cal.channel == best.channel
     assert cal.factor_losses["0.0"] == best.loss
-    assert cal.factor_losses[str(cal.factor)] == min(cal.factor_losses.values())
-    examples = kv_calibration_examples(backend, 3, 4, seed=0)
+    assert cal.tune[0].channel is None and cal.tune[0].loss == cal.baseline_loss
+    assert [s.loss for s in cal.tune[1:]] == sorted(s.loss for s in cal.tune[1:])
+    # the held-out stage scores the unmodified model and the 2 best tuned settings
+    assert [(s.channel, s.factor) for s in cal.heldout] == [(None, 1.0)] + [
+        (s.channel, s.factor) for s in cal.tune[1:3]
+    ]
+    winner = min(cal.heldout, key=lambda s: s.loss)
+    assert cal.beats_unmodified == (winner.channel is not None)
+    assert (cal.channel, cal.factor) == (
+        (winner.channel, winner.factor) if cal.beats_unmodified else (cal.tune[1].channel, 1.0)
+    )
+    # the unmodified tune loss is the mean of the full teacher-forced losses of the tune half
+    tune, _ = _split(calibration_prompts(backend, settings))
     base = np.mean(
-        [example_losses(backend.model, p, a, [3, 4], [(0, 1.0)])[0] for p, a in examples]
+        [
+            example_losses(backend.model, e.prompt_ids, e.answer_ids, [3, 4], [(0, 1.0)])[0]
+            for e in tune
+        ]
     )
     assert cal.baseline_loss == pytest.approx(base, rel=1e-6)
+    assert cal.stability.seeds == [0, 1] and len(cal.stability.other_candidates) <= 3
+    assert cal.stability.shared == len(
+        {c.channel for c in cal.candidates} & set(cal.stability.other_candidates)
+    )
     assert cal.settings["kv_pairs"] == 4
+    spec = calibration_table(cal)
+    chosen = (cal.channel, cal.factor) if cal.beats_unmodified else (None, 1.0)
+    assert [r[0] for r in spec.rows] == [
+        ("unmodified" if t.channel is None else f"channel {t.channel} x {t.factor:g}")
+        + (" (chosen)" if (t.channel, t.factor) == chosen else "")
+        for t in cal.tune
+    ]
+    assert sum("(chosen)" in r[0] for r in spec.rows) == 1
+    held = {(h.channel, h.factor): h for h in cal.heldout}
+    assert [r[3] for r in spec.rows if r[3]] == [
+        f"{held[t.channel, t.factor].loss:.4f}" for t in cal.tune if (t.channel, t.factor) in held
+    ]
+    assert "records 100:200 of `derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz`" in spec.lines[0]
+    assert spec.lines[1].startswith("Stability: the random texts of seeds 0 and 1 share")
     path = tmp_path / "calib" / "tiny.json"
     cal.save(path)
     back = ChannelScalingCalibration.load(path, backend.model)
@@ -133,6 +225,12 @@ def test_calibrate_end_to_end_and_artefact(smol, tmp_path):
         }
     finally:
         scaled.scaling.remove()
+    unchanged = tmp_path / "unchanged.json"
+    cal.model_copy(update={"beats_unmodified": False, "factor": 1.0}).save(unchanged)
+    with pytest.warns(UserWarning, match="no scaled setting beat the unmodified model"):
+        scaled = ChannelScalingBackend(backend.model, smol.tokenizer, calibration=str(unchanged))
+    assert scaled.scaling.state.factor == 1.0
+    scaled.scaling.remove()
     other = _tiny_backend(smol, "qwen2")
     with pytest.raises(ConfigError, match="for model 'tiny-llama'.*not for 'tiny-qwen2'"):
         ChannelScalingCalibration.load(path, other.model)

@@ -16,7 +16,7 @@ from ragfix.cli.app import app
 from ragfix.errors import DataError, RagfixError
 from ragfix.eval.merit import curve_merit, paired_merit
 from ragfix.eval.render import render_files
-from ragfix.eval.report import compare_runs, record_range, write_report
+from ragfix.eval.report import compare_runs, comparison_tables, record_range, write_report
 from ragfix.metrics import wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +34,9 @@ def _cells(counts, samples=10):
     return {(f"s{i}", pos): i < k for pos, k in enumerate(counts) for i in range(samples)}
 
 
-def _run(folder: Path, counts, backend="vanilla", **config) -> Path:
-    """A finished run folder written directly: results.jsonl, config.json, summary.json."""
+def _run(folder: Path, counts, backend="vanilla", answer=lambda sid, pos: "", **config) -> Path:
+    """A finished run folder written directly: results.jsonl, config.json, summary.json; each
+    cell's answer is ``answer(sample_id, position)``."""
     folder.mkdir(parents=True)
     cfg = {"data": "/x/kv.jsonl.gz", "task": "kv", "num_docs": 3, "model": "smollm2"}
     cfg.update(backend=backend, **config)
@@ -48,6 +49,7 @@ def _run(folder: Path, counts, backend="vanilla", **config) -> Path:
             "backend": backend,
             "strategy": "none",
             "correct": ok,
+            "answer": answer(sid, pos),
         }
         for (sid, pos), ok in _cells(counts).items()
     ]
@@ -130,6 +132,26 @@ def test_report_prints_merit_and_paired_tables_and_writes_json(tmp_path):
     assert md.exit_code == 0, md.output
     assert "**figures of merit**" in md.output and "|---|---:|" in md.output
     assert "| 1 | 10 | 0.200 | 0.900 | +0.700 | 7 | 0 | 0.0156 | significant |" in md.output
+
+
+def test_answers_that_continue_the_document_list_are_counted(tmp_path):
+    def copies_at_middle(sid, pos):  # 10 answers at position 1 copy the context, in two styles
+        return "  Document [4](Title: X) ..." if pos == 1 else "Paris"
+
+    def copies_once(sid, pos):
+        return "Document (Title: Y) z" if (sid, pos) == ("s0", 2) else "Document 4 says Paris"
+
+    base = _run(tmp_path / "base", BASE_COUNTS, answer=copies_at_middle, task="qa")
+    other = _run(tmp_path / "cs", OTHER_COUNTS, "channel-scaled", copies_once, task="qa")
+    cmp = compare_runs([base, other])
+    assert [r["continued"] for r in cmp["runs"]] == [{"vanilla": 10}, {"channel-scaled": 1}]
+    (merit,) = comparison_tables(cmp, "merit")
+    assert merit.lines[-1] == (
+        "Answers that continue the document list instead of answering (`Document [...`): "
+        "base:vanilla 10 of 30; cs:channel-scaled 1 of 30."
+    )
+    kv = compare_runs([_run(tmp_path / "kv", BASE_COUNTS)])  # KV: no such line
+    assert "continue" not in comparison_tables(kv, "merit")[0].lines[-1]
 
 
 def test_overflow_samples_are_left_out_of_the_comparison(tmp_path):

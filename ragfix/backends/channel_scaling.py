@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -357,14 +358,53 @@ class CandidateScore(BaseModel):
         monotone_layers: layers where the channel's mean curve is monotone in position.
         smoothness: sum of squared second differences of the smoothed curve (lower = smoother),
             the minimum over ``monotone_layers``.
-        loss: teacher-forced answer loss on the calibration prompts with the channel scaled by the
+        loss: teacher-forced answer loss on the tune prompts with the channel scaled by the
             search factor (nats per token); ``None`` if not ranked by loss.
+        gap: the same prompts' largest minus smallest mean loss over the gold depths, averaged
+            over the tasks (nats per token); ``None`` if not ranked.
     """
 
     channel: int
     monotone_layers: list[int]
     smoothness: float
     loss: float | None = None
+    gap: float | None = None
+
+
+class SettingScore(BaseModel):
+    """The calibration scores of one (channel, factor) setting on a set of prompts.
+
+    Attributes:
+        channel: index into ``hidden_size``; ``None`` for the unmodified model.
+        factor: the scale of the channel (1 leaves the model unchanged).
+        loss: mean teacher-forced loss of the bare answers (nats per answer token).
+        gap: per task, the largest minus the smallest depth mean of the loss, averaged over the
+            tasks (nats per token).
+        by_depth: ``"task@depth"`` -> mean loss of the prompts with the gold item at that
+            0-based depth.
+    """
+
+    channel: int | None
+    factor: float
+    loss: float
+    gap: float
+    by_depth: dict[str, float] = Field(default_factory=dict)
+
+
+class StabilityCheck(BaseModel):
+    """Whether the screening's candidates survive a change of the random text.
+
+    Attributes:
+        seeds: the two random-text seeds.
+        top_k: the length of each candidate list.
+        shared: channels in both lists.
+        other_candidates: the second seed's candidates, smoothest first.
+    """
+
+    seeds: list[int]
+    top_k: int
+    shared: int
+    other_candidates: list[int]
 
 
 class ChannelScalingCalibration(BaseModel):
@@ -374,11 +414,19 @@ class ChannelScalingCalibration(BaseModel):
         format: ``"ragfix.channel-scaling/1"``.
         model: :func:`ragfix.models.model_identity` of the calibrated model.
         channel, layers, factor: the chosen settings.
-        baseline_loss: calibration loss of the unmodified model (nats per answer token).
-        factor_losses: factor (as a string) -> calibration loss for the chosen channel.
-        candidates: every screened candidate, smoothest first, with its loss.
-        settings: the sizes and seeds that produced the file.
+        baseline_loss: tune loss of the unmodified model (nats per answer token).
+        factor_losses: factor (as a string) -> tune loss of the best candidate channel.
+        candidates: every screened candidate, smoothest first, with its tune loss and gap.
+        settings: the sizes, data and seeds that produced the file.
         minutes: wall time of the calibration.
+        objective: ``"loss"`` or ``"gap"``, what the selection minimised.
+        beats_unmodified: whether a scaled setting beat the unmodified model on the held-out
+            prompts; when not, ``factor`` is 1 (the model is left unchanged) and ``channel`` is
+            the best tuned one.
+        tune: the unmodified model, then every tuned setting, best first.
+        heldout: the unmodified model and the finalists on the held-out prompts.
+        stability: the two-seed screening check, if run.
+        prompts: the number of tune and held-out prompts.
     """
 
     format: Literal["ragfix.channel-scaling/1"] = CALIBRATION_FORMAT
@@ -391,6 +439,12 @@ class ChannelScalingCalibration(BaseModel):
     candidates: list[CandidateScore]
     settings: dict
     minutes: float
+    objective: Literal["loss", "gap"] = "loss"
+    beats_unmodified: bool | None = None
+    tune: list[SettingScore] = Field(default_factory=list)
+    heldout: list[SettingScore] = Field(default_factory=list)
+    stability: StabilityCheck | None = None
+    prompts: dict[str, int] = Field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         """Write the artefact as JSON, atomically (a reader never sees half a file)."""
@@ -501,6 +555,13 @@ class ChannelScalingBackend(HFBackend):
             cal = ChannelScalingCalibration.load(o.calibration, model)
             channel, layers, factor = cal.channel, cal.layers, cal.factor
             self.source = f"calibration:{o.calibration}"
+            if cal.beats_unmodified is False and o.factor is None:
+                warnings.warn(
+                    f"{o.calibration}: no scaled setting beat the unmodified model on the "
+                    "held-out calibration prompts; its factor 1 leaves the model unchanged",
+                    UserWarning,
+                    stacklevel=2,
+                )
         elif o.preset:
             p = PRESETS[o.preset]
             if (p.hidden_size, p.num_layers) != (model.config.hidden_size, n_layers):
