@@ -49,7 +49,7 @@ from scipy.stats import bootstrap
 from ragfix.backends import Backend, load_backend, validate_backend
 from ragfix.connectors.jsonl import read_jsonl, require
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.merit import N_RESAMPLES, SEED, Bootstrap, Interval
+from ragfix.eval.merit import Bootstrap, Interval
 from ragfix.eval.report import PPL_KIND, markdown_tables, ppl_tables
 from ragfix.io import atomic_write_json, atomic_write_text
 
@@ -62,6 +62,8 @@ METHODS: dict[str, tuple[str, dict]] = {
     "yarn": ("rope-scaled", {"rope_type": "yarn"}),
     "truncated": ("truncated", {}),
 }
+#: the intervals' settings: percentile bootstrap over text windows, 2000 resamples, seed 0
+WINDOW_BOOTSTRAP = Bootstrap(unit="window")
 
 
 @runtime_checkable
@@ -193,6 +195,9 @@ def score_window(backend: Backend, ids: Sequence[int]) -> tuple[torch.Tensor, to
     Returns:
         float32 ``[n - 1]`` log-probabilities and float64 ``[n - 1]`` positions: the backend's
         own (:class:`ReportsQueryPositions`) or else ``0 .. n - 2`` (a plain forward pass).
+
+    Raises:
+        ValueError: fewer than two tokens.
     """
     if isinstance(backend, ReportsQueryPositions):
         return backend.token_logprobs_with_positions(ids)
@@ -232,7 +237,7 @@ def length_stats(
     Args:
         scores: per window, ``(logprobs [n - 1], query positions [n - 1])``, all windows of the
             same length.
-        boot: bootstrap settings (default: percentile, 2000 resamples, seed 0, unit ``window``).
+        boot: bootstrap settings (default :data:`WINDOW_BOOTSTRAP`).
 
     Returns:
         ``ppl`` with ``ppl_ci`` (``{low, high}``, ``None`` with one window), ``ppl_tail``,
@@ -240,7 +245,7 @@ def length_stats(
         (a perplexity is ``None`` where it has no token), ``window_nll`` (mean NLL per token of
         each window, nats).
     """
-    boot = boot or Bootstrap(unit="window", resamples=N_RESAMPLES, seed=SEED)
+    boot = boot or WINDOW_BOOTSTRAP
     logp = torch.cat([lp for lp, _ in scores])
     pos = torch.cat([p for _, p in scores])
     interp = pos != torch.floor(pos)
@@ -266,7 +271,7 @@ def paired_with(rows: list[dict], baseline: str, boot: Bootstrap | None = None) 
     Raises:
         ConfigError: ``baseline`` is not the label of any row.
     """
-    boot = boot or Bootstrap(unit="window", resamples=N_RESAMPLES, seed=SEED)
+    boot = boot or WINDOW_BOOTSTRAP
     base = {r["length"]: r for r in rows if r["method"] == baseline}
     if not base:
         labels = ", ".join(dict.fromkeys(r["method"] for r in rows))
@@ -345,7 +350,6 @@ def run_ppl(
         baseline = "vanilla"
     if baseline is not None and baseline not in labels:
         raise ConfigError(f"baseline {baseline!r} is not among the methods ({', '.join(labels)})")
-    boot = Bootstrap(unit="window", resamples=N_RESAMPLES, seed=SEED)
     text = read_texts(data)
     rows: list[dict] = []
     tokens: list[int] | None = None
@@ -381,7 +385,7 @@ def run_ppl(
                     "ratio": ratio,
                     "length": length,
                     "windows": [windows.start, windows.stop],
-                    **length_stats(scores, boot),
+                    **length_stats(scores),
                     "vs_baseline": None,
                     "train_window": big_l,
                     "options": backend.identity()["options"],
@@ -390,7 +394,7 @@ def run_ppl(
         del backend
         gc.collect()
     if baseline is not None:
-        paired_with(rows, baseline, boot)
+        paired_with(rows, baseline)
     return {
         "kind": PPL_KIND,
         "model": model,
@@ -400,7 +404,7 @@ def run_ppl(
         "windows": [windows.start, windows.stop],
         "window_tokens": max(r["length"] for r in rows),
         "baseline": baseline,
-        "bootstrap": boot.model_dump(),
+        "bootstrap": WINDOW_BOOTSTRAP.model_dump(),
         "rows": rows,
     }
 
