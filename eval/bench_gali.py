@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             dev,
         )
         for block in (args.query_block, 32):
-            gali.options.query_block = block
+            gali.options = gali.options.model_copy(update={"query_block": block})
             t_b, m_b = measure(lambda: run.attend(attn, q, k, v), dev)
             rows.append(
                 {

@@ -1,13 +1,32 @@
-"""Perplexity by length beyond the trained window: vanilla, GALI and the RoPE-scaling baselines.
+"""Perplexity by length beyond the trained window: vanilla, GALI, the RoPE-scaling baselines and
+truncation, with intervals over text windows.
 
 The long-text perplexity test of GALI (arXiv 2502.02659, PG19 experiment), run on any JSON Lines
-file of long texts (field ``text``), e.g. the Paul Graham essays in ``data/``. The essays
-are concatenated in file order and tokenized once; sample ``k`` reads the tokens from offset
-``k * max_length``, and every length is a prefix of that same text, so the rows of the table
-differ by length and method only.
+file of long texts (field ``text``), e.g. the Paul Graham essays in ``data/``. The essays are
+concatenated in file order and tokenized once; window ``k`` reads the tokens from offset
+``k * max_length`` (``max_length`` = the longest length asked), and every length is a prefix of
+that same text, so the rows of the table differ by length and method only. A window range
+(``windows=range(3, 13)``, ``--windows 3:13``) keeps the windows a setting was tuned on out of
+the ones it is reported on: runs with the same longest length read the same window ``k``.
 
-Reported per (method, length): perplexity over all predicted tokens of the window (``ppl``) and
-over its last quarter (``ppl_tail``, the tokens furthest beyond the window).
+Reported per (method, length), over the windows:
+
+* ``ppl``: perplexity over all predicted tokens, with a 95% percentile bootstrap interval over
+  windows (``scipy.stats.bootstrap`` of the mean of the per-window mean NLL, exponentiated);
+* ``ppl_tail``: over the last quarter of each window (the tokens furthest beyond the window);
+* ``ppl_interp`` / ``ppl_whole``: over the tokens predicted from a query at an interpolated
+  (fractional) / whole-number position ID, with their token counts (GALI reports its query
+  positions, :meth:`~ragfix.backends.gali.GaliBackend.token_logprobs_with_positions`; every
+  other method reads whole-number positions only);
+* ``vs_baseline``: the paired comparison with a baseline method on the same windows: the mean
+  per-window NLL difference (nats per token) with its bootstrap interval, and the perplexity
+  ratio ``exp`` of it.
+
+Methods (:data:`METHODS`): ``vanilla`` (the model at its own positions), ``gali``, ``linear`` /
+``dynamic`` / ``yarn`` (transformers' RoPE scaling at ``factor = max(ratios)``) and
+``truncated`` (the model held to ``L`` tokens: strided sliding windows, each token predicted from
+between ``3L/4`` and ``L - 1`` tokens before it, see :mod:`ragfix.backends.truncated`). GALI
+settings can be a grid (:func:`method_variants`): each setting is its own labelled method.
 
 Every method is scored through the model interface only (``tokenize``, ``token_logprobs``,
 ``identity``): GALI's chunked loop or a RoPE variant is the backend's business.
@@ -16,25 +35,54 @@ Every method is scored through the model interface only (``tokenize``, ``token_l
 from __future__ import annotations
 
 import gc
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
+from scipy.stats import bootstrap
 
-from ragfix.backends import Backend, load_backend
+from ragfix.backends import Backend, load_backend, validate_backend
 from ragfix.connectors.jsonl import read_jsonl, require
 from ragfix.errors import ConfigError, DataError
+from ragfix.eval.merit import Bootstrap, Interval
+from ragfix.eval.report import PPL_KIND, markdown_tables, ppl_tables
 from ragfix.io import atomic_write_json, atomic_write_text
 
-#: method name -> (backend, options); rope factors are filled in from the longest ratio
+#: method name -> (backend, options); train windows and rope factors are filled in per run
 METHODS: dict[str, tuple[str, dict]] = {
     "vanilla": ("vanilla", {}),
     "gali": ("gali", {}),
     "linear": ("rope-scaled", {"rope_type": "linear"}),
     "dynamic": ("rope-scaled", {"rope_type": "dynamic"}),
     "yarn": ("rope-scaled", {"rope_type": "yarn"}),
+    "truncated": ("truncated", {}),
 }
+#: the intervals' settings: percentile bootstrap over text windows, 2000 resamples, seed 0
+WINDOW_BOOTSTRAP = Bootstrap(unit="window")
+
+
+@runtime_checkable
+class ReportsQueryPositions(Protocol):
+    """A backend that tells, with each token's log-probability, the position ID of the query the
+    token was predicted from (GALI: fractional positions beyond the window)."""
+
+    def token_logprobs_with_positions(
+        self, ids: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One scored method: its label in the results, the backend and its (validated) options."""
+
+    label: str
+    backend: str
+    options: dict
 
 
 def read_texts(path: str | Path) -> str:
@@ -51,12 +99,196 @@ def read_texts(path: str | Path) -> str:
 
 def trained_window(backend: Backend) -> int:
     """``L`` of the length grid: the backend's ``train_window`` option where it has one (GALI,
-    the RoPE baselines), else its ``context_window`` (the model's trained window)."""
+    the RoPE baselines, truncation), else its ``context_window`` (the model's trained window)."""
     return int(backend.identity()["options"].get("train_window") or backend.context_window)
 
 
-def _ppl(logp: torch.Tensor) -> float:
-    return math.exp(-logp.double().mean().item())
+def parse_windows(text: str) -> range:
+    """``"START:STOP"`` to ``range(START, STOP)``: the text windows ``START .. STOP - 1``.
+
+    Raises:
+        ConfigError: not two whole numbers with ``0 <= START < STOP``.
+    """
+    start, sep, stop = text.partition(":")
+    try:
+        windows = range(int(start), int(stop)) if sep else None
+    except ValueError:
+        windows = None
+    if windows is None or windows.start < 0 or not windows:
+        raise ConfigError(
+            f"--windows {text!r}: expected START:STOP with 0 <= START < STOP (e.g. 0:3, the "
+            "windows 0, 1, 2)"
+        )
+    return windows
+
+
+def method_variants(
+    methods: Sequence[str],
+    *,
+    train_window: int | None,
+    max_ratio: float,
+    gali_options: dict | None = None,
+    gali_grid: dict[str, list] | None = None,
+) -> list[Variant]:
+    """The methods to score, GALI expanded over a grid of its options; every option set is
+    validated here, before any weights are loaded.
+
+    Args:
+        methods: keys of :data:`METHODS`, in the order to run them.
+        train_window: ``L`` given to every method but vanilla (``None``: the model's).
+        max_ratio: the longest length over ``L``: the RoPE ``factor`` and GALI's
+            ``target_window / L``.
+        gali_options: options of every GALI variant (``noise``, ``chunk_size`` ...).
+        gali_grid: ``{option: [values]}``: one GALI variant per combination (the product, in the
+            order given), labelled ``gali[chunk_size=64,local_window=16]``; without a grid the
+            single variant is labelled ``gali``.
+
+    Returns:
+        one :class:`Variant` per method (per grid point for ``gali``).
+
+    Raises:
+        ConfigError: unknown or repeated method, a grid without ``gali`` among the methods, an
+            empty grid list, or an option both in ``gali_options`` and in the grid.
+        pydantic.ValidationError: an unknown or invalid backend option.
+    """
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    repeated = sorted({m for m in methods if methods.count(m) > 1})
+    if repeated:
+        raise ConfigError(f"method(s) {repeated} given more than once")
+    grid = dict(gali_grid or {})
+    if grid and "gali" not in methods:
+        raise ConfigError("a GALI grid needs gali among the methods")
+    empty = [k for k, v in grid.items() if not v]
+    both = sorted(set(grid) & set(gali_options or {}))
+    if empty or both:
+        what = f"no values for {empty}" if empty else f"{both} set both as an option and a grid"
+        raise ConfigError(f"GALI grid: {what}")
+    variants = []
+    for method in methods:
+        name, base = METHODS[method]
+        opts = dict(base)
+        if name != "vanilla":
+            opts["train_window"] = train_window
+        if name == "rope-scaled":
+            opts["factor"] = max_ratio
+        points: list[dict] = [{}]
+        if name == "gali":
+            if train_window:
+                opts["target_window"] = int(max_ratio * train_window)
+            opts.update(gali_options or {})
+            points = [dict(zip(grid, v, strict=True)) for v in itertools.product(*grid.values())]
+        for point in points:
+            label = method
+            if point:
+                label += "[" + ",".join(f"{k}={v}" for k, v in point.items()) + "]"
+            full = {**opts, **point}
+            validate_backend(name, **full)
+            variants.append(Variant(label, name, full))
+    return variants
+
+
+def score_window(backend: Backend, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``ids[1:]`` and the position ID of the query each was predicted from.
+
+    Returns:
+        float32 ``[n - 1]`` log-probabilities and float64 ``[n - 1]`` positions: the backend's
+        own (:class:`ReportsQueryPositions`) or else ``0 .. n - 2`` (a plain forward pass).
+
+    Raises:
+        ValueError: fewer than two tokens.
+    """
+    if isinstance(backend, ReportsQueryPositions):
+        return backend.token_logprobs_with_positions(ids)
+    return backend.token_logprobs(ids), torch.arange(len(ids) - 1, dtype=torch.float64)
+
+
+def _ppl(logp: torch.Tensor) -> float | None:
+    """Perplexity of log-probabilities; ``None`` for none."""
+    return math.exp(-logp.double().mean().item()) if len(logp) else None
+
+
+def _interval(values: Sequence[float], boot: Bootstrap) -> Interval | None:
+    """Percentile bootstrap interval of the mean of ``values`` (``None`` for fewer than two)."""
+    if len(values) < 2:
+        return None
+    res = bootstrap(
+        (np.asarray(values, dtype=np.float64),),
+        np.mean,
+        n_resamples=boot.resamples,
+        confidence_level=boot.confidence,
+        method=boot.method,
+        rng=np.random.default_rng(boot.seed),
+    )
+    ci = res.confidence_interval
+    return Interval(low=float(ci.low), high=float(ci.high))
+
+
+def _exp(iv: Interval | None) -> dict | None:
+    return None if iv is None else {"low": math.exp(iv.low), "high": math.exp(iv.high)}
+
+
+def length_stats(
+    scores: Sequence[tuple[torch.Tensor, torch.Tensor]], boot: Bootstrap | None = None
+) -> dict:
+    """The figures of one (method, length) from its windows' :func:`score_window` outputs.
+
+    Args:
+        scores: per window, ``(logprobs [n - 1], query positions [n - 1])``, all windows of the
+            same length.
+        boot: bootstrap settings (default :data:`WINDOW_BOOTSTRAP`).
+
+    Returns:
+        ``ppl`` with ``ppl_ci`` (``{low, high}``, ``None`` with one window), ``ppl_tail``,
+        ``tokens``, ``ppl_interp`` / ``tokens_interp`` and ``ppl_whole`` / ``tokens_whole``
+        (a perplexity is ``None`` where it has no token), ``window_nll`` (mean NLL per token of
+        each window, nats).
+    """
+    boot = boot or WINDOW_BOOTSTRAP
+    logp = torch.cat([lp for lp, _ in scores])
+    pos = torch.cat([p for _, p in scores])
+    interp = pos != torch.floor(pos)
+    window_nll = [-lp.double().mean().item() for lp, _ in scores]
+    return {
+        "ppl": math.exp(float(np.mean(window_nll))),
+        "ppl_ci": _exp(_interval(window_nll, boot)),
+        "ppl_tail": _ppl(torch.cat([lp[-max(1, len(lp) // 4) :] for lp, _ in scores])),
+        "tokens": len(logp),
+        "ppl_interp": _ppl(logp[interp]),
+        "tokens_interp": int(interp.sum()),
+        "ppl_whole": _ppl(logp[~interp]),
+        "tokens_whole": int((~interp).sum()),
+        "window_nll": window_nll,
+    }
+
+
+def paired_with(rows: list[dict], baseline: str, boot: Bootstrap | None = None) -> None:
+    """Add ``vs_baseline`` to every row of another method at a length the baseline has: the
+    mean difference of per-window NLL (row - baseline, nats per token; the same windows) with
+    its bootstrap interval, and the perplexity ratio ``exp(nll_diff)`` with its interval.
+
+    Raises:
+        ConfigError: ``baseline`` is not the label of any row.
+    """
+    boot = boot or WINDOW_BOOTSTRAP
+    base = {r["length"]: r for r in rows if r["method"] == baseline}
+    if not base:
+        labels = ", ".join(dict.fromkeys(r["method"] for r in rows))
+        raise ConfigError(f"baseline {baseline!r} is not among the methods ({labels})")
+    for r in rows:
+        b = base.get(r["length"])
+        if r["method"] == baseline or b is None:
+            continue
+        diff = np.asarray(r["window_nll"]) - np.asarray(b["window_nll"])
+        iv = _interval(diff, boot)
+        r["vs_baseline"] = {
+            "baseline": baseline,
+            "nll_diff": float(diff.mean()),
+            "nll_diff_ci": None if iv is None else iv.model_dump(),
+            "ppl_ratio": math.exp(float(diff.mean())),
+            "ppl_ratio_ci": _exp(iv),
+        }
 
 
 def run_ppl(
@@ -64,14 +296,16 @@ def run_ppl(
     model: str = "smollm2",
     train_window: int | None = None,
     ratios: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0),
-    methods: tuple[str, ...] = ("vanilla", "gali", "linear", "dynamic", "yarn"),
-    samples: int = 2,
+    methods: tuple[str, ...] = ("vanilla", "gali", "linear", "dynamic", "yarn", "truncated"),
+    windows: range = range(2),
     gali_options: dict | None = None,
+    gali_grid: dict[str, list] | None = None,
+    baseline: str | None = None,
     device: str = "auto",
     dtype: str = "auto",
     on_step: Callable[[str], None] | None = None,
-) -> list[dict]:
-    """Perplexity of each method at each length ``ratio * L``.
+) -> dict:
+    """Perplexity of each method at each length ``ratio * L`` on the text windows ``windows``.
 
     Args:
         data: JSON Lines file of long texts (field ``text``).
@@ -80,120 +314,138 @@ def run_ppl(
             baselines extend it to ``max(ratios) * L`` (rope ``factor = max(ratios)``).
         ratios: lengths as multiples of ``L``.
         methods: keys of :data:`METHODS`.
-        samples: text windows per length (disjoint, same offsets for every method).
-        gali_options: extra options of the ``gali`` backend (``noise``, ``chunk_size`` ...).
-        on_step: called with a short status after each (method, length, sample).
+        windows: the text windows read (``range(3, 13)``: windows 3 to 12), the same for every
+            method and length.
+        gali_options, gali_grid: see :func:`method_variants`.
+        baseline: the label the other methods are paired with (default: ``vanilla`` when it is
+            among the methods, else no pairing).
+        on_step: called with a short status after each (method, length, window).
 
     Returns:
-        one row per (method, ratio): ``method, ratio, length, ppl, ppl_tail, samples``.
+        the result (``kind`` ``ragfix-ppl``, rendered by the ``ppl`` table kind): ``model``,
+        ``data``, ``train_window``, ``windows`` ``[start, stop]``, ``window_tokens``,
+        ``baseline``, ``bootstrap`` and ``rows``, one per (method label, ratio): ``method``,
+        ``backend``, ``ratio``, ``length``, ``windows``, the figures of :func:`length_stats`,
+        ``vs_baseline``, ``train_window``, ``options``.
 
     Raises:
-        ConfigError: unknown method, or no positive ratio.
-        DataError: bad data file, or the text is too short for ``samples`` windows.
+        ConfigError: unknown method, bad grid, bad window range, no positive ratio, or a
+            baseline that is not among the methods.
+        pydantic.ValidationError: an invalid backend option.
+        DataError: bad data file, or the text is too short for the windows.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     if not ratios or min(ratios) <= 0:
         raise ConfigError(f"ratios {list(ratios)}: give one or more positive multiples of L")
+    if windows.step != 1 or windows.start < 0 or not windows:
+        raise ConfigError(f"windows {windows}: give a non-empty range from 0 on, step 1")
+    variants = method_variants(
+        methods,
+        train_window=train_window,
+        max_ratio=max(ratios),
+        gali_options=gali_options,
+        gali_grid=gali_grid,
+    )
+    labels = [v.label for v in variants]
+    if baseline is None and "vanilla" in labels:
+        baseline = "vanilla"
+    if baseline is not None and baseline not in labels:
+        raise ConfigError(f"baseline {baseline!r} is not among the methods ({', '.join(labels)})")
     text = read_texts(data)
-    rows = []
-    for method in methods:
-        name, opts = METHODS[method]
-        opts = dict(opts)
-        if name != "vanilla":
-            opts["train_window"] = train_window
-        if name == "rope-scaled":
-            opts["factor"] = max(ratios)
-        if name == "gali":
-            if train_window:
-                opts["target_window"] = int(max(ratios) * train_window)
-            opts.update(gali_options or {})
-        backend = load_backend(name, model=model, device=device, dtype=dtype, **opts)
+    rows: list[dict] = []
+    tokens: list[int] | None = None
+    for variant in variants:
+        backend = load_backend(
+            variant.backend, model=model, device=device, dtype=dtype, **variant.options
+        )
         big_l = train_window or trained_window(backend)
         lengths = [max(2, int(r * big_l)) for r in ratios]
         longest = max(lengths)
-        # ~4 characters per token in English prose: tokenize a generous prefix only
-        tokens = backend.tokenize(text[: samples * longest * 12])
-        if len(tokens) < samples * longest:
-            raise DataError(
-                data,
-                None,
-                None,
-                f"{len(tokens)} tokens, need {samples} x {longest} for {samples} samples",
-            )
+        if tokens is None:  # every variant shares the model, so its tokenizer
+            # ~4 characters per token in English prose: tokenize a generous prefix only
+            tokens = backend.tokenize(text[: windows.stop * longest * 12])
+            if len(tokens) < windows.stop * longest:
+                raise DataError(
+                    data,
+                    None,
+                    None,
+                    f"{len(tokens)} tokens, need {windows.stop} x {longest} for windows "
+                    f"{windows.start}:{windows.stop}",
+                )
         for ratio, length in zip(ratios, lengths, strict=True):
-            all_lp, tails = [], []
-            for k in range(samples):
-                ids = tokens[k * longest : k * longest + length]
-                lp = backend.token_logprobs(ids)
-                all_lp.append(lp)
-                tails.append(lp[-max(1, len(lp) // 4) :])
+            scores = []
+            for k in windows:
+                scores.append(score_window(backend, tokens[k * longest : k * longest + length]))
                 if on_step:
-                    on_step(f"{method} {length} tok, sample {k + 1}: ppl {_ppl(lp):.2f}")
+                    ppl = _ppl(scores[-1][0])
+                    on_step(f"{variant.label} {length} tok, window {k}: ppl {ppl:.2f}")
             rows.append(
                 {
-                    "method": method,
+                    "method": variant.label,
+                    "backend": variant.backend,
                     "ratio": ratio,
                     "length": length,
-                    "ppl": _ppl(torch.cat(all_lp)),
-                    "ppl_tail": _ppl(torch.cat(tails)),
-                    "samples": samples,
+                    "windows": [windows.start, windows.stop],
+                    **length_stats(scores),
+                    "vs_baseline": None,
                     "train_window": big_l,
                     "options": backend.identity()["options"],
                 }
             )
         del backend
         gc.collect()
-    return rows
+    if baseline is not None:
+        paired_with(rows, baseline)
+    return {
+        "kind": PPL_KIND,
+        "model": model,
+        "data": Path(data).name,
+        "train_window": rows[0]["train_window"],
+        "ratios": list(ratios),
+        "windows": [windows.start, windows.stop],
+        "window_tokens": max(r["length"] for r in rows),
+        "baseline": baseline,
+        "bootstrap": WINDOW_BOOTSTRAP.model_dump(),
+        "rows": rows,
+    }
 
 
-def table_markdown(rows: list[dict], key: str = "ppl") -> str:
-    """Markdown table: one row per method, one column per length, values of ``key``."""
-    lengths = sorted({r["length"] for r in rows})
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    val = {(r["method"], r["length"]): r[key] for r in rows}
-    lines = [
-        f"| method | {' | '.join(f'{n} tok' for n in lengths)} |",
-        "|---|" + "---:|" * len(lengths),
-    ]
-    for m in methods:
-        cells = [f"{val[m, n]:.2f}" if (m, n) in val else "" for n in lengths]
-        lines.append(f"| {m} | {' | '.join(cells)} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_ppl(rows: list[dict], path: str | Path) -> None:
-    """Line plot of perplexity against length per method (log y), with the window marked."""
+def plot_ppl(result: dict, path: str | Path) -> None:
+    """Perplexity against length per method (log y, 95% intervals as error bars), with the
+    window marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in dict.fromkeys(r["method"] for r in rows):
-        pts = sorted((r["length"], r["ppl"]) for r in rows if r["method"] == m)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-    ax.axvline(rows[0]["train_window"], color="grey", ls="--", lw=1, label="trained window L")
+        pts = sorted((r["length"], r["ppl"], r["ppl_ci"]) for r in rows if r["method"] == m)
+        ys = [p[1] for p in pts]
+        err = [
+            [y - (ci["low"] if ci else y) for _, y, ci in pts],
+            [(ci["high"] if ci else y) - y for _, y, ci in pts],
+        ]
+        ax.errorbar([p[0] for p in pts], ys, yerr=err, marker="o", capsize=3, label=m)
+    ax.axvline(result["train_window"], color="grey", ls="--", lw=1, label="trained window L")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("perplexity")
     ax.set_title("Perplexity by length")
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write_report(rows: list[dict], out: str | Path) -> dict[str, Path]:
-    """Write ``ppl.json``, ``ppl.md`` (both tables) and ``ppl.png`` into ``out``."""
+def write_report(result: dict, out: str | Path) -> dict[str, Path]:
+    """Write ``ppl.json`` (the result; copy it under ``results/`` to render it with the ``ppl``
+    table kind), ``ppl.md`` (its tables) and ``ppl.png`` into ``out``."""
     out = Path(out)
     paths = {"json": out / "ppl.json", "md": out / "ppl.md", "png": out / "ppl.png"}
-    atomic_write_json(paths["json"], rows)
-    md = "Perplexity (all tokens)\n\n" + table_markdown(rows, "ppl")
-    md += "\nPerplexity (last quarter of each window)\n\n" + table_markdown(rows, "ppl_tail")
-    atomic_write_text(paths["md"], md)
-    plot_ppl(rows, paths["png"])
+    atomic_write_json(paths["json"], result)
+    atomic_write_text(paths["md"], markdown_tables(ppl_tables(result)) + "\n")
+    plot_ppl(result, paths["png"])
     return paths

@@ -13,8 +13,10 @@ README, ``../results/kv8.json`` in ``docs/``). ``KIND`` is a table kind of
 :func:`ragfix.eval.report.comparison_tables`: ``curve`` (per-position accuracy with Wilson
 intervals; a ``summary.json`` or a comparison), ``merit`` (mean, worst position and gap with 95%
 intervals), ``paired`` (per-position differences, McNemar p, the notes on runs not paired) or
-``comparison`` (all three); ``merit`` and ``paired`` need a comparison file. Markers inside fenced
-code blocks are left alone.
+``comparison`` (all three); ``merit`` and ``paired`` need a comparison file. ``benchmark`` renders
+a benchmark's file (:func:`ragfix.eval.report.write_benchmark`) and ``ppl`` a perplexity result
+(``ragfix eval-ppl``'s ``ppl.json``), each only its own kind of file. Markers inside fenced code
+blocks are left alone.
 
 Commands (the same function)::
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -59,6 +60,8 @@ PLOT_FILE = "curve.png"
 COMPARISON_KIND = "ragfix-comparison"
 #: ``"kind"`` of a benchmark's result file (:func:`write_benchmark`)
 BENCHMARK_KIND = "ragfix-benchmark"
+#: ``"kind"`` of a perplexity result file (``ragfix eval-ppl``, :func:`ragfix.eval.ppl.run_ppl`)
+PPL_KIND = "ragfix-ppl"
 #: ``config.json`` fields that decide what a cell (sample, position) is: the data, the task, the
 #: passages per prompt, the record range and the prompt layout (distractors, retrieval). Runs are
 #: paired only when they agree on all of them (a field absent from both agrees).
@@ -256,18 +259,20 @@ def curve_table(label: str, curve: dict, x_axis: str = "position") -> TableSpec:
 
 
 def print_tables(tables: list[TableSpec], console: Console | None = None) -> None:
-    """Print ``tables`` with rich (first column left-aligned, the others right-aligned)."""
+    """Print ``tables`` with rich (first column left-aligned, the others right-aligned); the
+    text is printed as it is, never read as rich markup (a label ``gali[chunk_size=64]`` keeps
+    its brackets)."""
     console = console or Console()
     for spec in tables:
         if spec.headers:
-            t = Table(title=spec.title, title_justify="left")
+            t = Table(title=escape(spec.title), title_justify="left")
             for i, h in enumerate(spec.headers):
-                t.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
+                t.add_column(escape(h), justify="left" if i == 0 else "right", overflow="fold")
             for row in spec.rows:
-                t.add_row(*row)
+                t.add_row(*map(escape, row))
             console.print(t)
         for line in spec.lines:
-            console.print(line, highlight=False, soft_wrap=True)
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def markdown_tables(tables: list[TableSpec]) -> str:
@@ -570,8 +575,12 @@ def _same_cells(a: Run, b: Run) -> bool:
     return a is b or not _differences(a, b)
 
 
-#: table kinds of a comparison (``ragfix report`` prints ``comparison``: all of them)
-TABLE_KINDS = ("curve", "merit", "paired", "comparison", "benchmark")
+#: table kinds of a comparison (``ragfix report`` prints ``comparison``: all of them), of a
+#: benchmark and of a perplexity result
+TABLE_KINDS = ("curve", "merit", "paired", "comparison", "benchmark", "ppl")
+#: table kinds that render one kind of result file only, and the only kind for that file:
+#: table kind -> (the file's ``kind``, what the file is in an error message)
+_FILE_TABLE_KINDS = {"benchmark": (BENCHMARK_KIND, "benchmark"), "ppl": (PPL_KIND, "perplexity")}
 
 
 def write_benchmark(path: str | Path, table: TableSpec, **details) -> dict:
@@ -601,24 +610,30 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
     Args:
         kind: ``curve`` (per-position table of every curve), ``merit`` (figures of merit of every
             curve), ``paired`` (per-position differences and McNemar p of every pair, then the
-            notes on runs not paired), ``comparison`` (all three).
+            notes on runs not paired), ``comparison`` (all three); ``benchmark`` for a
+            benchmark's file (:func:`write_benchmark`), ``ppl`` for a perplexity result
+            (:func:`ppl_tables`).
 
     Raises:
         DataError: ``merit`` or ``paired`` asked of a ``summary.json`` (they need the cells: use
-            ``ragfix report RUN --json FILE``).
+            ``ragfix report RUN --json FILE``); ``benchmark`` or ``ppl`` asked of another file,
+            or another kind asked of their files.
     """
     if kind not in TABLE_KINDS:
         raise RagfixError(f"unknown table kind {kind!r} (one of: {', '.join(TABLE_KINDS)})")
-    if (kind == "benchmark") != (comparison.get("kind") == BENCHMARK_KIND):
-        raise DataError(
-            comparison.get("source"),
-            None,
-            None,
-            "the benchmark table kind is for benchmark result files, and only for them",
-        )
+    for table_kind, (file_kind, what) in _FILE_TABLE_KINDS.items():
+        if (kind == table_kind) != (comparison.get("kind") == file_kind):
+            raise DataError(
+                comparison.get("source"),
+                None,
+                None,
+                f"the {table_kind} table kind is for {what} result files, and only for them",
+            )
     if kind == "benchmark":
         keys = ("title", "headers", "rows", "lines")
         return [TableSpec(**{k: comparison[k] for k in keys})]
+    if kind == "ppl":
+        return ppl_tables(comparison)
     if kind in ("merit", "paired") and comparison.get("kind") != COMPARISON_KIND:
         raise DataError(
             comparison.get("source"),
@@ -641,6 +656,83 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
         if comparison["notes"]:
             tables.append(TableSpec("not paired", lines=list(comparison["notes"])))
     return tables
+
+
+def _ppl_cell(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _ppl_ci(iv: dict | None, digits: int = 2) -> str:
+    return "n/a" if iv is None else f"[{iv['low']:.{digits}f}, {iv['high']:.{digits}f}]"
+
+
+def ppl_tables(result: dict) -> list[TableSpec]:
+    """The tables of a perplexity result (:func:`ragfix.eval.ppl.run_ppl`, ``ppl.json``).
+
+    Two tables, one row per (method, length): perplexity with its 95% interval over windows, over
+    the last quarter of each window, and the ratio to the baseline's perplexity with its paired
+    interval (when the result has a baseline); then perplexity by query kind (tokens predicted
+    from a query at an interpolated vs a whole-number position ID) with the token counts. A line
+    under them says what the windows and intervals are.
+    """
+    rows = result["rows"]
+    base = result.get("baseline")
+    headers = ["method", "length", "x L", "ppl", "95% CI", "last quarter"]
+    if base:
+        headers += [f"ppl / {base}", "95% CI (paired)"]
+    main, kinds = [], []
+    for r in rows:
+        cells = [
+            r["method"],
+            str(r["length"]),
+            f"{r['ratio']:g}",
+            _ppl_cell(r["ppl"]),
+            _ppl_ci(r["ppl_ci"]),
+            _ppl_cell(r["ppl_tail"]),
+        ]
+        if base:
+            vs = r.get("vs_baseline")
+            cells += (
+                [f"{vs['ppl_ratio']:.3f}", _ppl_ci(vs["ppl_ratio_ci"], 3)] if vs else ["—", "—"]
+            )
+        main.append(cells)
+        kinds.append(
+            [
+                r["method"],
+                str(r["length"]),
+                str(r["tokens_interp"]),
+                _ppl_cell(r["ppl_interp"]),
+                str(r["tokens_whole"]),
+                _ppl_cell(r["ppl_whole"]),
+            ]
+        )
+    start, stop = result["windows"]
+    boot = result["bootstrap"]
+    line = (
+        f"{result['model']}, L = {result['train_window']}, {stop - start} text windows "
+        f"({start} to {stop - 1}) of {result['window_tokens']} tokens from {result['data']}, "
+        f"length tokens read from each. 95% intervals: {boot['method']} bootstrap "
+        f"over windows ({boot['resamples']} resamples, seed {boot['seed']}) of the mean NLL per "
+        "token, exponentiated"
+        + (f"; ppl / {base}: exp of the mean per-window NLL difference, paired." if base else ".")
+    )
+    kind_headers = [
+        "method",
+        "length",
+        "tokens from interpolated queries",
+        "ppl",
+        "tokens from whole-number queries",
+        "ppl",
+    ]
+    return [
+        TableSpec("Perplexity by length", headers, main),
+        TableSpec(
+            "Perplexity by query position ID (tokens summed over windows)",
+            kind_headers,
+            kinds,
+            [line],
+        ),
+    ]
 
 
 def _merit_table(comparison: dict) -> TableSpec:
@@ -733,11 +825,12 @@ def _paired_table(pair: dict, comparison: dict) -> TableSpec:
 
 
 def load_result(path: str | Path) -> dict:
-    """A result file as a comparison: a comparison JSON as it is, or a run's ``summary.json``
-    wrapped as a one-run comparison (curves without bootstrap intervals, nothing paired).
+    """A result file as a comparison: a comparison, benchmark or perplexity JSON as it is (its
+    ``kind`` field says which), or a run's ``summary.json`` wrapped as a one-run comparison
+    (curves without bootstrap intervals, nothing paired).
 
     Raises:
-        DataError: missing, unreadable, or neither kind of file.
+        DataError: missing, unreadable, or none of these files.
     """
     path = Path(path)
     try:
@@ -746,7 +839,7 @@ def load_result(path: str | Path) -> dict:
         raise DataError(path, None, None, f"cannot read the result file ({e.strerror})") from None
     except ValueError as e:
         raise DataError(path, None, None, f"not JSON ({e})") from None
-    if isinstance(data, dict) and data.get("kind") in (COMPARISON_KIND, BENCHMARK_KIND):
+    if isinstance(data, dict) and data.get("kind") in (COMPARISON_KIND, BENCHMARK_KIND, PPL_KIND):
         return {**data, "source": str(path)}
     if not isinstance(data, dict) or not isinstance(data.get("curves"), dict):
         raise DataError(path, None, None, "neither a summary.json nor a comparison file")

@@ -92,3 +92,22 @@ def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "eager", **overri
     cfg = tiny_config(arch, **overrides)
     cfg._attn_implementation = attn
     return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def gali_query_positions(n: int, big_l: int, w: int, s: int) -> list[float]:
+    """The position of every query ``0..n-1`` of a GALI prefill (window ``big_l``, local window
+    ``w``, chunks of ``s``) as the chunk that computes it sees it: :func:`gali_positions` of each
+    chunk's prefix, independent of the backend's run."""
+    from ragfix.backends.gali import chunk_sizes, gali_positions
+
+    out, done = [], 0
+    for size in chunk_sizes(n, big_l, s):
+        out += gali_positions(done + size, big_l, w)[done : done + size].tolist()
+        done += size
+    return out
+
+
+def fractional_queries(n: int, big_l: int, w: int, s: int) -> int:
+    """How many of the ``n - 1`` predicted tokens of a GALI-scored text come from a query at a
+    fractional position (:func:`gali_query_positions`)."""
+    return sum(p != int(p) for p in gali_query_positions(n, big_l, w, s)[:-1])

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import data_file, tiny_model
+from conftest import data_file, fractional_queries, gali_query_positions, tiny_model
 from pydantic import ValidationError
 from transformers.models.llama.modeling_llama import repeat_kv
 
@@ -292,3 +292,88 @@ def test_gali_first_logprobs_beyond_window_equal_next_token_logprobs(tok):
     ids = _ids(30, 4)
     [gen] = b._generate_ids([ids], 3, False, first_logprobs=True)
     torch.testing.assert_close(gen.first_logprobs, b._next_logprobs_ids([ids])[0])
+
+
+# ---------------------------------------------------------------- query positions of a scored text
+@pytest.mark.parametrize("n,big_l,w,s", [(57, 16, 3, 5), (40, 16, 2, 16), (16, 16, 2, 5)])
+def test_token_logprobs_with_positions(tok, n, big_l, w, s):
+    model = tiny_model("llama", seed=0)
+    b = GaliBackend(model, tok, train_window=big_l, chunk_size=s, local_window=w, noise=False)
+    ids = _ids(n)
+    logp, pos = b.token_logprobs_with_positions(ids)
+    assert torch.equal(logp, b.token_logprobs(ids))
+    # token t is predicted from query t - 1, at the position its chunk gave it
+    assert pos.tolist() == gali_query_positions(n, big_l, w, s)[:-1]
+    fractional = sum(p != int(p) for p in pos.tolist())
+    assert (fractional > 0) == (n > big_l)  # past L these lengths reach the compressed head
+    assert pos.max() <= big_l - 1
+
+
+def test_query_positions_at_the_reviewed_setting():
+    # SmolLM2 at L = 512, 4 L = 2048 tokens, GALI's defaults (chunk 187, W = 8): 405 of the 2047
+    # predicted tokens come from a query at a fractional position; with chunks of 64, 70
+    assert fractional_queries(2048, 512, 8, 187) == 405
+    assert fractional_queries(2048, 512, 8, 64) == 70
+
+
+def test_prefill_logits_is_the_last_row_of_the_scored_text(tok):
+    # 34 = L + 3 chunks of 6: scoring ids + [7] adds a chunk of its own, so the query of the
+    # last token of ids is computed exactly as in the prefill of ids alone
+    model = tiny_model("qwen2", seed=1)
+    b = GaliBackend(model, tok, train_window=16, chunk_size=6, local_window=2, noise=False)
+    ids = _ids(34, 2)
+    last = torch.log_softmax(b.prefill_logits(ids).float(), dim=-1)[7]
+    assert torch.allclose(last, b.token_logprobs(ids + [7])[-1], atol=1e-5)
+
+
+# ---------------------------------------------------------------- truncated: scoring a long text
+def _context_logprob(model, ids: list[int], t: int, c: int) -> float:
+    """``log p(ids[t] | ids[t - c : t])`` read as a sequence of its own (positions 0..c)."""
+    with torch.no_grad():
+        x = torch.tensor([ids[t - c : t + 1]])
+        return torch.log_softmax(model(x).logits[0, -2].float(), dim=-1)[ids[t]].item()
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_truncated_scores_each_token_within_the_window(tok, stride):
+    model = tiny_model("llama", seed=0)
+    big_l, n = 12, 12 + 9 * stride  # targets L..n-1: the last window scores `stride` of them
+    t = TruncatedBackend(model, tok, train_window=big_l, score_stride=stride)
+    ids = _ids(n)
+    got = t.token_logprobs(ids)
+    # token t >= L lies in the window ending at b = L + stride * ceil((t - L + 1) / stride)
+    contexts = [tt if tt < big_l else big_l - stride + (tt - big_l) % stride for tt in range(1, n)]
+    ref = [_context_logprob(model, ids, tt, c) for tt, c in zip(range(1, n), contexts, strict=True)]
+    assert torch.allclose(got, torch.tensor(ref), atol=1e-5)
+    assert max(contexts) == big_l - 1 and min(contexts[big_l - 1 :]) == big_l - stride
+    # within the window: the plain model; beyond it, not
+    full = _vanilla_logprobs(model, ids)
+    assert torch.allclose(got[: big_l - 1], full[: big_l - 1], atol=1e-6)
+    assert (got[big_l:] - full[big_l:]).abs().max() > 1e-3
+
+
+def test_truncated_score_stride_default_and_error(tok):
+    model = tiny_model("llama", seed=0)
+    assert TruncatedBackend(model, tok, train_window=512).score_stride == 128
+    with pytest.raises(ValueError, match="score_stride 12 must be < train_window 12"):
+        TruncatedBackend(model, tok, train_window=12, score_stride=12)
+
+
+# ---------------------------------------------------------------- the benchmark still runs
+def test_bench_gali_runs(tmp_path):
+    from ragfix.eval.bench_gali import main
+
+    out = tmp_path / "bench.json"
+    args = ["--train-window", "64", "--ratios", "1,2", "--attn-tokens", "96", "--attn-chunk", "16"]
+    rows = main(
+        [*args, "--data", str(data_file("needle_paul_graham_essays.jsonl.gz")), "--out", str(out)]
+    )
+    prefill = [r for r in rows if r["kind"] == "prefill"]
+    assert [r["tokens"] for r in prefill] == [64, 128]
+    assert all(r["vanilla_s"] > 0 and r["gali_s"] > 0 for r in prefill)
+    attn = [r for r in rows if r["kind"] == "attention"]
+    assert [(r["tokens"], r["chunk"], r["query_block"]) for r in attn] == [
+        (96, 16, 256),
+        (96, 16, 32),
+    ]
+    assert [r["kind"] for r in json.loads(out.read_text())] == [r["kind"] for r in rows]

@@ -32,7 +32,7 @@ Implementation notes (differences from the official code, same maths):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -420,16 +420,43 @@ class GaliBackend(HFBackend):
             start += size
 
     @torch.no_grad()
-    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
-        """``log p(ids[t] | ids[:t])`` for ``t = 1..n-1`` under GALI, float32 ``[n - 1]``."""
-        x = torch.tensor([ids], device=self.device)
+    def token_logprobs_with_positions(
+        self, ids: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probabilities under GALI and the position ID of the query each token was
+        predicted from.
+
+        Token ``t`` is predicted from the query of token ``t - 1``, computed in the prefill chunk
+        that holds it, at that chunk's position of ``t - 1`` (:func:`gali_layout` of the sequence
+        up to the chunk's end, Algorithms 1-2 of arXiv 2502.02659). A fractional position is an
+        interpolated query (rotated at its ceiling ``ceil(p_q)``, Algorithm 3); within the window
+        every position is a whole number.
+
+        Args:
+            ids: one token sequence of length ``n >= 2``.
+
+        Returns:
+            ``(logprobs, positions)``: float32 ``[n - 1]`` ``log p(ids[t] | ids[:t])`` and float64
+            ``[n - 1]`` query positions for ``t = 1..n-1``, both on the CPU.
+
+        Raises:
+            ValueError: fewer than two tokens.
+        """
+        if len(ids) < 2:
+            raise ValueError("token_logprobs needs at least two tokens")
+        x = torch.tensor([list(ids)], device=self.device)
         run = _GaliRun(self)
-        parts = []
+        parts, positions = [], []
         with self._patched(run):
             for logits in self._prefill(run, x, logits_to_keep=0):
                 parts.append(torch.log_softmax(logits[0].float(), dim=-1))
+                positions.append(run.layout.positions[run.start : run.done])
         logp = torch.cat(parts)[:-1]
-        return logp.gather(1, x[0, 1:, None]).squeeze(1).cpu()
+        return logp.gather(1, x[0, 1:, None]).squeeze(1).cpu(), torch.cat(positions)[:-1]
+
+    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
+        """``log p(ids[t] | ids[:t])`` for ``t = 1..n-1`` under GALI, float32 ``[n - 1]``."""
+        return self.token_logprobs_with_positions(ids)[0]
 
     @torch.no_grad()
     def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
@@ -443,11 +470,18 @@ class GaliBackend(HFBackend):
                 out[i] = lp
         for i, x in enumerate(batch):
             if out[i] is None:
-                run = _GaliRun(self)
-                with self._patched(run):
-                    *_, logits = self._prefill(run, torch.tensor([x], device=self.device), 1)
-                out[i] = torch.log_softmax(logits[0, -1].float(), dim=-1).cpu()
+                out[i] = torch.log_softmax(self.prefill_logits(x).float(), dim=-1).cpu()
         return torch.stack(out)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def prefill_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """GALI's chunked prefill of one prompt at any length (within the window too: one chunk
+        at whole-number positions); the next-token logits ``[vocab_size]`` on the model's device
+        and dtype (what ``eval/bench_gali.py`` times)."""
+        run = _GaliRun(self)
+        with self._patched(run):
+            *_, logits = self._prefill(run, torch.tensor([list(ids)], device=self.device), 1)
+        return logits[0, -1]
 
     def _stops(self, tok: int, stop_at_newline: bool) -> bool:
         """Whether generating ``tok`` ends a row (EOS, or a newline when asked)."""

@@ -5,6 +5,16 @@ answer budget) is cut in the middle, keeping its first and last halves, as LongB
 models whose window is shorter than the input (Bai et al., arXiv 2308.14508, section 3) and as
 GALI's evaluation inherits (arXiv 2502.02659). The instruction at the start and the question at
 the end survive; passages in the middle are dropped.
+
+Scoring a text (:meth:`TruncatedBackend.token_logprobs`, perplexity) holds the model to the same
+window by strided sliding windows: every forward pass reads at most ``train_window`` tokens and
+scores its last ``score_stride`` tokens, so each token is predicted from between
+``train_window - score_stride`` and ``train_window - 1`` tokens before it (the sliding-window
+evaluation of Press et al., "Train Short, Test Long", arXiv 2108.12409; the "strided" perplexity
+of the transformers documentation). ``score_stride = 1`` gives every token its full window at one
+forward pass per token; cutting the middle of every token's context would cost as much. A banded
+attention mask over one pass is not the same thing: in a multi-layer model the hidden states of
+the visible keys carry information from further back.
 """
 
 from __future__ import annotations
@@ -24,9 +34,12 @@ class TruncatedOptions(BackendOptions):
     Attributes:
         train_window: the window in tokens (prompt plus answer; default: the model's
             ``max_position_embeddings``).
+        score_stride: tokens scored per sliding window when scoring a text longer than the
+            window (default ``train_window // 4``); must be below ``train_window``.
     """
 
     train_window: int | None = Field(None, ge=2)
+    score_stride: int | None = Field(None, ge=1)
 
 
 def truncate_middle(ids: list[int], budget: int) -> list[int]:
@@ -49,12 +62,26 @@ class TruncatedBackend(HFBackend):
 
     Answers, first-step log-probabilities and next-token log-probabilities all come from the
     cut prompt, so a judge's verdict text and its letter probabilities read the same input.
+    :meth:`token_logprobs` (and so ``loglikelihood``) reads a long text in strided sliding
+    windows of ``train_window`` tokens.
+
+    Raises (constructor):
+        ConfigError: ``score_stride >= train_window``.
     """
 
     name = "truncated"
     options_model = TruncatedOptions
     supports_prefix_reuse = False  # the cut depends on the whole prompt
     cuts_long_prompts = True  # the method: long prompts are cut to the window
+
+    def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
+        super().__init__(model, tokenizer, adapter=adapter, **options)
+        #: targets scored per sliding window beyond the window (see :meth:`_token_logprobs_ids`)
+        self.score_stride = self.options.score_stride or max(1, self.context_window // 4)
+        if self.score_stride >= self.context_window:
+            raise ConfigError(
+                f"score_stride {self.score_stride} must be < train_window {self.context_window}"
+            )
 
     @property
     def context_window(self) -> int:
@@ -90,6 +117,28 @@ class TruncatedBackend(HFBackend):
             g.model_copy(update={"prompt_tokens": len(ids), "prefill_tokens": len(c)})
             for g, ids, c in zip(gens, batch, cut, strict=True)
         ]
+
+    @torch.no_grad()
+    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
+        """``log p(ids[t] | context)`` for ``t = 1..n-1``, float32 ``[n - 1]``, reading at most
+        ``L`` = :attr:`context_window` tokens (context plus the token) per forward pass.
+
+        Strided sliding windows (module docstring): the first ``L`` tokens are scored as one
+        sequence; then each window ``ids[b - L : b]`` scores its last ``s`` targets ``b - s ..
+        b - 1`` (``s`` = ``score_stride``, the last window fewer), so a target beyond ``L`` has
+        between ``L - s`` and ``L - 1`` tokens of context. ``1 + ceil((n - L) / s)`` passes of
+        ``L`` tokens; within the window it is the plain model.
+        """
+        big_l = self.context_window
+        stride = self.score_stride
+        parts = [super()._token_logprobs_ids(ids[:big_l])]
+        for a in range(big_l, len(ids), stride):
+            b = min(a + stride, len(ids))
+            x = torch.tensor([ids[b - big_l : b]], device=self.device)
+            logits = self.model(input_ids=x, logits_to_keep=b - a + 1).logits[0, :-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            parts.append(logp.gather(1, x[0, big_l - (b - a) :, None]).squeeze(1).cpu())
+        return torch.cat(parts)
 
     def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
         """Next-token log-probabilities after the prompts cut to ``train_window - 1`` tokens."""
