@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from ragfix.backends import load_backend
 from ragfix.backends.gali import GaliBackend, _GaliRun, paper_logits
 from ragfix.eval.ppl import read_texts
-from ragfix.io import atomic_write_json
+from ragfix.eval.report import TableSpec, print_tables, write_benchmark
 
 #: the default ``--data``, relative to the working directory (the repository root)
 DATA = "data/needle_paul_graham_essays.jsonl.gz"
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--train-window", type=int, default=512)
     ap.add_argument("--ratios", default="1,2,4")
     ap.add_argument("--query-block", type=int, default=256)
+    ap.add_argument("--chunk-size", type=int, default=None, help="GALI chunk (default: its own)")
+    ap.add_argument("--local-window", type=int, default=None, help="GALI W (default: its own)")
     ap.add_argument("--attn-tokens", type=int, default=None, help="default: max ratio x L")
     ap.add_argument("--attn-chunk", type=int, default=None, help="default: gali's chunk size")
     ap.add_argument("--device", default="cpu")
@@ -108,6 +110,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         train_window=big_l,
         target_window=int(max(ratios) * big_l),
         query_block=args.query_block,
+        **{
+            k: v
+            for k, v in (("chunk_size", args.chunk_size), ("local_window", args.local_window))
+            if v is not None
+        },
     )
     dev = vanilla.device
     text = read_texts(args.data)[: int(max(ratios) * big_l) * 12]
@@ -173,20 +180,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 }
             )
 
-    t1 = Table(title=f"Prefill, {args.model}, L = {big_l}, device {dev}")
-    for col in ["tokens", "x L", "vanilla s", "gali s", "time x", "vanilla MiB", "gali MiB"]:
-        t1.add_column(col, justify="right")
-    for row in (x for x in rows if x["kind"] == "prefill"):
-        t1.add_row(
-            str(row["tokens"]),
-            f"{row['ratio']:g}",
-            f"{row['vanilla_s']:.2f}",
-            f"{row['gali_s']:.2f}",
-            f"{row['time_ratio']:.2f}",
-            f"{row['vanilla_mib']:.0f}",
-            f"{row['gali_mib']:.0f}",
-        )
-    console.print(t1)
+    opts = gali.options_resolved
+    prefill = TableSpec(
+        f"GALI prefill vs vanilla, {args.model}, L = {big_l}, chunk {opts['chunk_size']}, "
+        f"local window {opts['local_window']}, device {dev}",
+        ["tokens", "x L", "vanilla s", "gali s", "time x", "vanilla MiB", "gali MiB"],
+        [
+            [
+                str(row["tokens"]),
+                f"{row['ratio']:g}",
+                f"{row['vanilla_s']:.2f}",
+                f"{row['gali_s']:.2f}",
+                f"{row['time_ratio']:.2f}",
+                f"{row['vanilla_mib']:.0f}",
+                f"{row['gali_mib']:.0f}",
+            ]
+            for row in rows
+            if row["kind"] == "prefill"
+        ],
+        [
+            f"One prefill per length after a warm-up, {torch.get_num_threads()} torch thread(s); "
+            "memory: growth of the peak resident set (CPU) or of the allocated CUDA memory."
+        ],
+    )
+    print_tables([prefill], console)
     t2 = Table(title=f"One layer's attention, last chunk of {total} tokens ({heads} heads)")
     for col in ["chunk", "query block", "paper s", "blocked s", "paper MiB", "blocked MiB"]:
         t2.add_column(col, justify="right")
@@ -201,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     console.print(t2)
     if args.out:
-        atomic_write_json(args.out, rows)
+        write_benchmark(args.out, prefill, measurements=rows, options=opts)
     return rows
 
 

@@ -365,6 +365,7 @@ def test_bench_gali_runs(tmp_path):
 
     out = tmp_path / "bench.json"
     args = ["--train-window", "64", "--ratios", "1,2", "--attn-tokens", "96", "--attn-chunk", "16"]
+    args += ["--chunk-size", "16", "--local-window", "4"]
     rows = main(
         [*args, "--data", str(data_file("needle_paul_graham_essays.jsonl.gz")), "--out", str(out)]
     )
@@ -376,4 +377,7 @@ def test_bench_gali_runs(tmp_path):
         (96, 16, 256),
         (96, 16, 32),
     ]
-    assert [r["kind"] for r in json.loads(out.read_text())] == [r["kind"] for r in rows]
+    result = json.loads(out.read_text())  # a benchmark result file: the prefill table, rendered
+    assert [r["kind"] for r in result["measurements"]] == [r["kind"] for r in rows]
+    assert "chunk 16, local window 4" in result["title"] and result["options"]["chunk_size"] == 16
+    assert [row[:2] for row in result["rows"]] == [["64", "1"], ["128", "2"]]
