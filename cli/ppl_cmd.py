@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
                 baseline=baseline,
                 device=device,
                 dtype=dtype,
-                on_step=lambda s: console.print(s, highlight=False),
+                on_step=lambda s: console.print(s, highlight=False, markup=False),
             )
             paths = write_report(result, out)
         print_tables(ppl_tables(result), console)
