@@ -265,12 +265,14 @@ def test_trie_prefill_and_batched_decode_give_the_naive_tokens(arch):
     )
     tok.eos_token_id = eos
     naive = HFBackend(model, tok).generate(text, batch_size=1, first_logprobs=True, **kw)
-    assert len({g.new_tokens for g in naive}) > 1 and [g.prefill_tokens for g in naive] == [
-        len(p) for p in prompts
-    ]
+    assert [g.prefill_tokens for g in naive] == [len(p) for p in prompts]
+    assert len({g.new_tokens for g in naive}) > 1  # the rows stop at different steps
+    assert all(len(g.token_ids) == g.new_tokens for g in naive)
+    assert all(g.token_ids[-1] == eos for g in naive if g.new_tokens < kw["max_new_tokens"])
     for size in (6, 4, 2):
         backend = HFBackend(model, tok)
         gens = backend.generate(text, batch_size=size, prefix_reuse=True, first_logprobs=True, **kw)
+        assert [g.token_ids for g in gens] == [g.token_ids for g in naive], size
         assert [g.text for g in gens] == [g.text for g in naive], size
         assert [g.new_tokens for g in gens] == [g.new_tokens for g in naive], size
         assert [g.prompt_tokens for g in gens] == [len(p) for p in prompts]

@@ -154,11 +154,13 @@ class HFBackend(Backend):
             **extra,
         )
 
-    def _decode_answer(self, new_ids: Sequence[int], stop_at_newline: bool) -> tuple[str, int]:
-        """Answer text and number of generated tokens (padding after EOS dropped)."""
+    def _decode_answer(
+        self, new_ids: Sequence[int], stop_at_newline: bool
+    ) -> tuple[str, list[int]]:
+        """Answer text and the generated token ids (padding after EOS dropped)."""
         ids = [i for i in new_ids if i != self.tokenizer.pad_token_id]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return answer_text(text, stop_at_newline), len(ids)
+        return answer_text(text, stop_at_newline), ids
 
     def _left_pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` input ids and attention mask, left padded to the longest prompt."""
@@ -206,12 +208,13 @@ class HFBackend(Backend):
         for i, (row, prompt) in enumerate(
             zip(out.sequences[:, width:].tolist(), batch, strict=True)
         ):
-            text, n_new = self._decode_answer(row, stop)
+            text, new = self._decode_answer(row, stop)
             gens.append(
                 Generation(
                     text=text,
                     prompt_tokens=len(prompt),
-                    new_tokens=n_new,
+                    new_tokens=len(new),
+                    token_ids=new,
                     prefill_tokens=prefill[i],
                     seconds=secs,
                     first_logprobs=None if firsts is None else firsts[i],
@@ -251,11 +254,12 @@ class HFBackend(Backend):
         )
         seq = out[0].tolist()
         self._reuse_ids = seq[: self._reuse_cache.get_seq_length()]
-        text, n_new = self._decode_answer(seq[len(ids) :], stop_at_newline)
+        text, new = self._decode_answer(seq[len(ids) :], stop_at_newline)
         return Generation(
             text=text,
             prompt_tokens=len(ids),
-            new_tokens=n_new,
+            new_tokens=len(new),
+            token_ids=new,
             prefill_tokens=len(ids) - common,
             seconds=time.perf_counter() - start,
         )
