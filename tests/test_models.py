@@ -284,3 +284,26 @@ def test_trie_prefill_and_batched_decode_give_the_naive_tokens(arch):
     [again] = backend.generate(text[:1], batch_size=2, prefix_reuse=True, **kw)
     assert again.text == naive[0].text
     assert again.prefill_tokens == len(prompts[0]) - len(prompts[2]) + 1
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_an_interrupted_forward_leaves_the_prefix_cache_usable(size):
+    # the kept cache is cropped and extended before a forward that fails: what it is said to
+    # hold must still be what it holds, or the next prompt reuses keys of other tokens
+    model = tiny_model("llama", seed=0, initializer_range=0.1)
+    tok = _IdTokenizer()
+    text = [" ".join(map(str, p)) for p in _trie_prompts()]
+    kw = {"max_new_tokens": 6, "stop_at_newline": False, "prefix_reuse": True}
+    backend = HFBackend(model, tok)
+    backend.generate(text[1:2], batch_size=size, **kw)  # the cache holds head + x1 + y
+
+    def fail(*args):
+        raise RuntimeError("interrupted")
+
+    hook = model.get_decoder().norm.register_forward_hook(fail)  # after every layer's update
+    with pytest.raises(RuntimeError, match="interrupted"):
+        backend.generate(text[3:4], batch_size=size, **kw)  # cropped to head, + x2 + z
+    hook.remove()
+    [again] = backend.generate(text[2:3], batch_size=size, **kw)  # head + x1
+    [naive] = HFBackend(model, tok).generate(text[2:3], max_new_tokens=6, stop_at_newline=False)
+    assert again.token_ids == naive.token_ids

@@ -244,6 +244,7 @@ class HFBackend(Backend):
         excess = self._reuse_cache.get_seq_length() - common
         if excess > 0:
             self._reuse_cache.crop(-excess)
+        self._reuse_ids = ids[:common]  # what the cache holds, should generate be interrupted
         inp = torch.tensor([ids], device=self.device)
         out = self.model.generate(
             input_ids=inp,
@@ -364,6 +365,7 @@ class HFBackend(Backend):
             excess = cache.get_seq_length() - common
             if excess > 0:
                 cache.crop(-excess)
+            self._reuse_ids = body[:common]  # what the cache holds, should the forward fail
             if len(body) > common:
                 pos = torch.arange(common, len(body), device=self.device)[None]
                 inp = torch.tensor([body[common:]], device=self.device)
