@@ -243,14 +243,14 @@ def _trie_prompts() -> list[list[int]]:
     return [head + x1 + y + w, head + x1 + y, head + x1, head + x2 + z, head[:3], head[:1]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_trie_prefill_and_batched_decode_give_the_naive_tokens(arch):
+@pytest.mark.parametrize("arch, attn", [("llama", "eager"), ("qwen2", "eager"), ("llama", "sdpa")])
+def test_trie_prefill_and_batched_decode_give_the_naive_tokens(arch, attn):
     # issue 17: prompts prefilled along their token trie over one cache (cropped and extended),
     # each row's cache stacked left padded into one batch and decoded together: the greedy
     # tokens, stop steps and first-step log-probs of each prompt run alone from scratch, and the
     # trie's token count prefilled, also when the group spans several calls. The weights are
     # drawn wide (initializer_range 0.1) so that one position off changes the tokens.
-    model = tiny_model(arch, seed=0, initializer_range=0.1)
+    model = tiny_model(arch, seed=0, attn=attn, initializer_range=0.1)
     tok = _IdTokenizer()
     prompts = _trie_prompts()
     text = [" ".join(map(str, p)) for p in prompts]
