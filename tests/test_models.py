@@ -234,8 +234,8 @@ def _trie_nodes(prompts: list[list[int]]) -> int:
 
 
 def _trie_prompts() -> list[list[int]]:
-    """Six prompts in depth-first trie order: 124 tokens, two of its prefixes (one ending inside
-    the shared part), a branch off the shared 6-token head, a 3-token and a 1-token prompt."""
+    """Six prompts in depth-first trie order: 124 tokens, two of its prefixes (25 and 16
+    tokens), an 18-token branch off their shared 6-token head, a 3-token and a 1-token prompt."""
     g = torch.Generator().manual_seed(1)
     head, x1, x2, y, z, w = (
         torch.randint(3, 250, (n,), generator=g).tolist() for n in (6, 10, 7, 9, 5, 99)
