@@ -35,9 +35,9 @@ def sweep_cmd(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda ...")] = "auto",
     json_out: JsonOpt = None,
 ) -> None:
-    """The same sweep cells naive, with KV-cache prefix reuse, and with the shared prefix
-    prefilled once and the answers decoded in one batch: tokens, wall time, cells/s, peak
-    memory, answers compared with naive."""
+    """The same sweep cells naive, with KV-cache prefix reuse, and with prefix reuse then the
+    answers of a sample decoded in one batch: tokens, wall time, cells/s, peak memory, labels,
+    answers and generated tokens compared with naive."""
     from ragfix.eval.bench_sweep import bench_sweep
 
     with user_errors(), console.status("benchmark") as status:

@@ -173,8 +173,9 @@ def run_sweep(
         batch_size: cells per batch (default: a remote model's concurrency, else 1 on the CPU
             and 16 on CUDA).
         prefix_reuse: run the positions of a sample over the KV cache of their shared prompt
-            prefix (same answers, fewer prefill tokens): one cell at a time at batch size 1,
-            the cells of a sample in one batch above it (:func:`ragfix.eval.sweep.run_cells`).
+            prefix (same answers, fewer prefill tokens): one cell at a time at batch size 1;
+            above it the cells of a sample prefilled the same way, then decoded in one batch
+            (:func:`ragfix.eval.sweep.run_cells`).
         skip_invalid: skip and count malformed records instead of stopping.
         distractor_pool: draw QA distractors from this file (BM25) instead of the sample's own.
         device, dtype: see :func:`ragfix.backends.load_backend` (under a launcher, each rank's

@@ -3,16 +3,20 @@
 * ``naive``: every cell prefilled from scratch and decoded alone;
 * ``prefix reuse``: one cell at a time, the KV cache of the prompt prefix the cells of a sample
   share kept between them (positions last to first, the cache cropped to the common prefix);
-* ``prefix + batched``: the cells of a sample together: the shared prefix prefilled once, the
-  distinct suffixes as one batch over it, all answers decoded in one batch, each row stopping at
-  its own stop rule (:meth:`ragfix.backends.hf.HFBackend._generate_shared`).
+* ``prefix + batched``: the cells of a sample together: prefilled one after the other over the
+  same cache as ``prefix reuse`` (each after the prefix it shares with the one before: the token
+  trie of the cells, each distinct prefix once), then their caches stacked left padded and all
+  answers decoded in one batch, each row stopping at its own stop rule
+  (:meth:`ragfix.backends.hf.HFBackend._generate_trie`).
 
 The modes alternate sample by sample, so they see the same machine load. For each: prefill
 tokens, decoded tokens, wall seconds, cells per second, peak memory (resident set on the CPU,
-allocated on CUDA), and the answers and correctness labels compared with ``naive`` cell by cell
-(any differing answer is listed). The last line is the wall-time ratio of the fastest exact mode
-against naive. ``ragfix bench sweep --json results/NAME.json`` keeps the table as a result file
-(rendered into the README by ``ragfix render``).
+allocated on CUDA), and the correctness labels, the answers and the generated token ids compared
+with ``naive`` cell by cell (every cell whose tokens differ is listed, with the first differing
+step, in the lines and in ``details["modes"][mode]["token_differences"]``). The last line is the
+wall-time ratio of the fastest exact mode (naive's label on every cell) against naive.
+``ragfix bench sweep --json results/NAME.json`` keeps the table as a result file (rendered into
+the README by ``ragfix render``).
 
     ragfix bench sweep --data nq-sample --num-docs 10 --limit 2
 """
@@ -49,6 +53,20 @@ def _peak_mib(device: torch.device) -> float | None:
     return None if kib is None else kib / 1024
 
 
+def _recording(backend, into: dict[str, list[int] | None]):
+    """``backend.generate`` that also keeps each answer's generated token ids in ``into``, by
+    the prompt's text."""
+    generate = backend.generate
+
+    def recording(prompts, **kwargs):
+        gens = generate(prompts, **kwargs)
+        for p, g in zip(prompts, gens, strict=True):
+            into[backend.format_prompt(p)] = g.token_ids
+        return gens
+
+    return recording
+
+
 def bench_sweep(
     data: str = "nq-sample",
     num_docs: int = 10,
@@ -68,7 +86,8 @@ def bench_sweep(
 
     Returns:
         ``(table, details)``: the formatted table and the raw figures (per mode: prefill and
-        decoded tokens, wall seconds, peak MiB; the differing answers).
+        decoded tokens, wall seconds, peak MiB, cells with naive's labels, answers and tokens;
+        the cells whose tokens differ).
 
     Raises:
         DataError, ModelNotFoundError: bad data or model (one line).
@@ -78,6 +97,7 @@ def bench_sweep(
     from ragfix.connectors.litm import load_samples
     from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
     from ragfix.models import resolve_device
+    from ragfix.tasks import task_prompt
 
     path = bundled_path(data) or Path(data)
     samples = load_samples(path, num_docs, limit)
@@ -87,15 +107,28 @@ def bench_sweep(
         data=str(path), task=samples[0].task, num_docs=num_docs, model=model, backend="vanilla"
     )
     records: dict[str, dict] = {m: {} for m in MODES}
+    # the generated token ids of every cell, per mode, by prompt text (records keep only text)
+    tokens: dict[str, dict[str, list[int] | None]] = {m: {} for m in MODES}
+    # one backend per mode over the same model, each keeping its own prefix cache between
+    # samples as it would over a whole sweep (a shared one would hand a mode the prefix another
+    # mode left)
+    backends = {m: type(backend)(backend.model, backend.tokenizer) for m in MODES}
+    for mode, b in backends.items():
+        b.generate = _recording(b, tokens[mode])
+    text_of: dict[str, str] = {}
     wall = dict.fromkeys(MODES, 0.0)
     peak: dict[str, float | None] = dict.fromkeys(MODES)
     for i, s in enumerate(samples):
         cells = plan_cells(cfg, [s], list(range(num_docs)))
+        for c in cells:
+            text_of[c.cell_id] = backend.format_prompt(
+                task_prompt(s, s.passages_with_gold_at(c.position))
+            )
         for mode, (reuse, size) in MODES.items():
             _reset_peak(dev)
             t = time.perf_counter()
             run_cells(
-                backend,
+                backends[mode],
                 cells,
                 lambda r, m=mode: records[m].setdefault(r.cell_id, r),
                 prefix_reuse=reuse,
@@ -115,6 +148,29 @@ def bench_sweep(
     for mode, recs in records.items():
         same_answer = sum(recs[k].answer == naive[k].answer for k in naive)
         same_label = sum(recs[k].correct == naive[k].correct for k in naive)
+        diffs = []
+        for k, r in recs.items():
+            mine, ref = tokens[mode].get(text_of[k]), tokens["naive"].get(text_of[k])
+            if mine != ref:
+                step = next(
+                    (
+                        i
+                        for i, (a, b) in enumerate(zip(mine or [], ref or [], strict=False))
+                        if a != b
+                    ),
+                    min(len(mine or []), len(ref or [])),
+                )
+                diffs.append(
+                    {
+                        "sample_id": r.sample_id,
+                        "position": r.position,
+                        "first_step": step,
+                        "answer": r.answer,
+                        "naive_answer": naive[k].answer,
+                        "tokens": mine,
+                        "naive_tokens": ref,
+                    }
+                )
         prefill = sum(r.prefill_tokens for r in recs.values())
         decoded = sum(r.new_tokens for r in recs.values())
         mem = "n/a" if peak[mode] is None else f"{peak[mode]:,.0f}"
@@ -128,6 +184,7 @@ def bench_sweep(
                 mem,
                 f"{same_label}/{len(naive)}",
                 f"{same_answer}/{len(naive)}",
+                f"{len(naive) - len(diffs)}/{len(naive)}",
             ]
         )
         details["modes"][mode] = {
@@ -137,13 +194,15 @@ def bench_sweep(
             "peak_mib": peak[mode],
             "identical_labels": same_label,
             "identical_answers": same_answer,
+            "identical_tokens": len(naive) - len(diffs),
+            "token_differences": diffs,
         }
-        for k, r in recs.items():
-            if r.answer != naive[k].answer:
-                lines.append(
-                    f"{mode} differs at position {r.position} of {r.sample_id}: "
-                    f"{r.answer!r} vs naive {naive[k].answer!r}"
-                )
+        for d in diffs:
+            lines.append(
+                f"{mode} differs at position {d['position']} of {d['sample_id']} from token "
+                f"{d['first_step']}: {d['answer']!r} ({len(d['tokens'] or [])} tokens) vs naive "
+                f"{d['naive_answer']!r} ({len(d['naive_tokens'] or [])} tokens)"
+            )
     exact = [
         m for m in MODES if m != "naive" and details["modes"][m]["identical_labels"] == len(naive)
     ]
@@ -157,5 +216,5 @@ def bench_sweep(
         f"· {torch.get_num_threads()} threads"
     )
     headers = ["mode", "prefill tokens", "decoded tokens", "wall s", "cells/s", "peak MiB"]
-    headers += ["labels as naive", "answers as naive"]
+    headers += ["labels as naive", "answers as naive", "tokens as naive"]
     return TableSpec(title, headers, rows, lines), details

@@ -7,8 +7,9 @@ several processes merge by cell id. Results are appended one JSON line per cell,
 Speed: the cells of one sample share their prompt up to the gold passage. With
 ``prefix_reuse`` (where the backend supports it) the cells of a sample run from the last position
 to the first, and each one reuses the KV cache of the previous one cropped to their common token
-prefix (``Backend.generate(..., prefix_reuse=True)``), prefilling only the rest. On a GPU (or with
-``batch_size > 1``) cells are batched instead.
+prefix (``Backend.generate(..., prefix_reuse=True)``), prefilling only the rest: each distinct
+prefix of the sample's token trie is computed once. With ``batch_size > 1`` (the default on a GPU)
+up to ``batch_size`` cells of a sample are prefilled that way and then decoded in one batch.
 
 Work the model cannot really do is never run: a cell whose prompt plus answer budget is longer
 than the backend's ``context_window`` (``Backend.encode``) is stored with the flag ``overflow``
@@ -298,7 +299,8 @@ def run_cells(
             cache of the prompt prefix they share (only where ``backend.supports_prefix_reuse``;
             otherwise the cells are batched by length): at ``batch_size`` 1 one cell at a time
             with the cache kept between them; above 1, up to ``batch_size`` cells of a sample
-            together, the shared prefix prefilled once and the answers decoded in one batch.
+            prefilled the same way, then their answers decoded in one batch (a cache of
+            ``batch_size`` rows of the longest prompt).
         batch_size: cells per forward batch.
     """
     runnable = []

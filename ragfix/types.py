@@ -83,6 +83,8 @@ class Generation(BaseModel):
         seconds: wall time for this output (for a batch, the batch time divided by its size).
         first_logprobs: when asked for, the first answer step's next-token log-probabilities
             (float32 ``[vocab_size]`` tensor on the CPU); not serialised.
+        token_ids: the generated token ids (``new_tokens`` of them: padding dropped, a stop
+            token kept) from a local backend, ``None`` from a remote one; not serialised.
         first_top_logprobs: when asked for from a backend that sees only the most likely
             tokens (a remote model), the first answer step's top alternatives as ``{token text:
             log-probability}``; ``None`` from a local backend, or when the server returned no
@@ -103,6 +105,7 @@ class Generation(BaseModel):
     prefill_tokens: int
     seconds: float
     first_logprobs: Any = Field(default=None, exclude=True, repr=False)
+    token_ids: list[int] | None = Field(default=None, exclude=True, repr=False)
     first_top_logprobs: dict[str, float] | None = Field(default=None, exclude=True, repr=False)
     usage: dict[str, int] | None = None
     flags: list[str] = Field(default_factory=list)

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import BUNDLED, ROOT
+from conftest import BUNDLED, ROOT, tiny_model
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
@@ -259,3 +259,34 @@ def test_sweep_config_is_validated_when_built():
 def test_positions_out_of_range_name_both_values():
     with pytest.raises(ConfigError, match="12 is out of range 0..9 for --num-docs 10"):
         parse_positions("0,12", 10)
+
+
+def test_bench_sweep_compares_the_three_modes_token_by_token(tmp_path):
+    # issue 17: ``ragfix bench sweep`` runs the same cells naive, with prefix reuse and with the
+    # trie prefill plus batched decode, and compares their generated tokens with naive's
+    from transformers import AutoTokenizer
+
+    from ragfix.eval.bench_sweep import bench_sweep
+    from ragfix.models import checkpoint_dir, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
+    tiny_model(
+        vocab_size=len(tok),
+        max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    ).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    table, details = bench_sweep(
+        "nq-sample", num_docs=3, limit=2, model=str(tmp_path), device="cpu"
+    )
+    assert [r[0] for r in table.rows] == ["naive", "prefix reuse", "prefix + batched"]
+    assert table.headers[-3:] == ["labels as naive", "answers as naive", "tokens as naive"]
+    modes = details["modes"]
+    assert all(m["identical_tokens"] == 6 and not m["token_differences"] for m in modes.values())
+    assert modes["prefix + batched"]["decoded_tokens"] == modes["naive"]["decoded_tokens"] > 0
+    # the trie prefill computes what one cell at a time over the kept cache computes
+    assert modes["prefix + batched"]["prefill_tokens"] == modes["prefix reuse"]["prefill_tokens"]
+    assert modes["prefix reuse"]["prefill_tokens"] < modes["naive"]["prefill_tokens"]
+    assert table.lines[-1].startswith("wall time: ") and "x less than naive" in table.lines[-1]

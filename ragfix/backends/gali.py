@@ -551,11 +551,12 @@ class GaliBackend(HFBackend):
                     row.append(tok if a else pad)
             secs = (time.perf_counter() - start) / len(members)
             for k, (i, row) in enumerate(zip(members, rows, strict=True)):
-                text, n_new = self._decode_answer(row, stop_at_newline)
+                text, new = self._decode_answer(row, stop_at_newline)
                 results[i] = Generation(
                     text=text,
                     prompt_tokens=len(batch[i]),
-                    new_tokens=n_new,
+                    new_tokens=len(new),
+                    token_ids=new,
                     prefill_tokens=len(batch[i]),
                     seconds=secs,
                     first_logprobs=first[k] if first_logprobs else None,

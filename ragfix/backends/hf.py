@@ -154,11 +154,13 @@ class HFBackend(Backend):
             **extra,
         )
 
-    def _decode_answer(self, new_ids: Sequence[int], stop_at_newline: bool) -> tuple[str, int]:
-        """Answer text and number of generated tokens (padding after EOS dropped)."""
+    def _decode_answer(
+        self, new_ids: Sequence[int], stop_at_newline: bool
+    ) -> tuple[str, list[int]]:
+        """Answer text and the generated token ids (padding after EOS dropped)."""
         ids = [i for i in new_ids if i != self.tokenizer.pad_token_id]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return answer_text(text, stop_at_newline), len(ids)
+        return answer_text(text, stop_at_newline), ids
 
     def _left_pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` input ids and attention mask, left padded to the longest prompt."""
@@ -206,12 +208,13 @@ class HFBackend(Backend):
         for i, (row, prompt) in enumerate(
             zip(out.sequences[:, width:].tolist(), batch, strict=True)
         ):
-            text, n_new = self._decode_answer(row, stop)
+            text, new = self._decode_answer(row, stop)
             gens.append(
                 Generation(
                     text=text,
                     prompt_tokens=len(prompt),
-                    new_tokens=n_new,
+                    new_tokens=len(new),
+                    token_ids=new,
                     prefill_tokens=prefill[i],
                     seconds=secs,
                     first_logprobs=None if firsts is None else firsts[i],
@@ -241,6 +244,7 @@ class HFBackend(Backend):
         excess = self._reuse_cache.get_seq_length() - common
         if excess > 0:
             self._reuse_cache.crop(-excess)
+        self._reuse_ids = ids[:common]  # what the cache holds, should generate be interrupted
         inp = torch.tensor([ids], device=self.device)
         out = self.model.generate(
             input_ids=inp,
@@ -251,11 +255,12 @@ class HFBackend(Backend):
         )
         seq = out[0].tolist()
         self._reuse_ids = seq[: self._reuse_cache.get_seq_length()]
-        text, n_new = self._decode_answer(seq[len(ids) :], stop_at_newline)
+        text, new = self._decode_answer(seq[len(ids) :], stop_at_newline)
         return Generation(
             text=text,
             prompt_tokens=len(ids),
-            new_tokens=n_new,
+            new_tokens=len(new),
+            token_ids=new,
             prefill_tokens=len(ids) - common,
             seconds=time.perf_counter() - start,
         )
@@ -272,10 +277,12 @@ class HFBackend(Backend):
     ) -> list[Generation]:
         """Greedy answers (see :meth:`Backend.generate`). Without ``prefix_reuse``, batches are
         formed from prompts of similar length that share a budget and stop rule. With it (where
-        :attr:`supports_prefix_reuse`): at ``batch_size`` 1, prompts run one at a time over a KV
-        cache kept between calls; above 1, consecutive prompts (in the given order: put the cells
-        of one sample together) are batched over their shared prefix, prefilled once
-        (:meth:`_generate_shared`)."""
+        :attr:`supports_prefix_reuse`) the prompts run in the given order (put the cells of one
+        sample together) over a KV cache kept between calls and cropped to the common prefix
+        with the previous prompt: at ``batch_size`` 1 (without ``first_logprobs``) each prompt
+        is prefilled and decoded alone (:meth:`_generate_reusing`); above 1, up to
+        ``batch_size`` consecutive prompts are prefilled that way, then decoded in one batch
+        (:meth:`_generate_trie`; its cache is ``batch_size`` rows of the longest prompt)."""
         items = [
             (self.encode(p), *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts
         ]
@@ -283,7 +290,7 @@ class HFBackend(Backend):
         if prefix_reuse and self.supports_prefix_reuse:
             if size == 1 and not first_logprobs:
                 return [self._generate_reusing(*item) for item in items]
-            order, run = list(range(len(items))), self._generate_shared
+            order, run = list(range(len(items))), self._generate_trie
         else:
             order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
             run = self._generate_ids
@@ -296,44 +303,95 @@ class HFBackend(Backend):
         return results  # type: ignore[return-value]
 
     @torch.no_grad()
-    def _generate_shared(
+    def _generate_trie(
         self,
         batch: list[list[int]],
         max_new_tokens: int,
         stop_at_newline: bool,
         first_logprobs: bool = False,
     ) -> list[Generation]:
-        """Greedy decoding of ``B`` prompts that share a token prefix: the prefix is prefilled
-        once (batch 1), its KV cache repeated ``B`` times, the distinct suffixes prefilled as one
-        left-padded batch over it (padding sits between prefix and suffix, masked, position IDs
-        counted over real tokens only) and all rows decoded together, each stopping at its own
-        stop rule. Greedy answers equal :meth:`_generate_ids` up to floating-point differences of
-        the differently shaped matmuls.
+        """Greedy decoding of ``B`` prompts (in the given order: a sample's sweep cells) with a
+        trie-shaped prefill and one batched decode.
 
-        ``prefill_tokens`` counts the prefix for the first row only, so their sum is the tokens
-        actually prefilled (padding excluded).
+        Prefill: each prompt minus its last token runs in turn over one batch-1 KV cache (the
+        one :meth:`_generate_reusing` keeps between calls), cropped back to the longest common
+        token prefix with the tokens it holds (the previous prompt) and extended by the rest, at
+        position IDs ``common .. len - 2``. After each prompt its row of the cache (per layer
+        keys and values ``[1, kv_heads, len - 1, head_dim]``) is copied, right aligned, into a
+        zero-filled batch cache ``[B, kv_heads, W - 1, head_dim]`` (``W``: the longest prompt),
+        so row ``i`` holds its ``len_i - 1`` tokens at slots ``W - len_i .. W - 2`` and zeros
+        before them. Decode: ``model.generate`` gets the left-padded prompts ``[B, W]``, their
+        attention mask (0 on the padding, whose zero keys and values are never attended to) and
+        that cache of ``W - 1`` positions, so it feeds only each row's last token, at position
+        ``len_i - 1`` (the mask's cumsum minus one: the positions the cached rows were computed
+        at), and decodes all rows together, each stopping at its own stop rule. Greedy answers
+        equal :meth:`_generate_ids` up to floating-point differences of the differently shaped
+        matmuls.
+
+        Tokens prefilled: in the given order each row prefills its tokens after the prefix it
+        shares with the row before (the first row: with what the cache held from the previous
+        call), plus its last token in the decode batch; ``Generation.prefill_tokens`` is that
+        per row. When every prompt's longest common prefix with the earlier ones is its common
+        prefix with the one just before (a sweep's cells in position order, any depth-first
+        order of the token trie), the sum is the number of nodes of the token trie of the
+        prompts minus their last tokens, plus ``B``: each distinct prefix is computed once.
+
+        Memory: the batch cache is ``B x (W - 1)`` tokens of keys and values in every layer
+        (``2 x layers x kv_heads x head_dim x`` the dtype's bytes per token: 45 KiB for
+        SmolLM2-135M in fp32, so 20 rows of 1,500 tokens take 1.3 GiB), growing by one token per
+        row per decoding step, besides one row's prefill cache; ``batch_size`` bounds ``B``.
+
+        Raises:
+            RuntimeError: from transformers, a sliding-window layer cropped after its window was
+                filled (a prompt longer than the model's sliding window).
         """
         from transformers import DynamicCache
 
         start = time.perf_counter()
-        common = len(batch[0]) - 1  # at least one token of every prompt is fed to get logits
-        for ids in batch[1:]:
-            common = min(common, len(ids) - 1)
-            common = next((i for i in range(common) if ids[i] != batch[0][i]), common)
-        cache = DynamicCache(config=self.model.config)
-        if common:
-            self.model(input_ids=torch.tensor([batch[0][:common]], device=self.device), cache=cache)
-            cache.batch_repeat_interleave(len(batch))
-        width = max(len(x) for x in batch) - common
-        pad = self.tokenizer.pad_token_id
-        rows = [x[:common] + [pad] * (width - len(x) + common) + x[common:] for x in batch]
-        mask = [
-            [1] * common + [0] * (width - len(x) + common) + [1] * (len(x) - common) for x in batch
-        ]
+        if self._reuse_cache is None:
+            self._reuse_cache = DynamicCache(config=self.model.config)
+            self._reuse_ids = []
+        cache = self._reuse_cache
+        slots = max(len(x) for x in batch) - 1  # the cached positions of the longest prompt
+        kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.layers)
+        prefill = []
+        for row, ids in enumerate(batch):
+            body = ids[:-1]
+            common = 0
+            for a, c in zip(body, self._reuse_ids, strict=False):
+                if a != c:
+                    break
+                common += 1
+            excess = cache.get_seq_length() - common
+            if excess > 0:
+                cache.crop(-excess)
+            self._reuse_ids = body[:common]  # what the cache holds, should the forward fail
+            if len(body) > common:
+                pos = torch.arange(common, len(body), device=self.device)[None]
+                inp = torch.tensor([body[common:]], device=self.device)
+                self.model(input_ids=inp, position_ids=pos, cache=cache, logits_to_keep=1)
+            self._reuse_ids = body
+            prefill.append(len(body) - common + 1)
+            for i, layer in enumerate(cache.layers):
+                if not getattr(layer, "is_initialized", False) or layer.keys.shape[-2] == 0:
+                    continue  # nothing cached yet (a one-token prompt) or a KV-sharing layer
+                n = layer.keys.shape[-2]  # len(body); a sliding layer's last window-1 tokens
+                if kv[i] is None:
+                    shape = (len(batch), layer.keys.shape[1], slots, layer.keys.shape[-1])
+                    kv[i] = tuple(layer.keys.new_zeros(shape) for _ in range(2))
+                keys, values = kv[i]
+                keys[row, :, slots - n :].copy_(layer.keys[0])
+                values[row, :, slots - n :].copy_(layer.values[0])
+        rows = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(rows.layers):
+            if kv[i] is not None:
+                layer.update(*kv[i])
+                kv[i] = None  # update copied it: free the staging tensors layer by layer
+        ids, mask = self._left_pad(batch)
         out = self.model.generate(
-            input_ids=torch.tensor(rows, device=self.device),
-            attention_mask=torch.tensor(mask, device=self.device),
-            cache=cache,
+            input_ids=ids,
+            attention_mask=mask,
+            cache=rows,
             generation_config=self._generation_config(
                 max_new_tokens,
                 stop_at_newline,
@@ -342,8 +400,7 @@ class HFBackend(Backend):
             ),
             tokenizer=self.tokenizer,
         )
-        prefill = [len(x) - common + (common if i == 0 else 0) for i, x in enumerate(batch)]
-        return self._generations(out, batch, common + width, prefill, stop_at_newline, start)
+        return self._generations(out, batch, ids.shape[1], prefill, stop_at_newline, start)
 
     def stream(
         self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
