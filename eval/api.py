@@ -87,14 +87,17 @@ def _compute(
     """Load the backend, compute ``todo`` and store each record as it is done (``config.json``
     first, before the first record). ``done``: the run's records finished before (they count in
     the progress bar and its accuracy). ``batch_size`` ``None``: the backend's preferred size (a
-    remote model's concurrency), else 16 on CUDA and 1 otherwise.
+    remote model's concurrency), else 16 on CUDA or where the cells of a sample share a prefix
+    cache (prefilled along their token trie, then decoded together: the fastest exact mode on
+    the CPU too, ``results/bench-sweep-nq10.json``), and 1 otherwise.
 
     Raises:
         ConfigError: the task's answer budget alone fills the backend's window (no prompt could
             fit; both numbers named).
     """
     backend = load()
-    bs = batch_size or backend.preferred_batch_size or (16 if on_gpu else 1)
+    trie = prefix_reuse and backend.supports_prefix_reuse  # trie prefill + batched decode
+    bs = batch_size or backend.preferred_batch_size or (16 if on_gpu or trie else 1)
     budget = get_task(config.task).max_new_tokens
     if budget >= backend.context_window and not backend.cuts_long_prompts:
         raise ConfigError(
