@@ -85,7 +85,8 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option(help="reuse the KV cache of the shared prompt prefix")
         ] = True,
         batch_size: Annotated[
-            int | None, typer.Option(help="cells per batch (default 1 on CPU, 16 on CUDA)")
+            int | None,
+            typer.Option(help="cells per batch (default 16 with prefix reuse or CUDA, else 1)"),
         ] = None,
         corpus: Annotated[
             Path | None, typer.Option(help="pipeline mode: a folder of documents")
