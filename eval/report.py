@@ -358,10 +358,11 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
                 config_path, None, None, f"unreadable run configuration ({e})"
             ) from None
     records, _ = summary_counts(list(open_store(folder).load().values()))
-    continued = {label: 0 for label in cells_by_curve(records)}
+    curves = cells_by_curve(records)
+    continued = dict.fromkeys(curves, 0)
     for r in records:
         continued[curve_label(r)] += continues_context(r.get("answer", ""))
-    run = Run(name or folder.name, folder, config, summary, cells_by_curve(records), continued)
+    run = Run(name or folder.name, folder, config, summary, curves, continued)
     if not run.curves:
         raise DataError(folder, None, None, "no scored cell in this run (nothing to compare)")
     record_range(config.get("records"), config_path)

@@ -578,18 +578,18 @@ def calibrate(
 
     final = [(0, 1.0)] + [(s.channel, s.factor) for s in finalists]
     h = prompt_losses(model, held, settings.layers, final, "held-out selection", progress)
-    heldout = [score_setting(h[:, 0], held, None, 1.0)] + [
-        score_setting(h[:, j], held, c, f) for j, (c, f) in enumerate(final[1:], start=1)
+    heldout = [  # column 0: the unmodified model
+        score_setting(h[:, j], held, c if j else None, f) for j, (c, f) in enumerate(final)
     ]
     chosen = select(heldout, finalists[0], key)
-    factor_losses = {str(s.factor): s.loss for s in scored if s.channel == best.channel}
+    by_factor = {s.factor: s.loss for s in scored if s.channel == best.channel}
     return ChannelScalingCalibration(
         model=model_identity(model),
         channel=chosen.channel,
         layers=settings.layers,
         factor=chosen.factor,
         baseline_loss=unmodified.loss,
-        factor_losses={str(f): factor_losses[str(f)] for f in settings.factors},
+        factor_losses={str(f): by_factor[f] for f in settings.factors},
         candidates=candidates,
         settings=settings.model_dump(mode="json"),
         minutes=(time.perf_counter() - start) / 60,

@@ -222,16 +222,13 @@ class HFBackend(Backend):
             )
         return gens
 
-    @torch.no_grad()
-    def _generate_reusing(
-        self, ids: list[int], max_new_tokens: int, stop_at_newline: bool
-    ) -> Generation:
-        """Greedy answer to one prompt, reusing the KV cache of the longest common token prefix
-        with the previous reusing call (prompt plus answer). Greedy answers equal the batched
-        path's up to floating-point differences of the shorter matmuls."""
+    def _crop_reuse_cache(self, ids: list[int]) -> int:
+        """Crop the KV cache kept between prefix-reusing calls (created on first use) to its
+        longest common token prefix with ``ids``; return that prefix's length. The cache is then
+        recorded as holding exactly those tokens, so a forward interrupted after this call never
+        leaves it claiming tokens it does not hold."""
         from transformers import DynamicCache
 
-        start = time.perf_counter()
         if self._reuse_cache is None:
             self._reuse_cache = DynamicCache(config=self.model.config)
             self._reuse_ids = []
@@ -240,11 +237,22 @@ class HFBackend(Backend):
             if a != c:
                 break
             common += 1
-        common = min(common, len(ids) - 1)  # at least one token must be fed to get logits
         excess = self._reuse_cache.get_seq_length() - common
         if excess > 0:
             self._reuse_cache.crop(-excess)
-        self._reuse_ids = ids[:common]  # what the cache holds, should generate be interrupted
+        self._reuse_ids = ids[:common]
+        return common
+
+    @torch.no_grad()
+    def _generate_reusing(
+        self, ids: list[int], max_new_tokens: int, stop_at_newline: bool
+    ) -> Generation:
+        """Greedy answer to one prompt, reusing the KV cache of the longest common token prefix
+        with the previous reusing call (prompt plus answer). Greedy answers equal the batched
+        path's up to floating-point differences of the shorter matmuls."""
+        start = time.perf_counter()
+        # at least one token must be fed to get logits
+        common = self._crop_reuse_cache(ids[:-1])
         inp = torch.tensor([ids], device=self.device)
         out = self.model.generate(
             input_ids=inp,
@@ -348,24 +356,13 @@ class HFBackend(Backend):
         from transformers import DynamicCache
 
         start = time.perf_counter()
-        if self._reuse_cache is None:
-            self._reuse_cache = DynamicCache(config=self.model.config)
-            self._reuse_ids = []
-        cache = self._reuse_cache
         slots = max(len(x) for x in batch) - 1  # the cached positions of the longest prompt
-        kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.layers)
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> batch keys, values
         prefill = []
         for row, ids in enumerate(batch):
             body = ids[:-1]
-            common = 0
-            for a, c in zip(body, self._reuse_ids, strict=False):
-                if a != c:
-                    break
-                common += 1
-            excess = cache.get_seq_length() - common
-            if excess > 0:
-                cache.crop(-excess)
-            self._reuse_ids = body[:common]  # what the cache holds, should the forward fail
+            common = self._crop_reuse_cache(body)
+            cache = self._reuse_cache
             if len(body) > common:
                 pos = torch.arange(common, len(body), device=self.device)[None]
                 inp = torch.tensor([body[common:]], device=self.device)
@@ -376,7 +373,7 @@ class HFBackend(Backend):
                 if not getattr(layer, "is_initialized", False) or layer.keys.shape[-2] == 0:
                     continue  # nothing cached yet (a one-token prompt) or a KV-sharing layer
                 n = layer.keys.shape[-2]  # len(body); a sliding layer's last window-1 tokens
-                if kv[i] is None:
+                if i not in kv:
                     shape = (len(batch), layer.keys.shape[1], slots, layer.keys.shape[-1])
                     kv[i] = tuple(layer.keys.new_zeros(shape) for _ in range(2))
                 keys, values = kv[i]
@@ -384,9 +381,8 @@ class HFBackend(Backend):
                 values[row, :, slots - n :].copy_(layer.values[0])
         rows = DynamicCache(config=self.model.config)
         for i, layer in enumerate(rows.layers):
-            if kv[i] is not None:
-                layer.update(*kv[i])
-                kv[i] = None  # update copied it: free the staging tensors layer by layer
+            if i in kv:
+                layer.update(*kv.pop(i))  # update copies: free the staging tensors per layer
         ids, mask = self._left_pad(batch)
         out = self.model.generate(
             input_ids=ids,
