@@ -345,6 +345,42 @@ def test_first_step_logprobs_equal_next_token_logprobs(smol, judged):
         assert r.original.p_b == pytest.approx(float(lp[judge.token_b].exp()), rel=1e-4)
 
 
+def test_judge_prefills_the_pairs_of_a_question_along_their_token_trie(smol):
+    # issue 17: both orders of a pair share the prompt up to the first answer, and the pairs of
+    # one question share it up to the answers; the judge prefills each shared prefix once and
+    # gets the letters of the judge that prefills every prompt alone
+    pairs = [
+        PAIRS[0],
+        PAIRS[1],
+        PAIRS[0].model_copy(update={"pair_id": "capital-2", "answer_b": "It is Lyon."}),
+    ]
+    plain = type(smol)(smol.model, smol.tokenizer)
+    plain.supports_prefix_reuse = False
+    prefilled = {}
+    for name, backend in (("trie", type(smol)(smol.model, smol.tokenizer)), ("plain", plain)):
+        generate = backend.generate
+
+        def counting(prompts, _generate=generate, _name=name, **kw):
+            gens = _generate(prompts, **kw)
+            prefilled[_name] = prefilled.get(_name, 0) + sum(g.prefill_tokens for g in gens)
+            return gens
+
+        backend.generate = counting
+        prefilled[name + " judgments"] = PairwiseJudge(backend, batch_size=4).judge_pairs(pairs)
+    trie, plain_res = prefilled["trie judgments"], prefilled["plain judgments"]
+    for t, p in zip(trie, plain_res, strict=True):
+        assert (t.original.slot_verdict, t.swapped.slot_verdict) == (
+            p.original.slot_verdict,
+            p.swapped.slot_verdict,
+        )
+        for o, q in ((t.original, p.original), (t.swapped, p.swapped)):
+            assert o.p_a == pytest.approx(q.p_a, rel=1e-4)
+            assert o.p_b == pytest.approx(q.p_b, rel=1e-4)
+    # six prompts; the two pairs of the France question come together, so after the first
+    # prompt each one prefills only what follows its prefix shared with the one before
+    assert prefilled["trie"] < 0.6 * prefilled["plain"]
+
+
 def test_truncated_judge_scores_letters_on_the_cut_prompt(smol):
     from ragfix.backends.truncated import TruncatedBackend
 

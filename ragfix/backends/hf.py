@@ -353,7 +353,7 @@ class HFBackend(Backend):
             RuntimeError: from transformers, a sliding-window layer cropped after its window was
                 filled (a prompt longer than the model's sliding window).
         """
-        from transformers import DynamicCache
+        from transformers import StaticCache
 
         start = time.perf_counter()
         slots = max(len(x) for x in batch) - 1  # the cached positions of the longest prompt
@@ -379,7 +379,7 @@ class HFBackend(Backend):
                 keys, values = kv[i]
                 keys[row, :, slots - n :].copy_(layer.keys[0])
                 values[row, :, slots - n :].copy_(layer.values[0])
-        rows = DynamicCache(config=self.model.config)
+        rows = StaticCache(config=self.model.config, max_cache_len=slots + max_new_tokens + 1)
         for i, layer in enumerate(rows.layers):
             if i in kv:
                 layer.update(*kv.pop(i))  # update copies: free the staging tensors per layer

@@ -165,13 +165,18 @@ class PairwiseJudge:
 
     def _judge_orders(self, prompts: list[TaskPrompt]) -> list[OrderJudgment]:
         """Greedy replies to ``prompts`` in one batch, each with the first-step log-probabilities
-        of exactly the input it was generated from (``verdict`` style)."""
+        of exactly the input it was generated from (``verdict`` style). Where the backend
+        reuses prefixes, the prompts are prefilled along their token trie in the given order
+        (both orders of a pair share the prompt up to the first answer, pairs of one question
+        share it up to the answers) and decoded together
+        (:meth:`~ragfix.backends.hf.HFBackend.generate`)."""
         gens = self.backend.generate(
             prompts,
             batch_size=len(prompts),
             max_new_tokens=self.max_new_tokens,
             stop_at_newline=False,
             first_logprobs=self.style == "verdict",
+            prefix_reuse=True,
         )
         return [self._order(g) for g in gens]
 
@@ -186,8 +191,10 @@ class PairwiseJudge:
         pairs: Sequence[JudgePair],
         on_result: Callable[[PairJudgment], None] | None = None,
     ) -> list[PairJudgment]:
-        """Judge ``pairs`` in both orders, ``batch_size`` prompts per batch (pairs sorted by
-        prompt length to limit padding; both orders of a pair share a batch).
+        """Judge ``pairs`` in both orders, ``batch_size`` prompts per batch (both orders of a
+        pair share a batch). Where the backend reuses prefixes, pairs are grouped by question
+        (and reference), so a batch's prompts share their longest prefixes; elsewhere they are
+        sorted by prompt length to limit padding.
 
         Pairs with identical answers are not sent to the model: both orders are a tie (flagged
         ``identical_answers``).
@@ -213,7 +220,15 @@ class PairwiseJudge:
                     self.prompt(p.question, p.answer_b, p.answer_a, p.reference),
                 )
         size = self.backend.count_tokens if self.backend.has_tokenizer else len
-        order = sorted(prompts, key=lambda i: size(prompts[i][0].user))
+
+        def key(i: int) -> tuple:
+            shared = (pairs[i].question, pairs[i].reference or "")
+            return (
+                *(shared if self.backend.supports_prefix_reuse else ()),
+                size(prompts[i][0].user),
+            )
+
+        order = sorted(prompts, key=key)
         per_step = max(1, self.batch_size // 2)
         for start in range(0, len(order), per_step):
             chunk = order[start : start + per_step]
