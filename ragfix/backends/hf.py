@@ -328,9 +328,14 @@ class HFBackend(Backend):
         keys and values ``[1, kv_heads, len - 1, head_dim]``) is copied, right aligned, into a
         zero-filled batch cache ``[B, kv_heads, W - 1, head_dim]`` (``W``: the longest prompt),
         so row ``i`` holds its ``len_i - 1`` tokens at slots ``W - len_i .. W - 2`` and zeros
-        before them. Decode: ``model.generate`` gets the left-padded prompts ``[B, W]``, their
-        attention mask (0 on the padding, whose zero keys and values are never attended to) and
-        that cache of ``W - 1`` positions, so it feeds only each row's last token, at position
+        before them. Those rows fill the first ``W - 1`` slots of a ``transformers``
+        ``StaticCache`` of ``W + max_new_tokens`` slots, preallocated so that a decoding step
+        writes each row's new key and value in place instead of copying the whole batch cache
+        (``DynamicCache`` concatenates, copying every layer's batch cache at every step).
+        Decode: ``model.generate`` gets the left-padded prompts
+        ``[B, W]``, their attention mask (0 on the padding, whose zero keys and values are never
+        attended to) and that cache of ``W - 1`` filled positions, so it feeds only each row's
+        last token, at position
         ``len_i - 1`` (the mask's cumsum minus one: the positions the cached rows were computed
         at), and decodes all rows together, each stopping at its own stop rule. Greedy answers
         equal :meth:`_generate_ids` up to floating-point differences of the differently shaped
@@ -344,10 +349,10 @@ class HFBackend(Backend):
         order of the token trie), the sum is the number of nodes of the token trie of the
         prompts minus their last tokens, plus ``B``: each distinct prefix is computed once.
 
-        Memory: the batch cache is ``B x (W - 1)`` tokens of keys and values in every layer
-        (``2 x layers x kv_heads x head_dim x`` the dtype's bytes per token: 45 KiB for
-        SmolLM2-135M in fp32, so 20 rows of 1,500 tokens take 1.3 GiB), growing by one token per
-        row per decoding step, besides one row's prefill cache; ``batch_size`` bounds ``B``.
+        Memory: the batch cache is ``B x (W + max_new_tokens)`` tokens of keys and values in
+        every layer (``2 x layers x kv_heads x head_dim x`` the dtype's bytes per token: 45 KiB
+        for SmolLM2-135M in fp32, so 20 rows of 1,500 tokens take 1.3 GiB), staged once per
+        layer, besides one row's prefill cache; ``batch_size`` bounds ``B``.
 
         Raises:
             RuntimeError: from transformers, a sliding-window layer cropped after its window was
