@@ -168,6 +168,9 @@ def register(app: typer.Typer) -> None:
         num_docs: NumDocsOpt = 10,
         max_passage_words: WordsOpt = None,
         positions_per_question: Annotated[int, typer.Option(help="K trivial positions")] = 4,
+        max_answer_words: Annotated[
+            int, typer.Option(help="QA: drop teacher answers longer than N words")
+        ] = 12,
         anchor_position: Annotated[int, typer.Option(help="sink position, 0-based; -1 last")] = 0,
         anchor_weight: Annotated[float, typer.Option(help="lambda of the anchoring term")] = 1.0,
         epochs: int = 1,
@@ -191,7 +194,7 @@ def register(app: typer.Typer) -> None:
             _train(
                 train, out, model, exclude, records, offset, candidates, threads, device, dtype,
                 resume, stop_after, variant="r1", num_docs=num_docs,
-                max_passage_words=max_passage_words,
+                max_passage_words=max_passage_words, max_answer_words=max_answer_words,
                 questions=questions, positions_per_question=positions_per_question,
                 anchor_position=anchor_position, anchor_weight=anchor_weight, epochs=epochs,
                 max_steps=max_steps, effective_batch=effective_batch, micro_batch=micro_batch,

@@ -19,8 +19,11 @@ from ragfix.distill import (
     CHECKPOINT_DIR,
     DistillSettings,
     Example,
+    TeacherReport,
     answer_logits,
+    answer_problem,
     arrange,
+    build_rows,
     collate,
     compose_two_passage,
     distill,
@@ -112,6 +115,47 @@ def test_r1_rows_keep_the_distractors_and_put_the_gold_where_asked():
         assert len({tuple(r.order) for r in rows}) == 5  # a fresh shuffle per copy
     # the teacher's context is the file order with the gold at the anchor
     assert arrange(samples[0], [0]) == samples[0].passages_with_gold_at(0)
+
+
+class _ScriptedTeacher:
+    """Answers the teacher prompts with the given texts, in order (the filter's mechanism)."""
+
+    def __init__(self, texts):
+        self.texts = iter(texts)
+
+    def generate(self, prompts, **kw):
+        from ragfix.types import Generation
+
+        return [
+            Generation(
+                text=next(self.texts), prompt_tokens=1, new_tokens=1, prefill_tokens=1, seconds=0
+            )
+            for _ in prompts
+        ]
+
+
+def test_teacher_answers_that_quote_passages_or_run_long_are_dropped_and_counted():
+    # issue 15: an NQ teacher answer that quotes a passage label passes best_subspan_em (the
+    # gold string is inside the quotation) but teaches the student to recite the context
+    samples = load_samples(data_file(EVAL_FILE), 10, limit=5)
+    gold = [s.answers[0] for s in samples]
+    settings = DistillSettings(questions=5, max_answer_words=6)
+    texts = [
+        gold[0],  # kept
+        f"Document [3](Title: {samples[1].gold.title}) {gold[1]}",  # quotes a passage label
+        f"The answer to this question, as the passages say, is {gold[2]}",  # 10+ words
+        "I do not know",  # wrong
+        f"{gold[4]}\nDocument [1](Title: x)",  # kept: the metric reads the first line
+    ]
+    kept, rows, report = build_rows(_ScriptedTeacher(texts), samples, settings)
+    assert [s.id for s in kept] == [samples[0].id, samples[4].id]
+    assert report == TeacherReport(tried=5, kept=2, wrong=1, quotes_passage=1, too_long=1)
+    assert len(rows) == 2 * (settings.positions_per_question + settings.anchor_copies)
+    assert answer_problem(samples[0], "Document [2] says so", settings) == "quotes_passage"
+    assert answer_problem(samples[0], "", settings) == "empty"
+    # KV values are not QA answers: no word limit
+    kv = load_samples(data_file("litm_kv_retrieval_75_keys.jsonl.gz"), 8, limit=1)[0]
+    assert answer_problem(kv, "a b c d e f g h", settings) is None
 
 
 def test_truncation_keeps_the_answer_in_the_gold_passage():
@@ -312,7 +356,7 @@ def test_distill_end_to_end_on_a_tiny_model(tmp_path):
     )
     settings = DistillSettings(
         num_docs=3, questions=1, positions_per_question=2, effective_batch=2, lr=5e-2,
-        max_answer_tokens=6, save_every=1,
+        max_answer_tokens=6, max_answer_words=None, save_every=1,
     )  # fmt: skip
     # a random model answers nonsense: make its own greedy answer the gold answer, so the
     # teacher's answer at the anchor is correct and the question is kept
@@ -328,6 +372,7 @@ def test_distill_end_to_end_on_a_tiny_model(tmp_path):
     assert res.finished and res.steps == res.total_steps == 2  # 3 rows, 2 per step
     assert meta["rows"] == 3 and meta["steps"] == 2 and meta["train_question_ids"] == ["q0"]
     assert meta["kind"] == "lora" and meta["questions_tried"] == 1
+    assert meta["teacher_answers"] == TeacherReport(tried=1, kept=1).model_dump()
     assert (out / METADATA_FILE).is_file() and (out / "adapter_model.safetensors").is_file()
     assert not (out / CHECKPOINT_DIR).exists()
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
@@ -369,7 +414,7 @@ def test_distill_without_a_correct_teacher_answer_is_a_data_error(tmp_path):
     p = [Passage(title=f"T{i}", text=f"Some text {i}.") for i in range(3)]
     s = QASample(id="q", question="q?", answers=["zzzqqq"], gold=p[0], distractors=p[1:])
     settings = DistillSettings(num_docs=3, questions=1, max_answer_tokens=4)
-    with pytest.raises(DataError, match="no correct teacher answer among 1 questions"):
+    with pytest.raises(DataError, match=r"no usable teacher answer among 1 questions \(wrong 1\)"):
         distill(str(folder), [s], settings, tmp_path / "out", device="cpu", log=lambda m: None)
 
 

@@ -16,7 +16,7 @@ def adapter_metadata(
     settings,
     base_identity: dict,
     kept: list,
-    tried: int,
+    report,
     rows: int,
     result,
     excluded=(),
@@ -29,7 +29,9 @@ def adapter_metadata(
     Args:
         settings: the :class:`~ragfix.distill.settings.DistillSettings`.
         base_identity: :func:`ragfix.models.model_identity` of the base model (checked on load).
-        kept: the training questions. tried: questions the teacher answered. rows: training rows.
+        kept: the training questions. report: the
+            :class:`~ragfix.distill.data.TeacherReport` (questions tried, kept, dropped and
+            why). rows: training rows.
         result: the :class:`~ragfix.distill.loop.TrainResult`.
         excluded: evaluation samples kept out of training (their ids are recorded).
         excluded_candidates: training candidates dropped because they were among ``excluded``.
@@ -47,7 +49,8 @@ def adapter_metadata(
         "train_records": train_records,
         "train_question_ids": [s.id for s in kept],
         "train_questions": [s.question for s in kept],
-        "questions_tried": tried,
+        "questions_tried": report.tried,
+        "teacher_answers": report.model_dump(),
         "excluded_question_ids": sorted({s.id for s in excluded}),
         "excluded_candidates": excluded_candidates,
         "rows": rows,

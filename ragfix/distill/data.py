@@ -34,6 +34,22 @@ R2_INSTRUCTION = (
 _ANSWER_IS = re.compile(r"the answer is[:\uff1a]?\s*(.*)", re.IGNORECASE)
 #: teacher prompts answered per ``Backend.generate`` call
 TEACHER_BATCH = 8
+#: a quotation of the prompt's passage labels ("Document [3](Title: ...)") in a QA answer
+_PASSAGE_LABEL = re.compile(r"Document\s*\[\d+\]|\(Title:")
+
+
+class TeacherReport(BaseModel):
+    """What happened to the teacher's answers: questions tried, kept, and why the others were
+    dropped (``wrong``: not correct; ``empty``; and, R1 QA only, ``quotes_passage``: quotes a
+    passage label such as ``Document [3](Title: ...)``, which passes best_subspan_em but teaches
+    the student to recite the context; ``too_long``: more than ``max_answer_words`` words)."""
+
+    tried: int = 0
+    kept: int = 0
+    wrong: int = 0
+    empty: int = 0
+    quotes_passage: int = 0
+    too_long: int = 0
 
 
 class MultiHopSample(BaseModel):
@@ -280,6 +296,21 @@ def teacher_answer_text(sample, text: str) -> str:
     return text.strip()
 
 
+def answer_problem(sample, answer: str, settings: DistillSettings) -> str | None:
+    """Why a correct teacher answer (:func:`teacher_answer_text`) is not trained on: ``"empty"``,
+    and for R1 QA ``"quotes_passage"`` or ``"too_long"`` (see :class:`TeacherReport`); ``None``
+    when it is kept. KV values and R2 chains of thought are only checked for emptiness."""
+    if not answer:
+        return "empty"
+    if isinstance(sample, QASample) and sample.task == "qa":
+        if _PASSAGE_LABEL.search(answer):
+            return "quotes_passage"
+        limit = settings.max_answer_words
+        if limit is not None and len(answer.split()) > limit:
+            return "too_long"
+    return None
+
+
 def sample_rows(
     sample, answer: str, settings: DistillSettings, rng: random.Random
 ) -> list[DistillRow]:
@@ -306,29 +337,36 @@ def build_rows(
         progress: optional callable ``(done, total, kept)`` called after each batch.
 
     Returns:
-        ``(kept_samples, rows, tried)``: the first ``settings.questions`` samples whose teacher
-        answer is correct, their rows, and how many samples were tried.
+        ``(kept_samples, rows, report)``: the first ``settings.questions`` samples whose teacher
+        answer is correct and passes :func:`answer_problem`, their rows, and the
+        :class:`TeacherReport` (the samples tried, each dropped one counted once, by its first
+        reason).
     """
     rng = random.Random(settings.seed)
-    kept, rows, tried = [], [], 0
+    kept, rows, report = [], [], TeacherReport()
     for start in range(0, len(samples), TEACHER_BATCH):
         chunk = samples[start : start + TEACHER_BATCH]
         prompts = [teacher_prompt(s, settings) for s in chunk]
         gens = backend.generate(prompts, batch_size=TEACHER_BATCH)
-        tried += len(chunk)
+        report.tried += len(chunk)
         for s, g in zip(chunk, gens, strict=True):
             if len(kept) >= settings.questions:
-                break
+                report.tried -= 1  # answered in the last batch but not needed
+                continue
             ok = r2_correct(s, g.text) if isinstance(s, MultiHopSample) else score_answer(s, g.text)
             answer = teacher_answer_text(s, g.text)
-            if ok and answer:
+            problem = "wrong" if not ok else answer_problem(s, answer, settings)
+            if problem is None:
                 kept.append(s)
                 rows += sample_rows(s, answer, settings, rng)
+            else:
+                setattr(report, problem, getattr(report, problem) + 1)
         if progress is not None:
-            progress(tried, len(samples), len(kept))
+            progress(report.tried, len(samples), len(kept))
         if len(kept) >= settings.questions:
             break
-    return kept, rows, tried
+    report.kept = len(kept)
+    return kept, rows, report
 
 
 def exclude_questions(samples: Sequence, excluded: Sequence) -> list:
@@ -344,6 +382,8 @@ __all__ = [
     "R2_INSTRUCTION",
     "DistillRow",
     "MultiHopSample",
+    "TeacherReport",
+    "answer_problem",
     "arrange",
     "build_rows",
     "compose_two_passage",

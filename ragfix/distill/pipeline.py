@@ -14,6 +14,7 @@ from ragfix.distill.batches import Example, answer_token_ids, teacher_logprobs
 from ragfix.distill.checkpoint import remove_checkpoint
 from ragfix.distill.data import (
     DistillRow,
+    TeacherReport,
     build_rows,
     exclude_questions,
     student_prompt,
@@ -39,7 +40,7 @@ def teacher_rows(
     build_rows` (and written there when ``write``).
 
     Returns:
-        ``(kept, rows, tried)`` as :func:`~ragfix.distill.data.build_rows`.
+        ``(kept, rows, report)`` as :func:`~ragfix.distill.data.build_rows`.
     """
     by_id = {s.id: s for s in candidates}
     cached = json.loads(data_path.read_text()) if resume and data_path.exists() else None
@@ -51,9 +52,9 @@ def teacher_rows(
         kept = [by_id[i] for i in cached["question_ids"]]
         rows = [DistillRow(**r) for r in cached["rows"]]
         log(f"reusing {data_path}: {len(kept)} questions, {len(rows)} rows")
-        return kept, rows, cached["tried"]
+        return kept, rows, TeacherReport(**cached["report"])
     log(f"teacher answers at the advantaged position ({len(candidates)} candidates)")
-    kept, rows, tried = build_rows(
+    kept, rows, report = build_rows(
         teacher,
         candidates,
         settings,
@@ -65,11 +66,11 @@ def teacher_rows(
             {
                 "data_key": settings.data_key(),
                 "question_ids": [s.id for s in kept],
-                "tried": tried,
+                "report": report.model_dump(),
                 "rows": [r.model_dump() for r in rows],
             },
         )
-    return kept, rows, tried
+    return kept, rows, report
 
 
 def tokenize_rows(teacher, tokenizer, kept: Sequence, rows, settings) -> list[Example]:
@@ -158,13 +159,17 @@ def distill(
     teacher = HFBackend(model, tok)
     base_identity = model_identity(model)
     candidates = exclude_questions(samples, excluded)
-    kept, rows, tried = teacher_rows(
+    kept, rows, report = teacher_rows(
         teacher, candidates, settings, out / DATA_FILE, resume, acc.is_main_process, log
     )
+    dropped = {k: v for k, v in report.model_dump().items() if k not in ("tried", "kept") and v}
+    why = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in dropped.items()) or "none"
     if not kept:
         where = ", ".join(train_files) or "training samples"
-        raise DataError(where, None, None, f"no correct teacher answer among {tried} questions")
-    log(f"{len(kept)} of {tried} questions answered correctly by the teacher; {len(rows)} rows")
+        raise DataError(
+            where, None, None, f"no usable teacher answer among {report.tried} questions ({why})"
+        )
+    log(f"{len(kept)} of {report.tried} teacher answers kept (dropped: {why}); {len(rows)} rows")
     examples = tokenize_rows(teacher, tok, kept, rows, settings)
     cache = None
     if settings.variant == "r1":
@@ -187,7 +192,7 @@ def distill(
         settings,
         base_identity,
         kept,
-        tried,
+        report,
         len(rows),
         result,
         excluded=excluded,

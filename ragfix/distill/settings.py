@@ -56,6 +56,9 @@ class DistillSettings(BaseModel):
     grad_clip: float = 1.0
     save_every: int = Field(10, ge=1)
     max_answer_tokens: int = Field(32, ge=1)
+    max_answer_words: int | None = Field(
+        12, ge=1, description="R1 QA: drop teacher answers longer than this many words"
+    )
     r2_max_new_tokens: int = Field(160, ge=8)
     seed: int = 42
 
@@ -70,6 +73,7 @@ class DistillSettings(BaseModel):
             "anchor_position",
             "anchor_copies",
             "max_answer_tokens",
+            "max_answer_words",
             "r2_max_new_tokens",
             "seed",
         ]
