@@ -2,7 +2,8 @@
 vanilla on the same prompts, in one run (one model, patched and unpatched in turn).
 
 Run: ``python -m ragfix.eval.bench_channel_scaling --prompts 4 --new-tokens 32`` (prints one
-table; ``--out`` also writes the rows as JSON). The prompts are Lost-in-the-Middle multi-document
+table; ``--out results/NAME.json`` also keeps it as a result file, rendered by
+``ragfix render``). The prompts are Lost-in-the-Middle multi-document
 QA prompts (gold passage first) from ``--data`` (default: the bundled ``nq-sample``, the first
 60 questions of ``derived_nq_20docs_bm25pool_gold_at_0`` cut to 10 documents). For every prompt,
 vanilla and channel-scaled run alternately (``--repeats`` times each, after one warm-up); each
@@ -22,13 +23,12 @@ import time
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from ragfix.backends import load_backend
 from ragfix.backends.channel_scaling import ChannelScalingBackend, apply_channel_scaling
 from ragfix.bundled import resolve_data
 from ragfix.connectors.litm import load_samples
-from ragfix.io import atomic_write_json
+from ragfix.eval.report import TableSpec, print_tables, write_benchmark
 from ragfix.tasks import task_prompt
 
 
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calibration", default=None, help="calibration JSON (default: channel 0)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument(
+        "--out", default=None, help="keep the table as a result file (results/NAME.json)"
+    )
     args = ap.parse_args(argv)
     console = Console()
 
@@ -116,29 +118,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"decode x{row['decode_ratio']:.2f}"
         )
 
-    table = Table(
-        title=(
-            f"channel-scaled vs vanilla, {args.model} on {vanilla.device} "
-            f"(channel {st.channel}, layers {st.layers[0]}-{st.layers[-1]}, "
-            f"{args.new_tokens} decode tokens, median of {args.repeats}, {args.clock} clock)"
-        )
-    )
-    cols = ["prompt tokens", "prefill s vanilla", "prefill s scaled", "prefill ratio"]
-    cols += ["decode tok/s vanilla", "decode tok/s scaled", "decode ratio"]
-    for col in cols:
-        table.add_column(col, justify="right")
     keys = ["vanilla_prefill_s", "scaled_prefill_s", "prefill_ratio"]
     keys += ["vanilla_decode_tok_s", "scaled_decode_tok_s", "decode_ratio"]
     fmt = [".3f", ".3f", ".2f", ".1f", ".1f", ".2f"]
-    for row in rows:
-        table.add_row(
-            str(row["prompt_tokens"]), *(f"{row[k]:{f}}" for k, f in zip(keys, fmt, strict=True))
-        )
     mean = {k: statistics.mean(r[k] for r in rows) for k in keys}
-    table.add_row("mean", *(f"{mean[k]:{f}}" for k, f in zip(keys, fmt, strict=True)), style="bold")
-    console.print(table)
+    table = TableSpec(
+        f"channel-scaled vs vanilla, {args.model} on {vanilla.device} "
+        f"(channel {st.channel}, layers {st.layers[0]}-{st.layers[-1]}, "
+        f"{args.new_tokens} decode tokens, median of {args.repeats}, {args.clock} clock)",
+        ["prompt tokens", "prefill s vanilla", "prefill s scaled", "prefill ratio"]
+        + ["decode tok/s vanilla", "decode tok/s scaled", "decode ratio"],
+        [
+            [str(r["prompt_tokens"]), *(f"{r[k]:{f}}" for k, f in zip(keys, fmt, strict=True))]
+            for r in rows
+        ]
+        + [["mean", *(f"{mean[k]:{f}}" for k, f in zip(keys, fmt, strict=True))]],
+        [f"{torch.get_num_threads()} torch thread(s); ratios: scaled / vanilla"],
+    )
+    print_tables([table], console)
     if args.out:
-        atomic_write_json(args.out, rows)
+        write_benchmark(args.out, table, measurements=rows, calibration=args.calibration)
     return rows
 
 
