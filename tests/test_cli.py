@@ -160,7 +160,7 @@ def test_distill_records_select_the_training_records_and_are_recorded(tmp_path):
     malformed range is one line before any model is loaded."""
     from ragfix.cli.distill_cmd import _load
     from ragfix.connectors.litm import load_samples
-    from ragfix.distill import DistillSettings, adapter_metadata
+    from ragfix.distill import DistillSettings, TeacherReport, adapter_metadata
     from ragfix.distill.loop import TrainResult
     from ragfix.eval.sweep import parse_records
 
@@ -172,5 +172,7 @@ def test_distill_records_select_the_training_records_and_are_recorded(tmp_path):
     )
     assert res.exit_code == 2 and "error: --records 'x'" in res.output
     result = TrainResult(steps=1, total_steps=1, rows=3, last_loss=0.5, minutes=0.1, finished=True)
-    meta = adapter_metadata(DistillSettings(), {}, got, 3, 3, result, train_records="2:5")
+    report = TeacherReport(tried=3, kept=1, wrong=2)
+    meta = adapter_metadata(DistillSettings(), {}, got, report, 3, result, train_records="2:5")
     assert meta["train_records"] == "2:5" and meta["train_question_ids"] == [every[3].id]
+    assert meta["questions_tried"] == 3 and meta["teacher_answers"]["wrong"] == 2
