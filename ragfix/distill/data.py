@@ -348,11 +348,10 @@ def build_rows(
         chunk = samples[start : start + TEACHER_BATCH]
         prompts = [teacher_prompt(s, settings) for s in chunk]
         gens = backend.generate(prompts, batch_size=TEACHER_BATCH)
-        report.tried += len(chunk)
         for s, g in zip(chunk, gens, strict=True):
             if len(kept) >= settings.questions:
-                report.tried -= 1  # answered in the last batch but not needed
-                continue
+                break  # answered in the last batch but not needed
+            report.tried += 1
             ok = r2_correct(s, g.text) if isinstance(s, MultiHopSample) else score_answer(s, g.text)
             answer = teacher_answer_text(s, g.text)
             problem = "wrong" if not ok else answer_problem(s, answer, settings)
