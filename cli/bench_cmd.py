@@ -65,6 +65,32 @@ def threads_cmd(
     _show(table, details, json_out)
 
 
+@bench.command("processes")
+def processes_cmd(
+    settings: Annotated[
+        str,
+        typer.Option(
+            help="MODE:PxT items, comma separated: naive or batched, P worker processes of T "
+            "torch threads each; the first is the baseline"
+        ),
+    ] = "naive:1x2,batched:1x2,batched:2x1",
+    data: Annotated[str, typer.Option(help="QA or KV file, nq-sample, kv-sample")] = "nq-sample",
+    num_docs: Annotated[int, typer.Option(help="documents (or KV pairs) per prompt")] = 10,
+    limit: Annotated[int, typer.Option(help="samples (x num-docs cells per setting)")] = 2,
+    model: Annotated[str, typer.Option(help="model (vanilla backend)")] = "smollm2",
+    json_out: JsonOpt = None,
+) -> None:
+    """The same sweep from scratch in one process or several (``ragfix eval --workers``), each
+    setting in a fresh process on the CPU: wall time, cells/s, answers compared with the first."""
+    from ragfix.eval.bench_scaleout import bench_processes, parse_settings
+
+    with user_errors(), console.status("benchmark") as status:
+        table, details = bench_processes(
+            parse_settings(settings), data, num_docs, limit, model, status.update
+        )
+    _show(table, details, json_out)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``ragfix bench`` to ``app``."""
     app.add_typer(bench, name="bench")

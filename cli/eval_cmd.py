@@ -88,6 +88,13 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(help="cells per batch (default 16 with prefix reuse or CUDA, else 1)"),
         ] = None,
+        workers: Annotated[
+            int | None,
+            typer.Option(
+                help="worker processes, each on whole samples (default on the CPU: one "
+                "single-thread process per free core; $RAGFIX_WORKERS)"
+            ),
+        ] = None,
         corpus: Annotated[
             Path | None, typer.Option(help="pipeline mode: a folder of documents")
         ] = None,
@@ -174,6 +181,7 @@ def register(app: typer.Typer) -> None:
                 prefix_reuse=prefix_reuse,
                 skip_invalid=skip_invalid,
                 distractor_pool=distractor_pool,
+                workers=workers,
                 device=device,
                 dtype=dtype,
                 console=console,

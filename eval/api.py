@@ -20,7 +20,13 @@ from rich.console import Console
 
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.report import RunTally, progress_bar, write_report
-from ragfix.eval.shard import assign_groups, distributed_state, merge_shards
+from ragfix.eval.shard import (
+    assign_groups,
+    distributed_state,
+    merge_shards,
+    sweep_workers,
+    threads_per_worker,
+)
 from ragfix.eval.sweep import (
     Cell,
     SweepConfig,
@@ -68,64 +74,139 @@ def _my_share(todo: list[Cell], rank: int, world: int) -> list[Cell]:
     return [c for g in mine for c in g]
 
 
-def _compute(
-    todo: list[Cell],
-    done: list[dict],
-    store: JsonlStore,
-    config: SweepConfig,
-    out: Path,
-    load: Callable[[], object],
-    *,
-    rank: int,
-    world: int,
-    prefix_reuse: bool,
-    batch_size: int | None,
-    on_gpu: bool,
-    on_record: Callable[[SweepRecord], None] | None,
-    console: Console | None,
-) -> None:
-    """Load the backend, compute ``todo`` and store each record as it is done (``config.json``
-    first, before the first record). ``done``: the run's records finished before (they count in
-    the progress bar and its accuracy). ``batch_size`` ``None``: the backend's preferred size (a
-    remote model's concurrency), else 16 on CUDA or where the cells of a sample share a prefix
-    cache (prefilled along their token trie, then decoded together: the fastest exact mode on
-    the CPU too, ``results/bench-sweep-nq10.json``), and 1 otherwise.
-
-    Raises:
-        ConfigError: the task's answer budget alone fills the backend's window (no prompt could
-            fit; both numbers named).
-    """
-    backend = load()
-    trie = prefix_reuse and backend.supports_prefix_reuse  # trie prefill + batched decode
-    bs = batch_size or backend.preferred_batch_size or (16 if on_gpu or trie else 1)
+def _check_budget(backend, config: SweepConfig) -> None:
+    """Raises ConfigError: the task's answer budget alone fills the backend's window (no prompt
+    could fit; both numbers named)."""
     budget = get_task(config.task).max_new_tokens
     if budget >= backend.context_window and not backend.cuts_long_prompts:
         raise ConfigError(
             f"the {config.task} task's answer budget of {budget} tokens leaves no room for a "
             f"prompt in the {backend.context_window}-token window of {config.model}"
         )
+
+
+def _compute(
+    todo: list[Cell],
+    store: JsonlStore,
+    config: SweepConfig,
+    out: Path,
+    backend,
+    *,
+    rank: int,
+    world: int,
+    prefix_reuse: bool,
+    batch_size: int | None,
+    on_gpu: bool,
+    on_record: Callable[[SweepRecord], None],
+) -> None:
+    """Compute ``todo`` on ``backend`` and store each record as it is done (``config.json``
+    first, before the first record), then pass it to ``on_record``. ``batch_size`` ``None``: the
+    backend's preferred size (a remote model's concurrency), else 16 on CUDA or where the cells
+    of a sample share a prefix cache (prefilled along their token trie, then decoded together:
+    the fastest exact mode on the CPU too, ``results/bench-sweep-nq10.json``), and 1 otherwise.
+    """
+    trie = prefix_reuse and backend.supports_prefix_reuse  # trie prefill + batched decode
+    bs = batch_size or backend.preferred_batch_size or (16 if on_gpu or trie else 1)
     has_config = [config.check(out)]
-    tally = RunTally(done)
-    with progress_bar(console, disable=console is None or rank != 0) as bar:
-        task = bar.add_task(
-            f"{config.backend} sweep",
-            total=len(todo) + len(done),
-            completed=len(done),
-            status=tally.status(),
-        )
 
-        def store_record(rec: SweepRecord) -> None:
-            if world > 1:
-                rec.extra["rank"] = rank
-            if not has_config[0]:
-                config.write(out)
-                has_config[0] = True
-            store.append(rec.model_dump())
-            bar.update(task, advance=1, status=tally.add(rec.correct, rec.flags))
-            if on_record is not None:
-                on_record(rec)
+    def store_record(rec: SweepRecord) -> None:
+        if world > 1:
+            rec.extra["rank"] = rank
+        if not has_config[0]:
+            config.write(out)
+            has_config[0] = True
+        store.append(rec.model_dump())
+        on_record(rec)
 
-        run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=bs)
+    run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=bs)
+
+
+def _worker(
+    rank: int,
+    world: int,
+    todo: list[Cell],
+    config: SweepConfig,
+    out: Path,
+    load_kwargs: dict,
+    threads: int,
+    prefix_reuse: bool,
+    batch_size: int | None,
+    queue,
+) -> None:
+    """One worker process of a CPU sweep (:func:`_compute_in_workers`): ``threads`` torch
+    threads, its own backend, its cells appended to ``results.rank{rank}.jsonl`` and each record
+    put on ``queue`` for the parent's progress bar."""
+    import os
+
+    from ragfix.backends import load_backend
+    from ragfix.models import THREADS_ENV
+
+    os.environ[THREADS_ENV] = str(threads)
+    backend = load_backend(**load_kwargs)
+    _check_budget(backend, config)
+    _compute(
+        todo,
+        open_store(out, rank, world),
+        config,
+        out,
+        backend,
+        rank=rank,
+        world=world,
+        prefix_reuse=prefix_reuse,
+        batch_size=batch_size,
+        on_gpu=False,
+        on_record=queue.put,
+    )
+
+
+def _compute_in_workers(
+    todo: list[Cell],
+    workers: int,
+    track: Callable[[SweepRecord], None],
+    config: SweepConfig,
+    out: Path,
+    load_kwargs: dict,
+    *,
+    threads: int,
+    prefix_reuse: bool,
+    batch_size: int | None,
+) -> None:
+    """Compute ``todo`` in ``workers`` fresh (spawned) processes, each on its share of whole
+    samples (:func:`_my_share`, as the ranks of a launcher), passing every record to ``track`` in
+    this process as it arrives. The first worker error is raised here once all have stopped."""
+    import multiprocessing
+    import queue as queues
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        records = manager.Queue()
+        futures = [
+            pool.submit(
+                _worker,
+                rank,
+                workers,
+                _my_share(todo, rank, workers),
+                config,
+                out,
+                load_kwargs,
+                threads,
+                prefix_reuse,
+                batch_size,
+                records,
+            )
+            for rank in range(workers)
+        ]
+        while True:
+            finished = all(f.done() for f in futures)  # then all their records are queued
+            try:
+                while True:
+                    track(records.get(timeout=0.5))
+            except queues.Empty:
+                if finished:
+                    break
+        for f in futures:
+            f.result()
 
 
 def run_sweep(
@@ -144,6 +225,7 @@ def run_sweep(
     prefix_reuse: bool = True,
     skip_invalid: bool = False,
     distractor_pool: str | Path | None = None,
+    workers: int | None = None,
     device: str = "auto",
     dtype: str = "auto",
     on_record: Callable[[SweepRecord], None] | None = None,
@@ -181,6 +263,9 @@ def run_sweep(
             (:func:`ragfix.eval.sweep.run_cells`).
         skip_invalid: skip and count malformed records instead of stopping.
         distractor_pool: draw QA distractors from this file (BM25) instead of the sample's own.
+        workers: worker processes, each on its share of whole samples with one torch thread
+            (default: :func:`ragfix.eval.shard.sweep_workers`, one per free core for a local
+            model on the CPU); ranks of a launcher run one each.
         device, dtype: see :func:`ragfix.backends.load_backend` (under a launcher, each rank's
             own device).
         on_record: called with each newly computed :class:`SweepRecord` once it is stored.
@@ -193,9 +278,9 @@ def run_sweep(
 
     Raises:
         DataError: a missing file, a malformed record, no record in ``records``.
-        ConfigError: unknown backend, bad positions or record range, ``limit`` or
-            ``batch_size`` < 1, a missing adapter for an adapter backend, an answer budget
-            that fills the model's window.
+        ConfigError: unknown backend, bad positions or record range, ``limit``,
+            ``batch_size`` or ``workers`` < 1, more than one worker off the CPU, a missing
+            adapter for an adapter backend, an answer budget that fills the model's window.
         ConfigMismatchError: ``out`` holds results of another configuration.
         ModelNotFoundError: the model cannot be found.
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
@@ -255,28 +340,63 @@ def run_sweep(
         console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
     todo = _my_share(todo, rank, world)
     if todo:
-        _compute(
-            todo,
-            [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else [],
-            store,
-            config,
-            out,
-            lambda: load_backend(
-                backend,
-                model=model,
-                device=device,
-                dtype=dtype,
-                adapter=str(adapter) if adapter else None,
-                **options,
-            ),
-            rank=rank,
-            world=world,
-            prefix_reuse=prefix_reuse,
-            batch_size=batch_size,
-            on_gpu=resolve_device(device).type == "cuda",
-            on_record=on_record,
-            console=console,
+        load_kwargs = dict(
+            name=backend,
+            model=model,
+            device=device,
+            dtype=dtype,
+            adapter=str(adapter) if adapter else None,
+            **options,
         )
+        n = sweep_workers(
+            workers, device=device, model=model, samples=len({c.sample.id for c in todo})
+        )
+        before = [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else []
+        tally = RunTally(before)
+        with progress_bar(console, disable=console is None or rank != 0) as bar:
+            task = bar.add_task(
+                f"{config.backend} sweep",
+                total=len(todo) + len(before),
+                completed=len(before),
+                status=tally.status(),
+            )
+
+            def track(rec: SweepRecord) -> None:
+                bar.update(task, advance=1, status=tally.add(rec.correct, rec.flags))
+                if on_record is not None:
+                    on_record(rec)
+
+            if n > 1:
+                threads = threads_per_worker()
+                if console is not None:
+                    console.print(f"{n} worker processes, {threads} torch thread(s) each")
+                _compute_in_workers(
+                    todo,
+                    n,
+                    track,
+                    config,
+                    out,
+                    load_kwargs,
+                    threads=threads,
+                    prefix_reuse=prefix_reuse,
+                    batch_size=batch_size,
+                )
+            else:
+                loaded = load_backend(**load_kwargs)
+                _check_budget(loaded, config)
+                _compute(
+                    todo,
+                    store,
+                    config,
+                    out,
+                    loaded,
+                    rank=rank,
+                    world=world,
+                    prefix_reuse=prefix_reuse,
+                    batch_size=batch_size,
+                    on_gpu=resolve_device(device).type == "cuda",
+                    on_record=track,
+                )
     if state is not None:
         state.wait_for_everyone()
         if rank != 0:

@@ -1,92 +1,137 @@
-"""Benchmark: sweep cells per second with 1 process and with N processes (torchrun), same cells.
+"""Benchmark: the same sweep in one process or several, from scratch, as a user runs it.
 
-Each configuration runs ``ragfix eval`` from scratch into its own folder (so model loading is
-counted, as a user sees it) and the answers of all runs are compared cell by cell.
+Each setting is ``MODE:PxT``: ``naive`` (every cell prefilled alone and decoded alone:
+``--no-prefix-reuse --batch-size 1``) or ``batched`` (the default sweep: the cells of a sample
+prefilled along their token trie, then decoded in one batch), in ``P`` worker processes
+(``ragfix eval --workers P``) of ``T`` torch threads each (``ragfix --threads T``). Every setting
+runs ``ragfix eval`` in a fresh child process into its own folder, so imports and model loading
+are counted, one setting after the other on the same machine. Prints wall seconds, cells per
+second, the ratio against the first setting and the answers compared with it cell by cell; the
+last line is the wall-time ratio of the fastest setting with the first setting's labels on every
+cell. ``ragfix bench processes --json results/NAME.json`` keeps the table as a result file.
 
-    python -m ragfix.eval.bench_scaleout --processes 1,2 --limit 4 --num-docs 3
+    ragfix bench processes --settings naive:1x2,batched:1x2,batched:2x1 --limit 2
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from ragfix.errors import ConfigError
+from ragfix.eval.report import TableSpec
+
+#: the ``ragfix eval`` flags of each mode
+MODE_FLAGS = {"naive": ["--no-prefix-reuse", "--batch-size", "1"], "batched": []}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="nq-sample")
-    ap.add_argument("--num-docs", type=int, default=3)
-    ap.add_argument("--positions", default="all")
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--processes", default="1,2", help="comma-separated process counts")
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args(argv)
+def parse_settings(text: str) -> list[tuple[str, int, int]]:
+    """``"naive:1x2,batched:2x1"`` to ``[("naive", 1, 2), ("batched", 2, 1)]``.
 
-    common = [
-        "eval",
-        args.data,
-        "--num-docs",
-        str(args.num_docs),
-        "--positions",
-        args.positions,
-        "--limit",
-        str(args.limit),
-        "--device",
-        args.device,
-    ]
-    rows, answers = [], {}
-    root = Path(tempfile.mkdtemp(prefix="ragfix-bench-scaleout-"))
-    for n in [int(x) for x in args.processes.split(",")]:
-        out = root / f"p{n}"
-        launcher = (
-            [sys.executable, "-m", "ragfix.cli"]
-            if n == 1
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(n),
-                "-m",
-                "ragfix.cli",
+    Raises:
+        ConfigError: an unknown mode or a count that is not a whole number of at least 1.
+    """
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        mode, _, shape = item.partition(":")
+        procs, _, threads = shape.partition("x")
+        if mode not in MODE_FLAGS or not (procs.isdigit() and threads.isdigit()):
+            raise ConfigError(
+                f"--settings item {item!r}: expected MODE:PxT with MODE one of "
+                f"{', '.join(MODE_FLAGS)} and whole numbers P, T (e.g. batched:2x1)"
+            )
+        if int(procs) < 1 or int(threads) < 1:
+            raise ConfigError(f"--settings item {item!r}: P and T must be at least 1")
+        out.append((mode, int(procs), int(threads)))
+    return out
+
+
+def bench_processes(
+    settings: list[tuple[str, int, int]],
+    data: str = "nq-sample",
+    num_docs: int = 10,
+    limit: int = 2,
+    model: str = "smollm2",
+    on_progress=None,
+) -> tuple[TableSpec, dict]:
+    """Run the same sweep cells under every setting (see the module docstring), on the CPU.
+
+    Args:
+        settings: ``(mode, processes, threads)`` triples (:func:`parse_settings`); the first is
+            the baseline of the ratios.
+        data: a Lost-in-the-Middle QA or KV file, or a bundled sample name.
+        num_docs: documents (or KV pairs) per prompt; every position is a cell.
+        limit: samples (``limit x num_docs`` cells per setting).
+        model: the model (vanilla backend).
+        on_progress: called with a short status line after each setting.
+
+    Returns:
+        ``(table, details)``: the formatted table and the raw figures (per setting: wall
+        seconds, the answers and labels by cell id).
+
+    Raises:
+        subprocess.CalledProcessError: a setting's ``ragfix eval`` failed (its stderr attached).
+    """
+    from ragfix.models import usable_cpu_cores
+
+    root = Path(tempfile.mkdtemp(prefix="ragfix-bench-processes-"))
+    runs: dict[str, dict] = {}
+    for mode, procs, threads in settings:
+        name = f"{mode} {procs}x{threads}"
+        out = root / name.replace(" ", "-")
+        cmd = [sys.executable, "-m", "ragfix.cli", "--threads", str(threads), "eval", data]
+        cmd += ["--num-docs", str(num_docs), "--positions", "all", "--limit", str(limit)]
+        cmd += ["--model", model, "--device", "cpu", "--workers", str(procs), "--out", str(out)]
+        t = time.perf_counter()
+        subprocess.run([*cmd, *MODE_FLAGS[mode]], check=True, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        runs[name] = {
+            "mode": mode,
+            "processes": procs,
+            "threads": threads,
+            "wall_s": round(wall, 2),
+            "answers": {r["cell_id"]: r["answer"] for r in recs},
+            "correct": {r["cell_id"]: r["correct"] for r in recs},
+        }
+        if on_progress is not None:
+            on_progress(f"{name}: {wall:.1f} s")
+    base_name, base = next(iter(runs.items()))
+    rows, exact = [], []
+    for name, r in runs.items():
+        same_answers = sum(r["answers"].get(k) == v for k, v in base["answers"].items())
+        same_labels = sum(r["correct"].get(k) == v for k, v in base["correct"].items())
+        if name != base_name and same_labels == len(base["correct"]):
+            exact.append(name)
+        rows.append(
+            [
+                r["mode"],
+                str(r["processes"]),
+                str(r["threads"]),
+                f"{r['wall_s']:.1f}",
+                f"{len(r['answers']) / r['wall_s']:.3f}",
+                f"{base['wall_s'] / r['wall_s']:.2f}x",
+                f"{same_labels}/{len(base['correct'])}",
+                f"{same_answers}/{len(base['answers'])}",
             ]
         )
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-        t = time.perf_counter()
-        subprocess.run(
-            [*launcher, *common, "--out", str(out)], env=env, check=True, capture_output=True
-        )
-        secs = time.perf_counter() - t
-        recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-        answers[n] = {r["cell_id"]: r["answer"] for r in recs}
-        rows.append((n, len(recs), secs))
-
-    base = rows[0]
-    table = Table(title=f"sweep scale-out · {args.data} · {args.num_docs} docs · {args.device}")
-    for col in ("processes", "cells", "wall s", "cells/s", "speed-up", "same answers as 1 proc"):
-        table.add_column(col, justify="right")
-    ref = answers[base[0]]
-    for n, cells, secs in rows:
-        same = sum(answers[n].get(k) == v for k, v in ref.items())
-        table.add_row(
-            str(n),
-            str(cells),
-            f"{secs:.1f}",
-            f"{cells / secs:.3f}",
-            f"{base[2] / secs:.2f}x",
-            f"{same}/{len(ref)}",
-        )
-    Console().print(table)
-
-
-if __name__ == "__main__":
-    main()
+    lines = ["each setting from scratch in a fresh process (imports and model loading counted)"]
+    if exact:
+        best = min(exact, key=lambda n: runs[n]["wall_s"])
+        ratio = base["wall_s"] / runs[best]["wall_s"]
+        lines.append(f"wall time: {ratio:.2f}x less than {base_name} ({best})")
+    else:
+        lines.append(f"wall time: no setting gave {base_name}'s labels on every cell")
+    cores = usable_cpu_cores()
+    title = (
+        f"sweep processes · {model} · {Path(data).name} · {num_docs} docs · "
+        f"{len(base['answers'])} cells · cpu · {cores} cores"
+    )
+    headers = ["mode", "processes", "threads each", "wall s", "cells/s", "vs first"]
+    headers += ["labels as first", "answers as first"]
+    details = {"data": data, "num_docs": num_docs, "samples": limit, "cores": cores, "runs": runs}
+    return TableSpec(title, headers, rows, lines), details

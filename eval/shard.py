@@ -1,6 +1,8 @@
 """Scale-out: the same sweep on several processes, GPUs or machines (Hugging Face Accelerate).
 
-Launch with ``accelerate launch`` or ``torchrun``; ragfix starts no launcher of its own. Each
+Launch with ``accelerate launch`` or ``torchrun`` for GPUs and machines. On one CPU machine the
+sweep starts its own worker processes (:func:`sweep_workers`: one single-thread process per free
+core, ``ragfix eval --workers N``), which split the cells the same way. Each
 rank reads the data itself, loads the model on its own device (``PartialState().device``),
 takes its share of the unfinished cells and appends to its own ``results.rank{r}.jsonl``. Work is
 split by whole samples (so the KV-cache prefix reuse across positions keeps working), balanced by
@@ -23,6 +25,77 @@ from typing import TypeVar
 from ragfix.io import JsonlStore, atomic_write_text
 
 T = TypeVar("T")
+
+
+#: environment variable with the default number of sweep worker processes (``--workers``)
+WORKERS_ENV = "RAGFIX_WORKERS"
+
+
+def threads_per_worker() -> int:
+    """Torch threads of each sweep worker process: ``$RAGFIX_THREADS`` (``ragfix --threads N``),
+    else 1.
+
+    Raises:
+        ConfigError: ``$RAGFIX_THREADS`` is not a whole number of at least 1.
+    """
+    from ragfix.models import THREADS_ENV, cpu_threads
+
+    return cpu_threads() if os.environ.get(THREADS_ENV) else 1
+
+
+def sweep_workers(workers: int | None, *, device: str, model: str, samples: int) -> int:
+    """How many worker processes a sweep runs in, each on its share of whole samples.
+
+    On the CPU, single-thread processes side by side do more cells per second than one process
+    whose threads share the cores (``ragfix bench processes``; ``results/cpu-threads.json``). The
+    default (``workers`` and ``$RAGFIX_WORKERS`` unset) is therefore, for a local model on the CPU
+    and outside a launcher: the free cores (:func:`ragfix.models.free_cpu_cores`) divided by the
+    threads per process (:func:`threads_per_worker`), at most one process per sample,
+    and at most as many as the available memory holds at twice the weight files' size each (fp32
+    copies of half-precision files); one process on CUDA, for a served model, or when the weights'
+    size is unknown.
+
+    Args:
+        workers: an explicit count (``--workers``), or ``None`` for the default.
+        device: the sweep's device (``"auto"``, ``"cpu"``, ``"cuda"`` ...).
+        model: the model name (see :func:`ragfix.models.resolve_model`).
+        samples: samples with cells still to compute.
+
+    Raises:
+        ConfigError: a count below 1 or not a whole number, or more than one worker on CUDA,
+            for a served model, or under a launcher.
+    """
+    import psutil
+
+    from ragfix.errors import ConfigError
+    from ragfix.models import free_cpu_cores, resolve_device, resolve_model, weights_bytes
+
+    raw = workers if workers is not None else os.environ.get(WORKERS_ENV)
+    local_cpu = (
+        resolve_device(device).type == "cpu"
+        and resolve_model(model).source != "remote"
+        and world_size_from_env() == 1
+    )
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ConfigError(f"{WORKERS_ENV}={raw!r}: expected a whole number") from None
+        if n < 1:
+            raise ConfigError(f"--workers {n}: give at least 1")
+        if n > 1 and not local_cpu:
+            raise ConfigError(
+                f"--workers {n}: worker processes are for a local model on the CPU; on GPUs or "
+                "machines use accelerate launch / torchrun, for a served model --concurrency"
+            )
+        return n
+    if not local_cpu:
+        return 1
+    size = weights_bytes(model)
+    if size is None:
+        return 1
+    fits = psutil.virtual_memory().available // (2 * size)
+    return max(1, min(free_cpu_cores() // threads_per_worker(), samples, fits))
 
 
 def world_size_from_env() -> int:

@@ -28,6 +28,10 @@ class DataError(RagfixError):
         where = self.path if line is None else f"{self.path}:{line}"
         super().__init__(f"{where}: {field + ': ' if field else ''}{message}")
 
+    def __reduce__(self):
+        """Pickle by the four fields (a sweep's worker process raises it to the parent)."""
+        return type(self), (self.path, self.line, self.field, self.message)
+
 
 class ConfigError(RagfixError):
     """A setting that cannot work (unknown, out of range, or incompatible with the model)."""

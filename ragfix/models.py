@@ -313,6 +313,30 @@ def usable_cpu_cores() -> int:
     return usable or 1
 
 
+def weights_bytes(name: str) -> int | None:
+    """Bytes of model ``name``'s weight files (``*.safetensors``, ``*.bin``) on this machine, the
+    embedded GGUF converted first (once); ``None`` for a served model, or a hub model that is not
+    in the local Hugging Face cache.
+
+    Raises:
+        ModelNotFoundError: the name cannot be resolved.
+    """
+    spec = resolve_model(name)
+    if spec.source == "remote":
+        return None
+    where = checkpoint_dir(spec)
+    if spec.source == "hub":
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            where = snapshot_download(spec.path, local_files_only=True)
+        except LocalEntryNotFoundError:
+            return None
+    weights = [p for p in Path(where).iterdir() if p.suffix in (".safetensors", ".bin")]
+    return sum(p.stat().st_size for p in weights) or None
+
+
 def free_cpu_cores() -> int:
     """Cores this process may use (its CPU affinity) less the machine's 1-minute load average,
     rounded; at least 1. The load average counts the runnable processes already there, so on a

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import BUNDLED
 from typer.testing import CliRunner
 
@@ -88,3 +89,78 @@ def test_torchrun_two_processes_equals_single_process(tmp_path):
     assert res.exit_code == 0, res.output
     assert f"resuming: {6 - len(lost)} of 6 cells already done" in res.output
     assert set(_records(dist)) == set(one)
+
+
+def test_worker_processes_equal_single_process(tmp_path):
+    single, workers = tmp_path / "single", tmp_path / "workers"
+    res = CliRunner().invoke(app, [*ARGS, "--workers", "1", "--out", str(single)])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, [*ARGS, "--workers", "2", "--out", str(workers)])
+    assert res.exit_code == 0, res.output
+    assert "2 worker processes, 1 torch thread(s) each" in res.output
+    one, two = _records(single), _records(workers)
+    assert len(two) == 6 and not list(workers.glob("results.rank*"))
+    assert {k: r["answer"] for k, r in one.items()} == {k: r["answer"] for k, r in two.items()}
+    assert sorted({r["extra"]["rank"] for r in two.values()}) == [0, 1]
+    s1 = json.loads((single / "summary.json").read_text())["curves"]
+    assert json.loads((workers / "summary.json").read_text())["curves"] == s1
+
+
+def test_sweep_workers_default_and_errors(monkeypatch):
+    import ragfix.models
+    from ragfix.errors import ConfigError
+    from ragfix.eval.shard import WORKERS_ENV, sweep_workers
+
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    monkeypatch.delenv("RAGFIX_THREADS", raising=False)
+    monkeypatch.setattr(ragfix.models, "free_cpu_cores", lambda: 4)
+    assert sweep_workers(None, device="cpu", model="smollm2", samples=10) == 4
+    assert sweep_workers(None, device="cpu", model="smollm2", samples=3) == 3  # one per sample
+    monkeypatch.setenv("RAGFIX_THREADS", "2")
+    assert sweep_workers(None, device="cpu", model="smollm2", samples=10) == 2  # 4 cores / 2
+    assert sweep_workers(None, device="cpu", model="openai:m", samples=10) == 1
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert sweep_workers(None, device="cpu", model="smollm2", samples=10) == 3
+    assert sweep_workers(1, device="cpu", model="smollm2", samples=10) == 1
+    for bad, device, model in [
+        (0, "cpu", "smollm2"),
+        (2, "cuda", "smollm2"),
+        (2, "cpu", "openai:m"),
+    ]:
+        with pytest.raises(ConfigError):
+            sweep_workers(bad, device=device, model=model, samples=10)
+    monkeypatch.setenv(WORKERS_ENV, "two")
+    with pytest.raises(ConfigError, match="RAGFIX_WORKERS='two'"):
+        sweep_workers(None, device="cpu", model="smollm2", samples=10)
+
+
+def test_data_errors_cross_process_boundaries_intact():
+    import pickle
+
+    from ragfix.errors import DataError
+
+    e = pickle.loads(pickle.dumps(DataError("f.jsonl", 3, "ctxs", "too few")))
+    assert (str(e), e.path, e.line, e.field) == ("f.jsonl:3: ctxs: too few", "f.jsonl", 3, "ctxs")
+
+
+def test_bench_processes_runs_each_setting_from_scratch_and_compares_answers(tmp_path):
+    from ragfix.eval.bench_scaleout import bench_processes, parse_settings
+
+    settings = parse_settings("naive:1x1,batched:2x1")
+    assert settings == [("naive", 1, 1), ("batched", 2, 1)]
+    table, details = bench_processes(settings, NQ, num_docs=2, limit=2)
+    assert [r[:3] for r in table.rows] == [["naive", "1", "1"], ["batched", "2", "1"]]
+    assert [r[-2:] for r in table.rows] == [["4/4", "4/4"], ["4/4", "4/4"]]
+    runs = details["runs"]
+    assert runs["naive 1x1"]["answers"] == runs["batched 2x1"]["answers"]
+    ratio = runs["naive 1x1"]["wall_s"] / runs["batched 2x1"]["wall_s"]
+    assert table.lines[-1] == f"wall time: {ratio:.2f}x less than naive 1x1 (batched 2x1)"
+
+
+@pytest.mark.parametrize("bad", ["fast:1x1", "batched:2", "batched:0x1", "naive:1xT"])
+def test_bench_processes_settings_are_validated(bad):
+    from ragfix.errors import ConfigError
+    from ragfix.eval.bench_scaleout import parse_settings
+
+    with pytest.raises(ConfigError, match="--settings item"):
+        parse_settings(bad)
