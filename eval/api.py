@@ -131,32 +131,38 @@ def _worker(
     threads: int,
     prefix_reuse: bool,
     batch_size: int | None,
-    queue,
+    messages,
 ) -> None:
     """One worker process of a CPU sweep (:func:`_compute_in_workers`): ``threads`` torch
-    threads, its own backend, its cells appended to ``results.rank{rank}.jsonl`` and each record
-    put on ``queue`` for the parent's progress bar."""
+    threads, its own backend, its cells appended to ``results.rank{rank}.jsonl``. It puts
+    ``("record", SweepRecord)`` on ``messages`` for each stored cell, then ``("done", rank)``, or
+    ``("error", exception)`` when it fails."""
     import os
 
     from ragfix.backends import load_backend
     from ragfix.models import THREADS_ENV
 
     os.environ[THREADS_ENV] = str(threads)
-    backend = load_backend(**load_kwargs)
-    _check_budget(backend, config)
-    _compute(
-        todo,
-        open_store(out, rank, world),
-        config,
-        out,
-        backend,
-        rank=rank,
-        world=world,
-        prefix_reuse=prefix_reuse,
-        batch_size=batch_size,
-        on_gpu=False,
-        on_record=queue.put,
-    )
+    try:
+        backend = load_backend(**load_kwargs)
+        _check_budget(backend, config)
+        _compute(
+            todo,
+            open_store(out, rank, world),
+            config,
+            out,
+            backend,
+            rank=rank,
+            world=world,
+            prefix_reuse=prefix_reuse,
+            batch_size=batch_size,
+            on_gpu=False,
+            on_record=lambda rec: messages.put(("record", rec)),
+        )
+    except Exception as e:  # handed to the parent, which raises it
+        messages.put(("error", e))
+    else:
+        messages.put(("done", rank))
 
 
 def _compute_in_workers(
@@ -173,17 +179,21 @@ def _compute_in_workers(
 ) -> None:
     """Compute ``todo`` in ``workers`` fresh (spawned) processes, each on its share of whole
     samples (:func:`_my_share`, as the ranks of a launcher), passing every record to ``track`` in
-    this process as it arrives. The first worker error is raised here once all have stopped."""
+    this process as it arrives. The first worker error (or a worker that dies) stops all of them
+    and is raised here, as is Ctrl-C; every cell stored before stays for the rerun.
+
+    Raises:
+        RuntimeError: a worker process died without reporting (killed, out of memory).
+    """
     import multiprocessing
-    import queue as queues
-    from concurrent.futures import ProcessPoolExecutor
+    import queue
 
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        records = manager.Queue()
-        futures = [
-            pool.submit(
-                _worker,
+    messages = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
                 rank,
                 workers,
                 _my_share(todo, rank, workers),
@@ -193,20 +203,39 @@ def _compute_in_workers(
                 threads,
                 prefix_reuse,
                 batch_size,
-                records,
-            )
-            for rank in range(workers)
-        ]
-        while True:
-            finished = all(f.done() for f in futures)  # then all their records are queued
+                messages,
+            ),
+            daemon=True,
+        )
+        for rank in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        running = set(range(workers))
+        while running:
             try:
-                while True:
-                    track(records.get(timeout=0.5))
-            except queues.Empty:
-                if finished:
-                    break
-        for f in futures:
-            f.result()
+                kind, value = messages.get(timeout=1.0)
+            except queue.Empty:
+                # exit code 0: the worker's last message is still on its way
+                dead = [r for r in running if procs[r].exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"sweep worker {dead[0]} died (exit code {procs[dead[0]].exitcode}); "
+                        "rerun the same command to compute its remaining cells"
+                    ) from None
+                continue
+            if kind == "record":
+                track(value)
+            elif kind == "done":
+                running.discard(value)
+            else:
+                raise value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
 
 
 def run_sweep(

@@ -15,6 +15,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # do not thrash each other's cores (results/cpu-threads.json)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # and one process per sweep: the xdist workers already hold the cores (the tests of worker
+    # processes ask for them)
+    os.environ.setdefault("RAGFIX_WORKERS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"

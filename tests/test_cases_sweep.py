@@ -201,13 +201,15 @@ def test_case09_sweep_counts_degenerate_gold_cells_in_summary_and_table(tmp_path
     assert "flagged cells per prompt position" in text and "degenerate_gold" in text
 
 
-def test_an_answer_budget_that_fills_the_window_is_one_line_naming_both(tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_answer_budget_that_fills_the_window_is_one_line_naming_both(tmp_path, workers):
     """The kind of case 07 in the sweep: a model whose whole window is the answer budget can fit
-    no prompt; the run stops before any cell with both numbers named, and leaves no config."""
+    no prompt; the run stops before any cell with both numbers named, and leaves no config. In
+    worker processes the error crosses to the parent unchanged."""
     model = _tiny_dir(tmp_path / "tiny", 32)
     out = tmp_path / "run"
-    args = ["eval", str(NQ), "--model", str(model), "--num-docs", "2", "--limit", "1"]
-    res = runner.invoke(app, [*args, "--device", "cpu", "--out", str(out)])
+    args = ["eval", str(NQ), "--model", str(model), "--num-docs", "2", "--limit", "2"]
+    res = runner.invoke(app, [*args, "--device", "cpu", "--workers", workers, "--out", str(out)])
     assert res.exit_code == 2, res.output
     line = " ".join(res.output.split())
     assert "answer budget of 32 tokens leaves no room for a prompt in the 32-token window" in line
