@@ -195,7 +195,7 @@ def register(app: typer.Typer) -> None:
         limit: Annotated[int, typer.Option(help="samples")] = 6,
         device: DeviceOpt = "auto",
     ) -> None:
-        """The lost-in-the-middle curve in ~3 minutes on a CPU: the embedded SmolLM2 on the
+        """The lost-in-the-middle curve in a few minutes on a CPU: the embedded SmolLM2 on the
         bundled KV-retrieval sample (8 pairs, gold at every position)."""
         from ragfix.eval import run_sweep
 

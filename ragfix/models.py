@@ -338,10 +338,18 @@ def weights_bytes(name: str) -> int | None:
 
 
 def free_cpu_cores() -> int:
-    """Cores this process may use (its CPU affinity) less the machine's 1-minute load average,
-    rounded; at least 1. The load average counts the runnable processes already there, so on a
-    machine another job keeps busy a model process does not ask for cores it would fight over."""
-    return max(1, usable_cpu_cores() - round(os.getloadavg()[0]))
+    """Cores this process may use (its CPU affinity) less the cores other processes keep busy
+    now: their CPU use on those cores over half a second (psutil), in cores, rounded; at least 1.
+    So on a machine another job keeps busy, a model process does not ask for cores it would fight
+    over. A sample of the present rather than the 1-minute load average, which still counts a
+    run that has just ended (a sweep started right after another one, or after ``pip install``).
+    """
+    import psutil
+
+    busy = psutil.cpu_percent(interval=0.5, percpu=True)
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(len(busy))
+    used = sum(busy[i] for i in cpus if i < len(busy)) / 100
+    return max(1, usable_cpu_cores() - round(used))
 
 
 def cpu_threads(threads: int | None = None) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import BUNDLED
@@ -48,8 +49,9 @@ def test_models_lists_the_embedded_model_with_whole_paths():
 def test_threads_option_and_variable_set_torch_threads(monkeypatch):
     import torch
 
+    import ragfix.models
     from ragfix.errors import ConfigError
-    from ragfix.models import THREADS_ENV, cpu_threads, free_cpu_cores
+    from ragfix.models import THREADS_ENV, cpu_threads
 
     before = torch.get_num_threads()
     try:
@@ -61,11 +63,42 @@ def test_threads_option_and_variable_set_torch_threads(monkeypatch):
             cpu_threads()
         monkeypatch.delenv(THREADS_ENV)
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        assert cpu_threads() == free_cpu_cores() >= 1
+        monkeypatch.setattr(ragfix.models, "free_cpu_cores", lambda: 1)
+        assert cpu_threads() == 1 == torch.get_num_threads()  # the free cores otherwise
     finally:
         torch.set_num_threads(before)
     res = runner.invoke(app, ["--threads", "0", "models", "--no-prepare"])
     assert res.exit_code == 2 and "greater than or equal to 1" in res.output
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def test_free_cores_are_the_usable_cores_less_those_busy_now(monkeypatch):
+    import multiprocessing
+
+    import psutil
+
+    from ragfix.models import free_cpu_cores, usable_cpu_cores
+
+    cores = usable_cpu_cores()
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(cores)]
+    for p in spinners:
+        p.start()
+    try:
+        assert free_cpu_cores() == 1  # every core busy: one thread, never none
+    finally:
+        for p in spinners:
+            p.kill()
+    cpus = sorted(os.sched_getaffinity(0))
+    n = max(cpus) + 1
+    one_busy = [100.0 if i == cpus[0] else 0.0 for i in range(n)]
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: one_busy)
+    assert free_cpu_cores() == max(1, cores - 1)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [0.0] * n)
+    assert free_cpu_cores() == cores
 
 
 def test_eval_on_a_missing_file_is_one_line_naming_it(tmp_path):
