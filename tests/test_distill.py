@@ -158,6 +158,39 @@ def test_teacher_answers_that_quote_passages_or_run_long_are_dropped_and_counted
     assert answer_problem(kv, "a b c d e f g h", settings) is None
 
 
+class _InterruptedTeacher(_ScriptedTeacher):
+    """Answers its first ``batches`` calls, then stops as Ctrl-C would."""
+
+    def __init__(self, texts, batches):
+        super().__init__(texts)
+        self.batches = batches
+
+    def generate(self, prompts, **kw):
+        if self.batches == 0:
+            raise KeyboardInterrupt
+        self.batches -= 1
+        return super().generate(prompts, **kw)
+
+
+def test_an_interrupted_teacher_pass_resumes_without_generating_again(tmp_path):
+    from ragfix.distill.data import TEACHER_BATCH
+    from ragfix.distill.pipeline import teacher_rows
+
+    samples = load_samples(data_file(EVAL_FILE), 10, limit=TEACHER_BATCH + 2)
+    texts = [s.answers[0] for s in samples]
+    settings = DistillSettings(questions=len(samples))
+    args = (settings, tmp_path / "run" / "distill_data.json", True, True, lambda m: None)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        teacher_rows(_InterruptedTeacher(texts, batches=1), samples, *args)
+    # the rerun asks the teacher only for the questions of the batch that did not finish
+    kept, rows, report = teacher_rows(_ScriptedTeacher(texts[TEACHER_BATCH:]), samples, *args)
+    (tmp_path / "once").mkdir()
+    once = (settings, tmp_path / "once" / "distill_data.json", True, True, lambda m: None)
+    assert (kept, rows, report) == teacher_rows(_ScriptedTeacher(texts), samples, *once)
+    assert report.kept == len(samples)
+
+
 def test_truncation_keeps_the_answer_in_the_gold_passage():
     (s,) = load_samples(data_file(EVAL_FILE), 4, limit=1)
     short = shorten_sample(s, 12)

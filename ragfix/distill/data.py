@@ -328,6 +328,8 @@ def build_rows(
     samples: Sequence,
     settings: DistillSettings,
     progress: Callable[[int, int, int], None] | None = None,
+    generated: dict[str, str] | None = None,
+    on_generated: Callable[[dict[str, str]], None] | None = None,
 ):
     """Teacher answers at the advantaged position, filtered for correctness, and the rows.
 
@@ -335,6 +337,9 @@ def build_rows(
         backend: the initial model (the teacher), used only through ``Backend.generate``.
         samples: QA/KV samples (R1) or :class:`MultiHopSample` (R2), in the order to try them.
         progress: optional callable ``(done, total, kept)`` called after each batch.
+        generated: teacher generations of an interrupted run, by sample id (greedy, so the same
+            text); their samples are not generated again.
+        on_generated: called with each batch's new generations (by sample id), to keep them.
 
     Returns:
         ``(kept_samples, rows, report)``: the first ``settings.questions`` samples whose teacher
@@ -344,16 +349,24 @@ def build_rows(
     """
     rng = random.Random(settings.seed)
     kept, rows, report = [], [], TeacherReport()
+    texts = dict(generated or {})
     for start in range(0, len(samples), TEACHER_BATCH):
         chunk = samples[start : start + TEACHER_BATCH]
-        prompts = [teacher_prompt(s, settings) for s in chunk]
-        gens = backend.generate(prompts, batch_size=TEACHER_BATCH)
-        for s, g in zip(chunk, gens, strict=True):
+        todo = [s for s in chunk if s.id not in texts]
+        if todo:
+            prompts = [teacher_prompt(s, settings) for s in todo]
+            gens = backend.generate(prompts, batch_size=TEACHER_BATCH)
+            new = {s.id: g.text for s, g in zip(todo, gens, strict=True)}
+            texts.update(new)
+            if on_generated is not None:
+                on_generated(new)
+        for s in chunk:
             if len(kept) >= settings.questions:
                 break  # answered in the last batch but not needed
             report.tried += 1
-            ok = r2_correct(s, g.text) if isinstance(s, MultiHopSample) else score_answer(s, g.text)
-            answer = teacher_answer_text(s, g.text)
+            text = texts[s.id]
+            ok = r2_correct(s, text) if isinstance(s, MultiHopSample) else score_answer(s, text)
+            answer = teacher_answer_text(s, text)
             problem = "wrong" if not ok else answer_problem(s, answer, settings)
             if problem is None:
                 kept.append(s)

@@ -3,6 +3,7 @@ training -> adapter."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,9 +22,9 @@ from ragfix.distill.data import (
     teacher_prompt,
 )
 from ragfix.distill.loop import TrainResult, train_loop
-from ragfix.distill.settings import DATA_FILE, DistillSettings
+from ragfix.distill.settings import DATA_FILE, TEACHER_FILE, DistillSettings
 from ragfix.errors import DataError
-from ragfix.io import atomic_write_json
+from ragfix.io import JsonlStore, atomic_write_json
 
 
 def teacher_rows(
@@ -37,7 +38,9 @@ def teacher_rows(
 ):
     """The kept questions and their rows: reused from ``data_path`` when it was written with the
     same data settings from these candidates, else built by :func:`~ragfix.distill.data.
-    build_rows` (and written there when ``write``).
+    build_rows` (and written there when ``write``). The teacher's generations are appended to
+    :data:`~ragfix.distill.settings.TEACHER_FILE` beside ``data_path`` batch by batch, so an
+    interrupted run (``resume``) generates only what it had not.
 
     Returns:
         ``(kept, rows, report)`` as :func:`~ragfix.distill.data.build_rows`.
@@ -53,12 +56,30 @@ def teacher_rows(
         rows = [DistillRow(**r) for r in cached["rows"]]
         log(f"reusing {data_path}: {len(kept)} questions, {len(rows)} rows")
         return kept, rows, TeacherReport(**cached["report"])
-    log(f"teacher answers at the advantaged position ({len(candidates)} candidates)")
+    # the generations so far under the same data settings (an interrupted run resumes there)
+    tag = hashlib.sha256(json.dumps(settings.data_key(), sort_keys=True).encode()).hexdigest()[:12]
+    store = JsonlStore(data_path.parent / TEACHER_FILE, key="key")
+    generated = {
+        r["sample_id"]: r["text"]
+        for r in (store.load().values() if resume else ())
+        if r["key"].startswith(f"{tag}:")
+    }
+
+    def keep(new: dict[str, str]) -> None:
+        for i, text in new.items() if write else ():
+            store.append({"key": f"{tag}:{i}", "sample_id": i, "text": text})
+
+    log(
+        f"teacher answers at the advantaged position ({len(candidates)} candidates"
+        + (f", {len(generated)} generated before)" if generated else ")")
+    )
     kept, rows, report = build_rows(
         teacher,
         candidates,
         settings,
         progress=lambda d, t, k: log(f"  tried {d}/{t}, kept {k}/{settings.questions}"),
+        generated=generated,
+        on_generated=keep,
     )
     if write:
         atomic_write_json(

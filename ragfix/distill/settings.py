@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 #: training rows and teacher answers, reused by a rerun with the same data settings
 DATA_FILE = "distill_data.json"
+#: the teacher's generations so far, one JSON record per question (an interrupted run resumes)
+TEACHER_FILE = "teacher_answers.jsonl"
 #: one JSON record per optimiser step (loss, learning rate, KL by position)
 LOG_FILE = "train_log.jsonl"
 #: folder of the resumable training state (``accelerate`` checkpoint plus :data:`STATE_FILE`)
@@ -80,4 +82,11 @@ class DistillSettings(BaseModel):
         return {k: getattr(self, k) for k in keep}
 
 
-__all__ = ["CHECKPOINT_DIR", "DATA_FILE", "LOG_FILE", "STATE_FILE", "DistillSettings"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "DATA_FILE",
+    "LOG_FILE",
+    "STATE_FILE",
+    "TEACHER_FILE",
+    "DistillSettings",
+]
