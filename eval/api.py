@@ -136,7 +136,7 @@ def _worker(
     """One worker process of a CPU sweep (:func:`_compute_in_workers`): ``threads`` torch
     threads, its own backend, its cells appended to ``results.rank{rank}.jsonl``. It puts
     ``("record", SweepRecord)`` on ``messages`` for each stored cell, then ``("done", rank)``, or
-    ``("error", exception)`` when it fails."""
+    ``("error", (exception, traceback text))`` when it fails."""
     import os
 
     from ragfix.backends import load_backend
@@ -160,7 +160,15 @@ def _worker(
             on_record=lambda rec: messages.put(("record", rec)),
         )
     except Exception as e:  # handed to the parent, which raises it
-        messages.put(("error", e))
+        import pickle
+        import traceback
+
+        trace = traceback.format_exc()
+        try:
+            pickle.dumps(e)
+        except Exception:  # an exception that cannot cross processes: its text does
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        messages.put(("error", (e, f"sweep worker {rank}:\n{trace}")))
     else:
         messages.put(("done", rank))
 
@@ -230,7 +238,8 @@ def _compute_in_workers(
             elif kind == "done":
                 running.discard(value)
             else:
-                raise value
+                error, trace = value
+                raise error from RuntimeError(trace)
     finally:
         for p in procs:
             if p.is_alive():
@@ -292,9 +301,10 @@ def run_sweep(
             (:func:`ragfix.eval.sweep.run_cells`).
         skip_invalid: skip and count malformed records instead of stopping.
         distractor_pool: draw QA distractors from this file (BM25) instead of the sample's own.
-        workers: worker processes, each on its share of whole samples with one torch thread
-            (default: :func:`ragfix.eval.shard.sweep_workers`, one per free core for a local
-            model on the CPU); ranks of a launcher run one each.
+        workers: worker processes, each on its share of whole samples with
+            :func:`~ragfix.eval.shard.threads_per_worker` torch threads (default:
+            :func:`~ragfix.eval.shard.sweep_workers`, one per free core for a local model on
+            the CPU); ranks of a launcher run one each.
         device, dtype: see :func:`ragfix.backends.load_backend` (under a launcher, each rank's
             own device).
         on_record: called with each newly computed :class:`SweepRecord` once it is stored.
