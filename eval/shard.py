@@ -88,7 +88,7 @@ def sweep_workers(workers: int | None, *, device: str, model: str, samples: int)
                 f"--workers {n}: worker processes are for a local model on the CPU; on GPUs or "
                 "machines use accelerate launch / torchrun, for a served model --concurrency"
             )
-        return n
+        return min(n, max(1, samples))  # a worker without a sample would only load the model
     if not local_cpu:
         return 1
     size = weights_bytes(model)

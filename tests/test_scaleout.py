@@ -122,6 +122,7 @@ def test_sweep_workers_default_and_errors(monkeypatch):
     monkeypatch.setenv(WORKERS_ENV, "3")
     assert sweep_workers(None, device="cpu", model="smollm2", samples=10) == 3
     assert sweep_workers(1, device="cpu", model="smollm2", samples=10) == 1
+    assert sweep_workers(4, device="cpu", model="smollm2", samples=2) == 2  # one per sample
     for bad, device, model in [
         (0, "cpu", "smollm2"),
         (2, "cuda", "smollm2"),
