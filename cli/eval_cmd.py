@@ -139,6 +139,8 @@ def register(app: typer.Typer) -> None:
                     raise ConfigError("pipeline mode needs both --corpus and --questions")
                 if records is not None:
                     raise ConfigError("--records selects records of a data file, not questions")
+                if workers is not None:
+                    raise ConfigError("--workers splits a data file's samples, not pipeline mode")
                 from ragfix.eval.pipeline import run_pipeline_sweep
 
                 run_pipeline_sweep(

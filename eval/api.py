@@ -366,6 +366,7 @@ def run_sweep(
             highlight=False,
         )
     config.check(out)
+    n = sweep_workers(workers, device=device, model=model, samples=len(samples))
     state = distributed_state()
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
     if state is not None:
@@ -387,9 +388,7 @@ def run_sweep(
             adapter=str(adapter) if adapter else None,
             **options,
         )
-        n = sweep_workers(
-            workers, device=device, model=model, samples=len({c.sample.id for c in todo})
-        )
+        n = min(n, len({c.sample.id for c in todo}))
         before = [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else []
         tally = RunTally(before)
         with progress_bar(console, disable=console is None or rank != 0) as bar:

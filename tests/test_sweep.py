@@ -202,6 +202,9 @@ def test_output_folder_of_another_config_is_refused(finished_run):
         ([NQ, "--num-docs", "80"], "needs 79 distractors"),
         ([NQ, "--model", "./missing-model"], "model path not found"),
         ([NQ, "--backend", "nope"], "unknown backend 'nope'"),
+        ([NQ, "--workers", "0"], "--workers 0: give at least 1"),
+        ([NQ, "--workers", "2", "--device", "cuda"], "worker processes are for a local model"),
+        (["--corpus", "c", "--questions", "q", "--workers", "2"], "not pipeline mode"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
