@@ -1,4 +1,5 @@
-"""Sharded sweeps: torchrun on the CPU (gloo) gives exactly the single-process results."""
+"""Sharded sweeps: torchrun ranks and the sweep's own worker processes give exactly the
+single-process results; the processes benchmark and the worker-count default."""
 
 import json
 import os
