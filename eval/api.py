@@ -14,6 +14,7 @@ the summary's ``flags`` count them per position.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -121,19 +122,22 @@ def _compute(
     run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=bs)
 
 
-def _worker(
-    rank: int,
-    world: int,
-    todo: list[Cell],
-    config: SweepConfig,
-    out: Path,
-    load_kwargs: dict,
-    threads: int,
-    prefix_reuse: bool,
-    batch_size: int | None,
-    messages,
-) -> None:
-    """One worker process of a CPU sweep (:func:`_compute_in_workers`): ``threads`` torch
+@dataclass(frozen=True)
+class _WorkerJob:
+    """What every worker process of a CPU sweep shares: the run, how to load its backend
+    (:func:`ragfix.backends.load_backend`'s arguments), torch threads per process, and the
+    sweep's batching settings."""
+
+    config: SweepConfig
+    out: Path
+    load_kwargs: dict
+    threads: int
+    prefix_reuse: bool
+    batch_size: int | None
+
+
+def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) -> None:
+    """One worker process of a CPU sweep (:func:`_compute_in_workers`): ``job.threads`` torch
     threads, its own backend, its cells appended to ``results.rank{rank}.jsonl``. It puts
     ``("record", SweepRecord)`` on ``messages`` for each stored cell, then ``("done", rank)``, or
     ``("error", (exception, traceback text))`` when it fails."""
@@ -142,20 +146,20 @@ def _worker(
     from ragfix.backends import load_backend
     from ragfix.models import THREADS_ENV
 
-    os.environ[THREADS_ENV] = str(threads)
+    os.environ[THREADS_ENV] = str(job.threads)
     try:
-        backend = load_backend(**load_kwargs)
-        _check_budget(backend, config)
+        backend = load_backend(**job.load_kwargs)
+        _check_budget(backend, job.config)
         _compute(
             todo,
-            open_store(out, rank, world),
-            config,
-            out,
+            open_store(job.out, rank, world),
+            job.config,
+            job.out,
             backend,
             rank=rank,
             world=world,
-            prefix_reuse=prefix_reuse,
-            batch_size=batch_size,
+            prefix_reuse=job.prefix_reuse,
+            batch_size=job.batch_size,
             on_gpu=False,
             on_record=lambda rec: messages.put(("record", rec)),
         )
@@ -174,16 +178,7 @@ def _worker(
 
 
 def _compute_in_workers(
-    todo: list[Cell],
-    workers: int,
-    track: Callable[[SweepRecord], None],
-    config: SweepConfig,
-    out: Path,
-    load_kwargs: dict,
-    *,
-    threads: int,
-    prefix_reuse: bool,
-    batch_size: int | None,
+    todo: list[Cell], workers: int, track: Callable[[SweepRecord], None], job: _WorkerJob
 ) -> None:
     """Compute ``todo`` in ``workers`` fresh (spawned) processes, each on its share of whole
     samples (:func:`_my_share`, as the ranks of a launcher), passing every record to ``track`` in
@@ -201,18 +196,7 @@ def _compute_in_workers(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(
-                rank,
-                workers,
-                _my_share(todo, rank, workers),
-                config,
-                out,
-                load_kwargs,
-                threads,
-                prefix_reuse,
-                batch_size,
-                messages,
-            ),
+            args=(rank, workers, _my_share(todo, rank, workers), job, messages),
             daemon=True,
         )
         for rank in range(workers)
@@ -408,17 +392,8 @@ def run_sweep(
                 threads = threads_per_worker()
                 if console is not None:
                     console.print(f"{n} worker processes, {threads} torch thread(s) each")
-                _compute_in_workers(
-                    todo,
-                    n,
-                    track,
-                    config,
-                    out,
-                    load_kwargs,
-                    threads=threads,
-                    prefix_reuse=prefix_reuse,
-                    batch_size=batch_size,
-                )
+                job = _WorkerJob(config, out, load_kwargs, threads, prefix_reuse, batch_size)
+                _compute_in_workers(todo, n, track, job)
             else:
                 loaded = load_backend(**load_kwargs)
                 _check_budget(loaded, config)

@@ -68,7 +68,13 @@ def sweep_workers(workers: int | None, *, device: str, model: str, samples: int)
     import psutil
 
     from ragfix.errors import ConfigError
-    from ragfix.models import free_cpu_cores, resolve_device, resolve_model, weights_bytes
+    from ragfix.models import (
+        free_cpu_cores,
+        resolve_device,
+        resolve_model,
+        weights_bytes,
+        whole_number,
+    )
 
     raw = workers if workers is not None else os.environ.get(WORKERS_ENV)
     local_cpu = (
@@ -77,10 +83,7 @@ def sweep_workers(workers: int | None, *, device: str, model: str, samples: int)
         and world_size_from_env() == 1
     )
     if raw is not None:
-        try:
-            n = int(raw)
-        except ValueError:
-            raise ConfigError(f"{WORKERS_ENV}={raw!r}: expected a whole number") from None
+        n = whole_number(raw, WORKERS_ENV, "worker processes")
         if n < 1:
             raise ConfigError(f"--workers {n}: give at least 1")
         if n > 1 and not local_cpu:

@@ -352,6 +352,19 @@ def free_cpu_cores() -> int:
     return max(1, usable_cpu_cores() - round(used))
 
 
+def whole_number(raw: int | str, env: str, what: str) -> int:
+    """``raw`` (a count given in code, or the text of the environment variable ``env``) as an
+    int.
+
+    Raises:
+        ConfigError: not a whole number (``env`` and the value named).
+    """
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{env}={raw!r}: expected a whole number of {what}") from None
+
+
 def cpu_threads(threads: int | None = None) -> int:
     """Set torch's intra-op CPU threads and return the number set.
 
@@ -369,10 +382,7 @@ def cpu_threads(threads: int | None = None) -> int:
         if os.environ.get("OMP_NUM_THREADS"):
             return torch.get_num_threads()
         raw = free_cpu_cores()
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ConfigError(f"{THREADS_ENV}={raw!r}: expected a whole number of threads") from None
+    n = whole_number(raw, THREADS_ENV, "threads")
     if n < 1:
         raise ConfigError(f"threads={n}: expected at least 1")
     torch.set_num_threads(n)
