@@ -179,16 +179,28 @@ def test_an_interrupted_teacher_pass_resumes_without_generating_again(tmp_path):
     samples = load_samples(data_file(EVAL_FILE), 10, limit=TEACHER_BATCH + 2)
     texts = [s.answers[0] for s in samples]
     settings = DistillSettings(questions=len(samples))
-    args = (settings, tmp_path / "run" / "distill_data.json", True, True, lambda m: None)
+    run = tmp_path / "run" / "distill_data.json"
+    args = (run, True, True, lambda m: None)
     (tmp_path / "run").mkdir()
     with pytest.raises(KeyboardInterrupt):
-        teacher_rows(_InterruptedTeacher(texts, batches=1), samples, *args)
+        teacher_rows(_InterruptedTeacher(texts, batches=1), samples, settings, *args, model_key="a")
     # the rerun asks the teacher only for the questions of the batch that did not finish
-    kept, rows, report = teacher_rows(_ScriptedTeacher(texts[TEACHER_BATCH:]), samples, *args)
+    rerun = _ScriptedTeacher(texts[TEACHER_BATCH:])
+    kept, rows, report = teacher_rows(rerun, samples, settings, *args, model_key="a")
     (tmp_path / "once").mkdir()
-    once = (settings, tmp_path / "once" / "distill_data.json", True, True, lambda m: None)
-    assert (kept, rows, report) == teacher_rows(_ScriptedTeacher(texts), samples, *once)
+    once = (tmp_path / "once" / "distill_data.json", True, True, lambda m: None)
+    assert (kept, rows, report) == teacher_rows(
+        _ScriptedTeacher(texts), samples, settings, *once, model_key="a"
+    )
     assert report.kept == len(samples)
+    # a rerun that asks for fewer questions builds new rows from the stored generations only
+    fewer = settings.model_copy(update={"questions": 2})
+    kept, _, report = teacher_rows(_ScriptedTeacher([]), samples, fewer, *args, model_key="a")
+    assert [s.id for s in kept] == [s.id for s in samples[:2]] and report.kept == 2
+    # another model's generations are not reused: every question is asked again
+    other = _ScriptedTeacher(["wrong"] * len(samples))
+    kept, _, report = teacher_rows(other, samples, fewer, *args, model_key="b")
+    assert not kept and report.wrong == len(samples)
 
 
 def test_truncation_keeps_the_answer_in_the_gold_passage():

@@ -35,12 +35,19 @@ def teacher_rows(
     resume: bool,
     write: bool,
     log: Callable[[str], None],
+    model_key: str,
 ):
     """The kept questions and their rows: reused from ``data_path`` when it was written with the
-    same data settings from these candidates, else built by :func:`~ragfix.distill.data.
+    same data settings and model from these candidates, else built by :func:`~ragfix.distill.data.
     build_rows` (and written there when ``write``). The teacher's generations are appended to
-    :data:`~ragfix.distill.settings.TEACHER_FILE` beside ``data_path`` batch by batch, so an
-    interrupted run (``resume``) generates only what it had not.
+    :data:`~ragfix.distill.settings.TEACHER_FILE` beside ``data_path`` batch by batch, keyed by
+    the model and :meth:`~ragfix.distill.settings.DistillSettings.generation_key`, so an
+    interrupted run (``resume``), or a rerun that asks for more or fewer questions, generates only
+    what it had not.
+
+    Args:
+        model_key: what identifies the teacher model (``model_identity(model)["fingerprint"]``);
+            generations of another model are never reused.
 
     Returns:
         ``(kept, rows, report)`` as :func:`~ragfix.distill.data.build_rows`.
@@ -50,14 +57,17 @@ def teacher_rows(
     if (
         cached
         and cached["data_key"] == settings.data_key()
+        and cached.get("model") == model_key
         and all(i in by_id for i in cached["question_ids"])
     ):
         kept = [by_id[i] for i in cached["question_ids"]]
         rows = [DistillRow(**r) for r in cached["rows"]]
         log(f"reusing {data_path}: {len(kept)} questions, {len(rows)} rows")
         return kept, rows, TeacherReport(**cached["report"])
-    # the generations so far under the same data settings (an interrupted run resumes there)
-    tag = hashlib.sha256(json.dumps(settings.data_key(), sort_keys=True).encode()).hexdigest()[:12]
+    # the generations so far by this model under the same prompt settings (an interrupted run,
+    # or one that asks for more questions, resumes there)
+    key = {**settings.generation_key(), "model": model_key}
+    tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     store = JsonlStore(data_path.parent / TEACHER_FILE, key="key")
     generated = {
         r["sample_id"]: r["text"]
@@ -86,6 +96,7 @@ def teacher_rows(
             data_path,
             {
                 "data_key": settings.data_key(),
+                "model": model_key,
                 "question_ids": [s.id for s in kept],
                 "report": report.model_dump(),
                 "rows": [r.model_dump() for r in rows],
@@ -181,7 +192,14 @@ def distill(
     base_identity = model_identity(model)
     candidates = exclude_questions(samples, excluded)
     kept, rows, report = teacher_rows(
-        teacher, candidates, settings, out / DATA_FILE, resume, acc.is_main_process, log
+        teacher,
+        candidates,
+        settings,
+        out / DATA_FILE,
+        resume,
+        acc.is_main_process,
+        log,
+        model_key=base_identity["fingerprint"],
     )
     dropped = {k: v for k, v in report.model_dump().items() if k not in ("tried", "kept") and v}
     why = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in dropped.items()) or "none"

@@ -81,6 +81,12 @@ class DistillSettings(BaseModel):
         ]
         return {k: getattr(self, k) for k in keep}
 
+    def generation_key(self) -> dict:
+        """The settings that determine one teacher generation (its prompt and length): a stored
+        generation is reused by any run that matches them, whatever its question count or rows."""
+        keep = ["variant", "num_docs", "max_passage_words", "anchor_position", "r2_max_new_tokens"]
+        return {k: getattr(self, k) for k in keep}
+
 
 __all__ = [
     "CHECKPOINT_DIR",
