@@ -66,8 +66,8 @@ def register(app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """Rewrite the tables between `<!-- results:KIND FILE -->` and `<!-- /results -->` from
-        the result files under results/ (KIND: curve, merit, paired or comparison; FILE relative
-        to the Markdown file)."""
+        the result files under results/ (KIND: curve, merit, paired, comparison, benchmark, ppl
+        or judge; FILE relative to the Markdown file)."""
         from ragfix.eval.render import render_files
 
         with user_errors():

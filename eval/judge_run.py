@@ -10,7 +10,9 @@ A run folder holds:
   configuration behind and a corrected rerun can use the same folder; a folder holding another
   configuration is refused;
 * ``summary.json`` and ``judge.png``: metrics and plot of the pairs of this data
-  (:func:`ragfix.judge.summarize`, :func:`ragfix.judge.plot_judges`).
+  (:func:`ragfix.judge.summarize`, :func:`ragfix.judge.plot_judges`). The summary is a result
+  file (``"kind": "ragfix-judge"``, with ``data``, its ``format`` and ``limit``): copied under
+  ``results/``, it renders as the ``judge`` table kind (:func:`ragfix.eval.report.judge_tables`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ragfix.errors import ConfigError, ConfigMismatchError, DataError
-from ragfix.eval.report import progress_bar
+from ragfix.eval.report import JUDGE_KIND, SWAP_JUDGMENTS_FORMAT, progress_bar
 from ragfix.io import (
     CONFIG_FILE,
     JsonlStore,
@@ -82,7 +84,9 @@ class JudgeRunResult:
 
 
 def _write_report(out: Path, summaries: dict[str, dict], extra: dict, title: str) -> None:
-    atomic_write_json(out / SUMMARY_FILE, {**extra, "judges": summaries})
+    """Write ``summary.json`` (a ``ragfix-judge`` result file: ``extra`` holds the data as
+    given, its format and the limit, then the run's details) and ``judge.png``."""
+    atomic_write_json(out / SUMMARY_FILE, {"kind": JUDGE_KIND, **extra, "judges": summaries})
     plot_judges(summaries, out / PLOT_FILE, title)
 
 
@@ -109,9 +113,8 @@ def summarize_judgments(
     per_judge = load_swap_judgments(data, limit)
     summaries = {ev: summarize_swap_judgments(rows) for ev, rows in per_judge.items()}
     out.mkdir(parents=True, exist_ok=True)
-    _write_report(
-        out, summaries, {"data": str(data), "limit": limit}, f"{data.name}: swap judgments"
-    )
+    extra = {"data": str(data), "format": SWAP_JUDGMENTS_FORMAT, "limit": limit}
+    _write_report(out, summaries, extra, f"{data.name}: swap judgments")
     return JudgeRunResult(out=out, summaries=summaries)
 
 
@@ -337,6 +340,9 @@ def run_judge(
             "judged orders have none)"
         )
     extra = {
+        "data": str(data),
+        "format": fmt,
+        "limit": limit,
         "config": config,
         "skipped_records": skipped.count,
         "torn_lines": store.torn_lines,

@@ -14,9 +14,10 @@ README, ``../results/kv8.json`` in ``docs/``). ``KIND`` is a table kind of
 intervals; a ``summary.json`` or a comparison), ``merit`` (mean, worst position and gap with 95%
 intervals), ``paired`` (per-position differences, McNemar p, the notes on runs not paired) or
 ``comparison`` (all three); ``merit`` and ``paired`` need a comparison file. ``benchmark`` renders
-a benchmark's file (:func:`ragfix.eval.report.write_benchmark`) and ``ppl`` a perplexity result
-(``ragfix eval-ppl``'s ``ppl.json``), each only its own kind of file. Markers inside fenced code
-blocks are left alone.
+a benchmark's file (:func:`ragfix.eval.report.write_benchmark`), ``ppl`` a perplexity result
+(``ragfix eval-ppl``'s ``ppl.json``) and ``judge`` a judge run's ``summary.json`` (``ragfix
+judge``, also ``--from-judgments``: :func:`ragfix.eval.report.judge_tables`), each only its own
+kind of file. Markers inside fenced code blocks are left alone.
 
 Commands (the same function)::
 

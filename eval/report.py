@@ -62,6 +62,11 @@ COMPARISON_KIND = "ragfix-comparison"
 BENCHMARK_KIND = "ragfix-benchmark"
 #: ``"kind"`` of a perplexity result file (``ragfix eval-ppl``, :func:`ragfix.eval.ppl.run_ppl`)
 PPL_KIND = "ragfix-ppl"
+#: ``"kind"`` of a judge run's ``summary.json`` (``ragfix judge``, :mod:`ragfix.eval.judge_run`)
+JUDGE_KIND = "ragfix-judge"
+#: ``"format"`` of a judge summary computed from other judges' verdicts (``--from-judgments``;
+#: the swap-judgments format of :mod:`ragfix.connectors.pairwise`)
+SWAP_JUDGMENTS_FORMAT = "swap_judgments"
 #: ``config.json`` fields that decide what a cell (sample, position) is: the data, the task, the
 #: passages per prompt, the record range and the prompt layout (distractors, retrieval). Runs are
 #: paired only when they agree on all of them (a field absent from both agrees).
@@ -577,11 +582,15 @@ def _same_cells(a: Run, b: Run) -> bool:
 
 
 #: table kinds of a comparison (``ragfix report`` prints ``comparison``: all of them), of a
-#: benchmark and of a perplexity result
-TABLE_KINDS = ("curve", "merit", "paired", "comparison", "benchmark", "ppl")
+#: benchmark, of a perplexity result and of a judge run
+TABLE_KINDS = ("curve", "merit", "paired", "comparison", "benchmark", "ppl", "judge")
 #: table kinds that render one kind of result file only, and the only kind for that file:
 #: table kind -> (the file's ``kind``, what the file is in an error message)
-_FILE_TABLE_KINDS = {"benchmark": (BENCHMARK_KIND, "benchmark"), "ppl": (PPL_KIND, "perplexity")}
+_FILE_TABLE_KINDS = {
+    "benchmark": (BENCHMARK_KIND, "benchmark"),
+    "ppl": (PPL_KIND, "perplexity"),
+    "judge": (JUDGE_KIND, "judge"),
+}
 
 
 def write_benchmark(path: str | Path, table: TableSpec, **details) -> dict:
@@ -613,12 +622,13 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
             curve), ``paired`` (per-position differences and McNemar p of every pair, then the
             notes on runs not paired), ``comparison`` (all three); ``benchmark`` for a
             benchmark's file (:func:`write_benchmark`), ``ppl`` for a perplexity result
-            (:func:`ppl_tables`).
+            (:func:`ppl_tables`), ``judge`` for a judge run's ``summary.json``
+            (:func:`judge_tables`).
 
     Raises:
         DataError: ``merit`` or ``paired`` asked of a ``summary.json`` (they need the cells: use
-            ``ragfix report RUN --json FILE``); ``benchmark`` or ``ppl`` asked of another file,
-            or another kind asked of their files.
+            ``ragfix report RUN --json FILE``); ``benchmark``, ``ppl`` or ``judge`` asked of
+            another file, or another kind asked of their files.
     """
     if kind not in TABLE_KINDS:
         raise RagfixError(f"unknown table kind {kind!r} (one of: {', '.join(TABLE_KINDS)})")
@@ -635,6 +645,8 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
         return [TableSpec(**{k: comparison[k] for k in keys})]
     if kind == "ppl":
         return ppl_tables(comparison)
+    if kind == "judge":
+        return judge_tables(comparison)
     if kind in ("merit", "paired") and comparison.get("kind") != COMPARISON_KIND:
         raise DataError(
             comparison.get("source"),
@@ -736,6 +748,126 @@ def ppl_tables(result: dict) -> list[TableSpec]:
     ]
 
 
+def _pc(m: dict) -> str:
+    """Position consistency with its counts: ``0.928 (389/419)`` (consistent / both orders read)."""
+    pc = m["position_consistency"]
+    return f"{'n/a' if pc is None else _f(pc)} ({m['consistent_pairs']}/{m['valid_pairs']})"
+
+
+def _rate(x: float | None, signed: bool = False) -> str:
+    return "n/a" if x is None else _signed(x) if signed else _f(x)
+
+
+def _acc_kappa(g: dict | None) -> str:
+    """``accuracy / kappa`` of one verdict kind's agreement (``n/a`` without labels)."""
+    return "n/a" if g is None else f"{_f(g['accuracy'])} / {_rate(g['kappa'], signed=True)}"
+
+
+def judge_tables(result: dict) -> list[TableSpec]:
+    """The tables of a judge run's ``summary.json`` (``ragfix judge``,
+    :mod:`ragfix.eval.judge_run`; ``"kind": "ragfix-judge"``).
+
+    A summary of other judges' verdicts (``ragfix judge --from-judgments``) is one table, one row
+    per judge: position consistency with its counts (consistent / pairs both of whose verdicts
+    were read), preference fairness, first-slot win rate, invalid rate, and accuracy / Cohen's
+    kappa against the human labels of the single-order (original order) and swap-aggregated
+    verdicts.
+
+    A judged run (a model as the judge) is two tables per judge: position bias per verdict source
+    (generated verdicts, per-order argmax of the letter probabilities): consistency with its
+    counts, fairness, first-slot wins, tie and invalid rates, with the mean probability of the
+    verdict letters (and the repetition stability, the run's notes) under it; then agreement with
+    the human labels per verdict kind (n, accuracy with its 95% Wilson interval, kappa, ties,
+    invalid), or a line saying the data has no labels.
+    """
+    data = Path(result["data"]).name
+    limit = result.get("limit")
+    judges = result["judges"]
+    if result.get("format") == SWAP_JUDGMENTS_FORMAT:
+        rows = [
+            [
+                name,
+                _pc(s["generated"]),
+                _rate(s["generated"]["preference_fairness"], signed=True),
+                _rate(s["generated"]["first_slot_win_rate"]),
+                _rate(s["generated"]["invalid_rate"]),
+                _acc_kappa(s["agreement"].get("single_original")),
+                _acc_kappa(s["agreement"].get("swap_aggregated")),
+            ]
+            for name, s in judges.items()
+        ]
+        headers = [
+            "judge",
+            "PC (consistent/read)",
+            "PF",
+            "first-slot wins",
+            "invalid",
+            "single-order acc / κ",
+            "swap-aggregated acc / κ",
+        ]
+        items = f"first {limit} items" if limit is not None else "all items"
+        line = (
+            f"{data}, {items} of each judge. Single order: the verdict of the order given in the "
+            "file; swap-aggregated: both orders, an inconsistent pair is a tie (MT-bench)."
+        )
+        title = f"Other judges' verdicts in both orders ({items})"
+        return [TableSpec(title, headers, rows, [line])]
+    tables = []
+    for name, s in judges.items():
+        where = f"{data}, first {limit} pairs" if limit is not None else data
+        rows = []
+        for source, label in (("generated", "generated"), ("logit", "logit argmax")):
+            m = s.get(source)
+            if m is not None:
+                rows.append(
+                    [
+                        label,
+                        str(m["pairs"]),
+                        _pc(m),
+                        _rate(m["preference_fairness"], signed=True),
+                        _rate(m["first_slot_win_rate"]),
+                        _rate(m["tie_rate"]),
+                        _rate(m["invalid_rate"]),
+                    ]
+                )
+        headers = [
+            "verdicts",
+            "pairs",
+            "PC (consistent/read)",
+            "PF",
+            "first-slot wins",
+            "ties",
+            "invalid",
+        ]
+        lines = []
+        if s.get("letter_mass") is not None:
+            lines.append(f"Mean p(A) + p(B) at the verdict position: {_f(s['letter_mass'])}.")
+        if s.get("repetition_stability") is not None:
+            lines.append(f"Repetition stability: {_f(s['repetition_stability'])}.")
+        lines += list(result.get("notes", []))
+        tables.append(TableSpec(f"{name} as judge: position bias ({where})", headers, rows, lines))
+        agree = [
+            [
+                kind,
+                str(g["n"]),
+                _f(g["accuracy"]),
+                _ci({"low": g["acc_low"], "high": g["acc_high"]}),
+                _rate(g["kappa"], signed=True),
+                str(g["ties"]),
+                str(g["invalid"]),
+            ]
+            for kind, g in s["agreement"].items()
+            if g is not None
+        ]
+        title = f"{name} as judge: agreement with human labels ({where})"
+        if agree:
+            headers = ["verdict", "n", "accuracy", "95% CI", "κ", "ties", "invalid"]
+            tables.append(TableSpec(title, headers, agree))
+        else:
+            tables.append(TableSpec(title, lines=["No human labels in the data."]))
+    return tables
+
+
 def _merit_table(comparison: dict) -> TableSpec:
     boot = comparison["bootstrap"]
     rows = []
@@ -826,8 +958,8 @@ def _paired_table(pair: dict, comparison: dict) -> TableSpec:
 
 
 def load_result(path: str | Path) -> dict:
-    """A result file as a comparison: a comparison, benchmark or perplexity JSON as it is (its
-    ``kind`` field says which), or a run's ``summary.json`` wrapped as a one-run comparison
+    """A result file as a comparison: a comparison, benchmark, perplexity or judge JSON as it is
+    (its ``kind`` field says which), or a run's ``summary.json`` wrapped as a one-run comparison
     (curves without bootstrap intervals, nothing paired).
 
     Raises:
@@ -840,7 +972,8 @@ def load_result(path: str | Path) -> dict:
         raise DataError(path, None, None, f"cannot read the result file ({e.strerror})") from None
     except ValueError as e:
         raise DataError(path, None, None, f"not JSON ({e})") from None
-    if isinstance(data, dict) and data.get("kind") in (COMPARISON_KIND, BENCHMARK_KIND, PPL_KIND):
+    kinds = (COMPARISON_KIND, BENCHMARK_KIND, PPL_KIND, JUDGE_KIND)
+    if isinstance(data, dict) and data.get("kind") in kinds:
         return {**data, "source": str(path)}
     if not isinstance(data, dict) or not isinstance(data.get("curves"), dict):
         raise DataError(path, None, None, "neither a summary.json nor a comparison file")

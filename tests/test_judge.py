@@ -535,3 +535,115 @@ def test_cli_from_judgments(tmp_path):
         judges["GPT-4"]["generated"]["position_consistency"], 389 / 419, rel_tol=1e-12
     )
     assert (tmp_path / "judge.png").exists()
+
+
+# ------------------------------------------------------------------ the judge table kind
+
+
+def _render_judge(tmp_path, summary_file, name):
+    """``summary_file`` copied under ``results/`` as ``name`` and rendered into a doc with the
+    ``judge`` kind, as docs/judge.md does; returns the doc's text."""
+    from ragfix.eval.render import render_files
+
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    results.mkdir(exist_ok=True)
+    docs.mkdir(exist_ok=True)
+    (results / name).write_text(summary_file.read_text())
+    doc = docs / "judge.md"
+    doc.write_text(f"# Judge\n\n<!-- results:judge ../results/{name} -->\n<!-- /results -->\n")
+    assert render_files([doc]) == [doc]
+    assert render_files([doc], check=True) == []
+    return doc.read_text()
+
+
+def test_from_judgments_summary_renders_as_the_judge_kind(tmp_path):
+    from ragfix.eval.judge_run import summarize_judgments
+    from ragfix.eval.render import render_files
+
+    data = data_file("llmbar_vanilla_swap_judgments.jsonl.gz")
+    summarize_judgments(data, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["kind"], summary["format"], summary["limit"]) == (
+        "ragfix-judge",
+        "swap_judgments",
+        None,
+    )
+    text = _render_judge(tmp_path, tmp_path / "run" / "summary.json", "others.json")
+    # GPT-4's row, every figure computed here from the raw file (winners in the original
+    # numbering: "1" = output_1; in the swapped run output_1 sat in the second slot)
+    with gzip.open(data, "rt") as f:
+        rows = [r for r in map(json.loads, f) if r["evaluator"] == "GPT-4"]
+    w1 = [r["winner_original_order"] for r in rows]
+    w2 = [r["winner_swapped_order"] for r in rows]
+    labels = [str(r["label"]) for r in rows]
+    read = [(a, b) for a, b in zip(w1, w2, strict=True) if a is not None and b is not None]
+    consistent = sum(a == b for a, b in read)
+    primacy = sum(a == "1" and b == "2" for a, b in read)  # slot A won both times
+    recency = sum(a == "2" and b == "1" for a, b in read)
+    pf = (recency**2 - primacy**2) / (primacy + recency) / len(read)
+    first = sum(a == "1" for a in w1 if a) + sum(b == "2" for b in w2 if b)
+    decisive = sum(a is not None for a in w1) + sum(b is not None for b in w2)
+    invalid = (w1.count(None) + w2.count(None)) / (2 * len(rows))
+    single = [a or "invalid" for a in w1]
+    swap = [
+        "invalid" if a is None or b is None else a if a == b else "tie"
+        for a, b in zip(w1, w2, strict=True)
+    ]
+
+    def acc_kappa(vs):
+        acc = sum(v == lab for v, lab in zip(vs, labels, strict=True)) / len(rows)
+        return f"{acc:.3f} / {cohen_kappa_score(vs, labels):+.3f}"
+
+    row = (
+        f"| GPT-4 | {consistent / len(read):.3f} ({consistent}/{len(read)}) | {pf:+.3f} | "
+        f"{first / decisive:.3f} | {invalid:.3f} | {acc_kappa(single)} | {acc_kappa(swap)} |"
+    )
+    assert (consistent, len(read)) == (389, 419)  # the count LLMBar's data gives
+    assert row in text
+    assert "| judge | PC (consistent/read) | PF | first-slot wins | invalid |" in text
+    assert "| PaLM2 | 0.723 (300/415) |" in text  # four items with an unreadable order
+    assert "all items of each judge" in text
+    # the first 100 items of each judge: the limit is in the file and in the table
+    summarize_judgments(data, tmp_path / "run100", limit=100)
+    text = _render_judge(tmp_path, tmp_path / "run100" / "summary.json", "others100.json")
+    assert "| GPT-4 | 0.950 (95/100) |" in text and "first 100 items of each judge" in text
+    # the judge kind is for judge summaries only, and only the judge kind renders them
+    doc = tmp_path / "docs" / "judge.md"
+    doc.write_text("<!-- results:curve ../results/others.json -->\n<!-- /results -->\n")
+    with pytest.raises(DataError, match="judge table kind is for judge result files"):
+        render_files([doc])
+
+
+def test_judged_run_summary_renders_position_bias_and_agreement(tmp_path):
+    """A judged run's summary (run_judge) renders as two tables; the judgments are stored
+    beforehand (a judge that always picks the first slot), so no model runs."""
+    from ragfix.eval import run_judge
+    from ragfix.judge import OrderJudgment, combine
+
+    data = data_file("llmbar_pairs.jsonl.gz")
+    pairs = load_pairs(data, 2)
+    out = tmp_path / "run"
+    out.mkdir()
+    first = OrderJudgment(raw="A]]", slot_verdict="A", p_a=0.4, p_b=0.1)
+    _write_jsonl(
+        out / "judgments.jsonl",
+        [combine(p, first, first).model_dump(mode="json") for p in pairs],
+    )
+    result = run_judge(data, out, limit=2, device="cpu")
+    assert (result.computed, result.reused) == (0, 2)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["kind"], summary["format"], summary["limit"]) == ("ragfix-judge", "llmbar", 2)
+    assert summary["data"] == str(data)
+    text = _render_judge(tmp_path, out / "summary.json", "smol.json")
+    title = "smollm2 · vanilla as judge: position bias (llmbar_pairs.jsonl.gz, first 2 pairs)"
+    assert f"**{title}**" in text
+    assert "| generated | 2 | 0.000 (0/2) | -1.000 | 1.000 | 0.000 | 0.000 |" in text
+    assert "| logit argmax | 2 | 0.000 (0/2) | -1.000 | 1.000 | 0.000 | 0.000 |" in text
+    assert "Mean p(A) + p(B) at the verdict position: 0.500." in text
+    labels = [p.label for p in pairs]
+    n_a = labels.count("A")
+    acc = f"{n_a / 2:.3f}"
+    assert f"| single_original | 2 | {acc} |" in text
+    assert f"| single_swapped | 2 | {1 - n_a / 2:.3f} |" in text
+    assert "| swap_aggregated | 2 | 0.000 | [0.000, 0.658] |" in text  # Wilson 0 / 2; all ties
+    assert "| logit_calibrated |" in text and "| logit_original |" in text
