@@ -158,6 +158,26 @@ def test_teacher_answers_that_quote_passages_or_run_long_are_dropped_and_counted
     assert answer_problem(kv, "a b c d e f g h", settings) is None
 
 
+def test_r2_final_answers_that_quote_a_passage_are_dropped_and_counted():
+    # the one answer SmolLM2 got "right" on two-passage questions put a whole quoted passage
+    # after "The answer is:"; both gold strings were in it, so it passed the R2 check
+    singles = load_samples(data_file(EVAL_FILE), 6, limit=6)
+    multi = compose_two_passage(singles, 6)
+    settings = DistillSettings(variant="r2", questions=3, max_answer_words=4)
+    (a1, b1), (a2, b2), (a3, b3) = ([h[0] for h in m.answers] for m in multi)
+    listed = f"Document [1](Title: {multi[0].golds[0].title}) says {a1}."
+    texts = [
+        f"{listed}\nThe answer is: {a1} and {b1}",  # kept: the chain may list the passages
+        f"The answer is: Document [2](Title: {multi[1].golds[1].title}) {a2} ... {b2}",
+        f"The answer is: {a3}, as the passage says, and {b3}, as the other one says",
+    ]
+    kept, rows, report = build_rows(_ScriptedTeacher(texts), multi, settings)
+    assert [m.id for m in kept] == [multi[0].id]
+    assert report == TeacherReport(tried=3, kept=1, quotes_passage=1, too_long=1)
+    # the word limit is per hop: two short answers pass a limit of four words
+    assert answer_problem(multi[0], "The answer is: one two and three four", settings) is None
+
+
 class _InterruptedTeacher(_ScriptedTeacher):
     """Answers its first ``batches`` calls, then stops as Ctrl-C would."""
 

@@ -40,9 +40,10 @@ _PASSAGE_LABEL = re.compile(r"Document\s*\[\d+\]|\(Title:")
 
 class TeacherReport(BaseModel):
     """What happened to the teacher's answers: questions tried, kept, and why the others were
-    dropped (``wrong``: not correct; ``empty``; and, R1 QA only, ``quotes_passage``: quotes a
-    passage label such as ``Document [3](Title: ...)``, which passes best_subspan_em but teaches
-    the student to recite the context; ``too_long``: more than ``max_answer_words`` words)."""
+    dropped (``wrong``: not correct; ``empty``; and, for QA answers and R2 final answers,
+    ``quotes_passage``: quotes a passage label such as ``Document [3](Title: ...)``, which passes
+    best_subspan_em but teaches the student to recite the context; ``too_long``: more than
+    ``max_answer_words`` words per hop)."""
 
     tried: int = 0
     kept: int = 0
@@ -298,16 +299,26 @@ def teacher_answer_text(sample, text: str) -> str:
 
 def answer_problem(sample, answer: str, settings: DistillSettings) -> str | None:
     """Why a correct teacher answer (:func:`teacher_answer_text`) is not trained on: ``"empty"``,
-    and for R1 QA ``"quotes_passage"`` or ``"too_long"`` (see :class:`TeacherReport`); ``None``
-    when it is kept. KV values and R2 chains of thought are only checked for emptiness."""
+    ``"quotes_passage"`` or ``"too_long"`` (see :class:`TeacherReport`); ``None`` when it is kept.
+
+    R1 QA checks the answer; R2 checks the final answer of the chain of thought (the text after
+    "The answer is:", :func:`extract_final_answer`; the chain itself may list the passages, as
+    the paper's instruction asks), with ``max_answer_words`` per hop. A quoted passage holds the
+    gold strings, so best_subspan_em accepts it; training on it teaches the student to recite
+    the context. KV values are only checked for emptiness."""
     if not answer:
         return "empty"
-    if isinstance(sample, QASample) and sample.task == "qa":
-        if _PASSAGE_LABEL.search(answer):
-            return "quotes_passage"
-        limit = settings.max_answer_words
-        if limit is not None and len(answer.split()) > limit:
-            return "too_long"
+    if isinstance(sample, MultiHopSample):
+        answer, hops = extract_final_answer(answer), len(sample.answers)
+    elif isinstance(sample, QASample) and sample.task == "qa":
+        hops = 1
+    else:
+        return None
+    if _PASSAGE_LABEL.search(answer):
+        return "quotes_passage"
+    limit = settings.max_answer_words
+    if limit is not None and len(answer.split()) > limit * hops:
+        return "too_long"
     return None
 
 

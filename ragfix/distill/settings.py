@@ -59,7 +59,7 @@ class DistillSettings(BaseModel):
     save_every: int = Field(10, ge=1)
     max_answer_tokens: int = Field(32, ge=1)
     max_answer_words: int | None = Field(
-        12, ge=1, description="R1 QA: drop teacher answers longer than this many words"
+        12, ge=1, description="drop QA (R2: final) teacher answers of more words a hop"
     )
     r2_max_new_tokens: int = Field(160, ge=8)
     seed: int = 42
