@@ -311,6 +311,7 @@ def test_resume_gives_the_same_weights_and_adapters_round_trip(tmp_path):
     ckpt = out / CHECKPOINT_DIR
     state = json.loads((ckpt / "ragfix_train_state.json").read_text())
     assert state["step"] == 3 and state["settings"] == SETTINGS.model_dump(mode="json")
+    assert state["minutes"] == pytest.approx(part.minutes, abs=0.01)
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     lora = [n for n, p in full.named_parameters() if "lora_" in n]
@@ -321,6 +322,8 @@ def test_resume_gives_the_same_weights_and_adapters_round_trip(tmp_path):
         _tiny_run(tmp_path, "resumed", other)
     resumed, res, *_ = _tiny_run(tmp_path, "resumed", SETTINGS)
     assert res.steps == 6 and res.finished
+    # the training minutes add up over the two runs (those of steps 1-3 are kept)
+    assert res.minutes > state["minutes"] > 0
     # it continued at step 4 (a restart would log 3 + 6 steps) with the same weights
     log = [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert log == [1, 2, 3, 4, 5, 6]

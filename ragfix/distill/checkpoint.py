@@ -46,12 +46,15 @@ def _folders(out_dir: Path) -> tuple[Path, Path]:
     return out_dir / CHECKPOINT_DIR, out_dir / f"{CHECKPOINT_DIR}.tmp"
 
 
-def save_checkpoint(acc, out_dir: str | Path, step: int, loss: float, settings) -> None:
+def save_checkpoint(
+    acc, out_dir: str | Path, step: int, loss: float, settings, minutes: float
+) -> None:
     """Save the full training state under ``out_dir/checkpoint`` (every process must call it).
 
     Args:
         acc: the accelerator the model and optimiser were prepared with.
         step: optimiser steps done. loss: the last step's loss. settings: the run's settings.
+        minutes: wall-clock training minutes of those steps, over every run that resumed here.
     """
     final, tmp = _folders(Path(out_dir))
     if acc.is_main_process:
@@ -60,7 +63,12 @@ def save_checkpoint(acc, out_dir: str | Path, step: int, loss: float, settings) 
     acc.save_state(str(tmp))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        record = {"step": step, "loss": loss, "settings": settings.model_dump(mode="json")}
+        record = {
+            "step": step,
+            "loss": loss,
+            "minutes": minutes,
+            "settings": settings.model_dump(mode="json"),
+        }
         atomic_write_json(tmp / STATE_FILE, record)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -71,7 +79,8 @@ def load_checkpoint(acc, out_dir: str | Path, settings: DistillSettings) -> dict
     """Restore the training state saved by :func:`save_checkpoint`, if there is one.
 
     Returns:
-        ``{"step", "loss", "settings"}`` of the restored checkpoint, or ``None`` (no checkpoint).
+        ``{"step", "loss", "minutes", "settings"}`` of the restored checkpoint (``minutes`` 0.0
+        for a checkpoint written before it was recorded), or ``None`` (no checkpoint).
 
     Raises:
         ConfigError: the checkpoint was written with other settings.
@@ -90,7 +99,7 @@ def load_checkpoint(acc, out_dir: str | Path, settings: DistillSettings) -> dict
             "remove it or train without resuming"
         )
     acc.load_state(str(where), strict=False)
-    return record
+    return {"minutes": 0.0, **record}
 
 
 def remove_checkpoint(out_dir: str | Path) -> None:

@@ -31,7 +31,9 @@ from ragfix.distill.settings import LOG_FILE, DistillSettings
 
 @dataclass
 class TrainResult:
-    """What a training run did: optimiser steps done, rows per step, last batch loss, minutes."""
+    """What a training run did: optimiser steps done, rows per step, last batch loss, and the
+    wall-clock training minutes of the steps done (a resumed run adds those of the checkpoint it
+    resumed from; steps redone after an interruption count once)."""
 
     steps: int
     total_steps: int
@@ -256,7 +258,12 @@ def train_loop(
     hook = register_checkpointing(acc, run.sched)
     state = load_checkpoint(acc, out, settings) if resume else None
     step, last_loss = (state["step"], state["loss"]) if state else (0, float("nan"))
+    before = state["minutes"] if state else 0.0  # training minutes of the resumed steps
     started, done_here = time.perf_counter(), 0
+
+    def minutes() -> float:
+        return before + (time.perf_counter() - started) / 60
+
     show = show_progress and acc.is_main_process
     with _progress(show, settings.variant, run.steps, step) as update:
         while step < run.steps and (stop_after is None or done_here < stop_after):
@@ -268,14 +275,14 @@ def train_loop(
                     f.write(json.dumps(record) + "\n")
             update(step, record)
             if step % settings.save_every == 0 or step == run.steps or done_here == stop_after:
-                save_checkpoint(acc, out, step, last_loss, settings)
+                save_checkpoint(acc, out, step, last_loss, settings, minutes())
     hook.remove()
     result = TrainResult(
         steps=step,
         total_steps=run.steps,
         rows=len(examples),
         last_loss=last_loss,
-        minutes=(time.perf_counter() - started) / 60,
+        minutes=minutes(),
         finished=step >= run.steps,
     )
     return acc.unwrap_model(run.model).eval(), result
