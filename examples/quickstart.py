@@ -41,8 +41,8 @@ for position, (rank, hit) in enumerate(
 # 3. The curve over the same documents: questions with their answers and gold document (one JSON
 #    object per line; "gold_text" can name the passage instead of "gold_doc_id"). Each gold chunk
 #    is moved to retrieval rank 0 (first) and 9 (last), with and without the reordering. Two
-#    questions show the mechanics; a curve to act on needs more (docs/middleware.md: 30
-#    questions, all 10 ranks, ragfix eval --corpus demo --questions demo).
+#    questions show the mechanics; a curve to act on needs more (docs/middleware.md: all 10
+#    ranks, ragfix eval --corpus demo --questions demo).
 QUESTIONS = [
     {
         "question": "who invented the cornell method of note taking",
