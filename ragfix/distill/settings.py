@@ -64,28 +64,24 @@ class DistillSettings(BaseModel):
     r2_max_new_tokens: int = Field(160, ge=8)
     seed: int = 42
 
-    def data_key(self) -> dict:
-        """The settings that determine the training data (a cached data file must match them)."""
-        keep = [
-            "variant",
-            "num_docs",
-            "max_passage_words",
-            "questions",
-            "positions_per_question",
-            "anchor_position",
-            "anchor_copies",
-            "max_answer_tokens",
-            "max_answer_words",
-            "r2_max_new_tokens",
-            "seed",
-        ]
-        return {k: getattr(self, k) for k in keep}
-
     def generation_key(self) -> dict:
         """The settings that determine one teacher generation (its prompt and length): a stored
         generation is reused by any run that matches them, whatever its question count or rows."""
         keep = ["variant", "num_docs", "max_passage_words", "anchor_position", "r2_max_new_tokens"]
         return {k: getattr(self, k) for k in keep}
+
+    def data_key(self) -> dict:
+        """The settings that determine the training data (a cached data file must match them):
+        those of the generations, and those that filter them and make the rows."""
+        rows = [
+            "questions",
+            "positions_per_question",
+            "anchor_copies",
+            "max_answer_tokens",
+            "max_answer_words",
+            "seed",
+        ]
+        return {**self.generation_key(), **{k: getattr(self, k) for k in rows}}
 
 
 __all__ = [
