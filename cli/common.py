@@ -119,6 +119,14 @@ TrainWindowOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float16 ...")]
+RestartOpt = Annotated[
+    bool,
+    typer.Option(
+        "--restart",
+        help="start the run folder over when it holds a run of other settings, weights or "
+        "inputs (otherwise refused)",
+    ),
+]
 ApiBaseOpt = Annotated[
     str | None,
     typer.Option(

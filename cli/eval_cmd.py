@@ -20,6 +20,7 @@ from ragfix.cli.common import (
     DtypeOpt,
     MaxRetriesOpt,
     ModelOpt,
+    RestartOpt,
     TimeoutOpt,
     TokenizerOpt,
     TrainWindowOpt,
@@ -123,6 +124,7 @@ def register(app: typer.Typer) -> None:
         timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
+        restart: RestartOpt = False,
     ) -> None:
         """Accuracy as the gold passage moves through every position (table, summary.json,
         curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex,
@@ -141,9 +143,9 @@ def register(app: typer.Typer) -> None:
                     raise ConfigError("--records selects records of a data file, not questions")
                 if workers is not None:
                     raise ConfigError("--workers splits a data file's samples, not pipeline mode")
-                from ragfix.eval.pipeline import run_pipeline_sweep
+                from ragfix.eval.pipeline import print_pipeline_run, run_pipeline_sweep
 
-                run_pipeline_sweep(
+                summary = run_pipeline_sweep(
                     corpus=corpus,
                     questions=questions,
                     out=out,
@@ -161,8 +163,10 @@ def register(app: typer.Typer) -> None:
                     skip_invalid=skip_invalid,
                     device=device,
                     dtype=dtype,
+                    restart=restart,
                     console=console,
                 )
+                print_pipeline_run(summary, out, console)
                 return
             if data is None:
                 raise ConfigError("give a data file (or --corpus and --questions)")
@@ -186,6 +190,7 @@ def register(app: typer.Typer) -> None:
                 workers=workers,
                 device=device,
                 dtype=dtype,
+                restart=restart,
                 console=console,
             )
             if summary:  # ranks other than 0 of a multi-process run report nothing

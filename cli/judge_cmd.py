@@ -17,6 +17,7 @@ from ragfix.cli.common import (
     DtypeOpt,
     MaxRetriesOpt,
     ModelOpt,
+    RestartOpt,
     TimeoutOpt,
     TokenizerOpt,
     console,
@@ -103,6 +104,7 @@ def register(app: typer.Typer) -> None:
         timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
+        restart: RestartOpt = False,
     ) -> None:
         """Judge pairs in both orders: position consistency, preference fairness, first-slot
         win rate, agreement with human labels for single-order, swap-aggregated and logit
@@ -141,6 +143,7 @@ def register(app: typer.Typer) -> None:
                 skip_invalid=skip_invalid,
                 device=device,
                 dtype=dtype,
+                restart=restart,
                 console=console,
             )
             _print_result(result)

@@ -14,6 +14,7 @@ from ragfix.cli.common import (
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
+    RestartOpt,
     console,
     parse_numbers,
     parse_options,
@@ -50,7 +51,9 @@ def register(app: typer.Typer) -> None:
     @app.command("eval-ppl")
     def eval_ppl(
         data: Annotated[Path, typer.Argument(help="JSON Lines of long texts (field 'text')")],
-        out: Annotated[Path, typer.Option("--out", "-o", help="output folder")] = Path("ppl"),
+        out: Annotated[
+            Path, typer.Option("--out", "-o", help="run folder (resumable, by text window)")
+        ] = Path("ppl"),
         model: ModelOpt = "smollm2",
         train_window: Annotated[
             int | None, typer.Option(help="trained window L (default: the model's)")
@@ -88,6 +91,7 @@ def register(app: typer.Typer) -> None:
         backend_opt: BackendOptsOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
+        restart: RestartOpt = False,
     ) -> None:
         """Perplexity at 0.5x, 1x, 2x, 4x the trained window (GALI paper's PG19 test), with 95%
         bootstrap intervals over text windows, the ratio to a baseline (paired by window) and
@@ -113,6 +117,8 @@ def register(app: typer.Typer) -> None:
                 baseline=baseline,
                 device=device,
                 dtype=dtype,
+                out=out,
+                restart=restart,
                 on_step=lambda s: console.print(s, highlight=False, markup=False),
             )
             paths = write_report(result, out)

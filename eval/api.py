@@ -3,8 +3,11 @@
 Resumable and sharded exactly as the command: the run folder's ``results*.jsonl`` hold one
 record per finished cell, a rerun skips them, and under ``torchrun`` / ``accelerate launch`` each
 rank computes its share of whole samples (:mod:`ragfix.eval.shard`) and rank 0 merges and
-reports. ``config.json`` is written when the first cell is stored, so a run that fails before any
-result (a bad option, a missing model) leaves nothing that blocks the corrected rerun.
+reports. The folder is a :class:`~ragfix.eval.run.RunFolder`: bound to the backend's identity
+and the content of the data file and distractor pool, checked before any cell is reused
+(finished folders included); ``config.json`` is written when the first cell is stored, so a run
+that fails before any result (a bad option, a missing model) leaves nothing that blocks the
+corrected rerun.
 
 Cells whose prompt does not fit the model's window are flagged ``overflow``, never run, and their
 samples left out of the accuracy at every position (:func:`ragfix.eval.sweep.summary_counts`):
@@ -19,8 +22,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ragfix.errors import ConfigError, DataError
+from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
 from ragfix.eval.report import RunTally, progress_bar, write_report
+from ragfix.eval.run import RunFolder, input_fingerprints
 from ragfix.eval.shard import (
     assign_groups,
     distributed_state,
@@ -38,10 +42,14 @@ from ragfix.eval.sweep import (
     run_cells,
     select_records,
     summary_counts,
+    sweep_folder,
 )
-from ragfix.io import JsonlStore
+from ragfix.io import atomic_write_text
 from ragfix.tasks import get_task
 from ragfix.types import SweepRecord
+
+#: where a failed worker's traceback is written, in the run folder
+WORKER_LOG = "worker-error.log"
 
 
 def _resolve_data(data: str | Path) -> Path:
@@ -88,9 +96,7 @@ def _check_budget(backend, config: SweepConfig) -> None:
 
 def _compute(
     todo: list[Cell],
-    store: JsonlStore,
-    config: SweepConfig,
-    out: Path,
+    folder: RunFolder,
     backend,
     *,
     rank: int,
@@ -100,23 +106,20 @@ def _compute(
     on_gpu: bool,
     on_record: Callable[[SweepRecord], None],
 ) -> None:
-    """Compute ``todo`` on ``backend`` and store each record as it is done (``config.json``
-    first, before the first record), then pass it to ``on_record``. ``batch_size`` ``None``: the
-    backend's preferred size (a remote model's concurrency), else 16 on CUDA or where the cells
-    of a sample share a prefix cache (prefilled along their token trie, then decoded together:
-    the fastest exact mode on the CPU too, ``results/bench-sweep-nq10.json``), and 1 otherwise.
+    """Compute ``todo`` on ``backend`` and store each record in ``folder`` as it is done
+    (``config.json`` first, before the first record), then pass it to ``on_record``.
+    ``batch_size`` ``None``: the backend's preferred size (a remote model's concurrency), else
+    16 on CUDA or where the cells of a sample share a prefix cache (prefilled along their token
+    trie, then decoded together: the fastest exact mode on the CPU too,
+    ``results/bench-sweep-nq10.json``), and 1 otherwise.
     """
     trie = prefix_reuse and backend.supports_prefix_reuse  # trie prefill + batched decode
     bs = batch_size or backend.preferred_batch_size or (16 if on_gpu or trie else 1)
-    has_config = [config.check(out)]
 
     def store_record(rec: SweepRecord) -> None:
         if world > 1:
             rec.extra["rank"] = rank
-        if not has_config[0]:
-            config.write(out)
-            has_config[0] = True
-        store.append(rec.model_dump())
+        folder.append(rec.model_dump())
         on_record(rec)
 
     run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=bs)
@@ -124,9 +127,9 @@ def _compute(
 
 @dataclass(frozen=True)
 class _WorkerJob:
-    """What every worker process of a CPU sweep shares: the run, how to load its backend
-    (:func:`ragfix.backends.load_backend`'s arguments), torch threads per process, and the
-    sweep's batching settings."""
+    """What every worker process of a CPU sweep shares: the run (its configuration bound to the
+    backend's identity), how to load its backend (:func:`ragfix.backends.load_backend`'s
+    arguments), torch threads per process, and the sweep's batching settings."""
 
     config: SweepConfig
     out: Path
@@ -149,12 +152,11 @@ def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) 
     os.environ[THREADS_ENV] = str(job.threads)
     try:
         backend = load_backend(**job.load_kwargs)
-        _check_budget(backend, job.config)
+        folder = sweep_folder(job.out, job.config, rank, world)
+        folder.bind(backend.identity())  # the weights may have changed since the parent's check
         _compute(
             todo,
-            open_store(job.out, rank, world),
-            job.config,
-            job.out,
+            folder,
             backend,
             rank=rank,
             world=world,
@@ -172,7 +174,7 @@ def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) 
             pickle.dumps(e)
         except Exception:  # an exception that cannot cross processes: its text does
             e = RuntimeError(f"{type(e).__name__}: {e}")
-        messages.put(("error", (e, f"sweep worker {rank}:\n{trace}")))
+        messages.put(("error", (e, trace)))
     else:
         messages.put(("done", rank))
 
@@ -186,7 +188,10 @@ def _compute_in_workers(
     and is raised here, as is Ctrl-C; every cell stored before stays for the rerun.
 
     Raises:
-        RuntimeError: a worker process died without reporting (killed, out of memory).
+        RagfixError: a worker's own one-line error (a bad setting, changed weights), as it is.
+        WorkerError: a worker process died without reporting (killed, out of memory), or failed
+            with another exception (its traceback is written to ``worker{rank}.log`` in the run
+            folder and named in the message).
     """
     import multiprocessing
     import queue
@@ -212,9 +217,10 @@ def _compute_in_workers(
                 # exit code 0: the worker's last message is still on its way
                 dead = [r for r in running if procs[r].exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(
+                    raise WorkerError(
                         f"sweep worker {dead[0]} died (exit code {procs[dead[0]].exitcode}); "
-                        "rerun the same command to compute its remaining cells"
+                        "finished results are saved: rerun the same command to compute its "
+                        "remaining cells"
                     ) from None
                 continue
             if kind == "record":
@@ -222,13 +228,26 @@ def _compute_in_workers(
             elif kind == "done":
                 running.discard(value)
             else:
-                error, trace = value
-                raise error from RuntimeError(trace)
+                raise _worker_failure(value[0], value[1], job.out)
     finally:
         for p in procs:
             if p.is_alive():
                 p.terminate()
             p.join()
+
+
+def _worker_failure(error: Exception, trace: str, out: Path) -> RagfixError:
+    """The error to raise for a worker's exception: a :class:`RagfixError` as it is, anything
+    else as a :class:`WorkerError` whose traceback goes to ``out/worker-error.log``."""
+    if isinstance(error, RagfixError):
+        return error
+    log = out / WORKER_LOG
+    atomic_write_text(log, trace)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return WorkerError(
+        f"a sweep worker failed: {type(error).__name__}: {first} (traceback in {log}); finished "
+        "results are saved"
+    )
 
 
 def run_sweep(
@@ -250,6 +269,7 @@ def run_sweep(
     workers: int | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    restart: bool = False,
     on_record: Callable[[SweepRecord], None] | None = None,
     console: Console | None = None,
 ) -> dict:
@@ -291,6 +311,8 @@ def run_sweep(
             the CPU); ranks of a launcher run one each.
         device, dtype: see :func:`ragfix.backends.load_backend` (under a launcher, each rank's
             own device).
+        restart: start ``out`` over (its cells, configuration and summary removed) when it
+            holds a run of other settings, weights or inputs, instead of refusing it.
         on_record: called with each newly computed :class:`SweepRecord` once it is stored.
         console: where progress and notes go (``None``: quiet).
 
@@ -304,10 +326,16 @@ def run_sweep(
         ConfigError: unknown backend, bad positions or record range, ``limit``,
             ``batch_size`` or ``workers`` < 1, more than one worker off the CPU, a missing
             adapter for an adapter backend, an answer budget that fills the model's window.
-        ConfigMismatchError: ``out`` holds results of another configuration.
+        ConfigMismatchError: ``out`` holds results of other settings, weights (the backend's
+            identity: weights, adapter, calibration, chat template) or input contents (data file,
+            distractor pool), or was written before run folders recorded them (not with
+            ``restart``).
+        WorkerError: a worker process died or failed with an unexpected exception.
         ModelNotFoundError: the model cannot be found.
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
+    import gc
+
     from ragfix.backends import load_backend, result_options, validate_backend
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
@@ -319,6 +347,7 @@ def run_sweep(
             raise ConfigError(f"{name} {value} < 1: give at least 1")
     rng = parse_records(records) if records is not None else None
     path = _resolve_data(data)
+    pool = Path(distractor_pool).resolve() if distractor_pool else None
     validated = validate_backend(backend, str(adapter) if adapter else None, model=model, **options)
     resolve_model(model)  # unknown model / default not installed: fail before any work
     config = SweepConfig(
@@ -331,8 +360,9 @@ def run_sweep(
             **result_options(options, validated),
             **({"adapter": str(adapter)} if adapter else {}),
         },
-        distractor_pool=str(Path(distractor_pool).resolve()) if distractor_pool else None,
+        distractor_pool=str(pool) if pool else None,
         records=records,
+        inputs=input_fingerprints(data=path, distractor_pool=pool),
     )
     pos = parse_positions(positions, num_docs)
     skipped = SkipCounter()
@@ -349,29 +379,36 @@ def run_sweep(
             f"first: {skipped.examples[0]}",
             highlight=False,
         )
-    config.check(out)
     n = sweep_workers(workers, device=device, model=model, samples=len(samples))
     state = distributed_state()
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
     if state is not None:
         device = str(state.device)
-    out.mkdir(parents=True, exist_ok=True)
-    store = open_store(out, rank, world)
-    done = store.load()
+    folder = sweep_folder(out, config, rank, world)
+    if not restart:
+        folder.check()  # another request: refused before the model is loaded
+    load_kwargs = dict(
+        name=backend,
+        model=model,
+        device=device,
+        dtype=dtype,
+        adapter=str(adapter) if adapter else None,
+        **options,
+    )
+    loaded = load_backend(**load_kwargs)  # also for a finished folder: what it ran on is checked
+    _check_budget(loaded, config)
+    # one rank restarts a shared folder; the others check it afterwards
+    folder.bind(loaded.identity(), restart=restart and rank == 0)
+    if state is not None and restart:
+        state.wait_for_everyone()
+        folder.bind(loaded.identity())
+    done = folder.done()
     cells = plan_cells(config, samples, pos)
     todo = [c for c in cells if c.cell_id not in done]
     if len(todo) < len(cells) and rank == 0 and console is not None:
         console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
     todo = _my_share(todo, rank, world)
     if todo:
-        load_kwargs = dict(
-            name=backend,
-            model=model,
-            device=device,
-            dtype=dtype,
-            adapter=str(adapter) if adapter else None,
-            **options,
-        )
         n = min(n, len({c.sample.id for c in todo}))
         before = [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else []
         tally = RunTally(before)
@@ -389,19 +426,17 @@ def run_sweep(
                     on_record(rec)
 
             if n > 1:
+                del loaded  # each worker loads its own copy
+                gc.collect()
                 threads = threads_per_worker()
                 if console is not None:
                     console.print(f"{n} worker processes, {threads} torch thread(s) each")
-                job = _WorkerJob(config, out, load_kwargs, threads, prefix_reuse, batch_size)
+                job = _WorkerJob(folder.config, out, load_kwargs, threads, prefix_reuse, batch_size)
                 _compute_in_workers(todo, n, track, job)
             else:
-                loaded = load_backend(**load_kwargs)
-                _check_budget(loaded, config)
                 _compute(
                     todo,
-                    store,
-                    config,
-                    out,
+                    folder,
                     loaded,
                     rank=rank,
                     world=world,
@@ -416,8 +451,8 @@ def run_sweep(
             return {}
     merge_shards(out)
     done = open_store(out).load()
-    if done and not config.check(out):
-        config.write(out)
+    if done and not folder.check():
+        folder.write_config()
     mine = [done[c.cell_id] for c in cells if c.cell_id in done]
     scored, counts = summary_counts(mine)
     return write_report(out, scored, {"skipped_records": skipped.count, **counts})

@@ -4,11 +4,11 @@ A run folder holds:
 
 * ``judgments.jsonl``: one :class:`~ragfix.judge.PairJudgment` per pair, append-only (keyed by
   ``pair_id``); a rerun judges only the pairs not in it;
-* ``config.json``: the settings (data, model, backend, options, adapter, judge settings) and the
-  backend's identity (model fingerprint, adapter). It is written when the first judgment is
-  computed, so a run that fails before (a bad option, a budget that does not fit) leaves no
-  configuration behind and a corrected rerun can use the same folder; a folder holding another
-  configuration is refused;
+* ``config.json``: a :class:`JudgeConfig`: the settings (data, model, backend, options, adapter,
+  judge settings), the backend's identity (weights, adapter) and the pair file's content
+  fingerprint, checked on every rerun (:class:`~ragfix.eval.run.RunFolder`). It is written when
+  the first judgment is computed, so a run that fails before (a bad option, a budget that does
+  not fit) leaves no configuration behind and a corrected rerun can use the same folder;
 * ``summary.json`` and ``judge.png``: metrics and plot of the pairs of this data
   (:func:`ragfix.judge.summarize`, :func:`ragfix.judge.plot_judges`). The summary is a result
   file (``"kind": "ragfix-judge"``, with ``data``, its ``format`` and ``limit``): copied under
@@ -17,22 +17,18 @@ A run folder holds:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
+from pydantic import Field
 from rich.console import Console
 
-from ragfix.errors import ConfigError, ConfigMismatchError, DataError
+from ragfix.errors import ConfigError, DataError
 from ragfix.eval.report import JUDGE_KIND, SWAP_JUDGMENTS_FORMAT, progress_bar
-from ragfix.io import (
-    CONFIG_FILE,
-    JsonlStore,
-    atomic_write_json,
-    config_differences,
-    read_run_config,
-)
+from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
+from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.judge import (
     PairJudgment,
     PairwiseJudge,
@@ -118,17 +114,32 @@ def summarize_judgments(
     return JudgeRunResult(out=out, summaries=summaries)
 
 
-def _check_same(out: Path, theirs: dict | None, mine: dict) -> None:
-    """Refuse a run folder whose stored settings differ from ``mine`` (keys of ``mine`` only).
+class JudgeConfig(RunConfig):
+    """What makes the judgments of one folder comparable (checked on every rerun, finished
+    folders included: :class:`~ragfix.eval.run.RunFolder`). Frozen, validated when built.
 
-    Raises:
-        ConfigMismatchError: the folder holds judgments made with other settings.
+    Attributes:
+        data: the pair file (resolved path); its content is ``inputs["data"]``.
+        format: the pair file's format (:func:`ragfix.connectors.pairwise.detect_format`).
+        model, backend, backend_options, adapter: the judge model (the options without a
+            remote model's call settings; the adapter's resolved path).
+        style, max_new_tokens, repeats, tie_margin: the judge settings
+            (:class:`ragfix.judge.PairwiseJudge`).
+        mtbench_models: for MT-bench answers, the two models compared, else None.
     """
-    detail = "" if theirs is None else config_differences(theirs, mine)
-    if detail:
-        raise ConfigMismatchError(
-            f"{out} holds judgments made with other settings ({detail}); use another folder"
-        )
+
+    run: Literal["judge"] = "judge"
+    data: str
+    format: str
+    model: str
+    backend: str
+    backend_options: dict = Field(default_factory=dict)
+    adapter: str | None = None
+    style: str
+    max_new_tokens: int | None = None
+    repeats: int = 1
+    tie_margin: float = 0.0
+    mtbench_models: list[str] | None = None
 
 
 def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console):
@@ -186,51 +197,19 @@ def _judge_missing(
 
 
 def _judge_todo(
-    out: Path,
+    folder: RunFolder,
+    judge: PairwiseJudge,
     todo: list[JudgePair],
     finished: list[dict],
-    config: dict,
-    load: dict,
-    batch_size: int | None,
     console: Console | None,
 ) -> None:
-    """Load the backend (``load``: device, dtype and the options' call settings), check its
-    identity against the folder,
-    judge ``todo`` and append each judgment; ``config.json`` is written just before the first
-    judgment is stored.
-
-    Raises:
-        ConfigMismatchError: the folder's judgments were made with other weights or adapter.
-    """
-    from ragfix.backends import load_backend
-    from ragfix.models import resolve_device
-
-    b = load_backend(
-        config["backend"],
-        model=config["model"],
-        adapter=config["adapter"],
-        **load,
-        **config["backend_options"],
-    )
-    on_gpu = resolve_device(load["device"]).type == "cuda"
-    judge = PairwiseJudge(
-        b,
-        style=config["style"],
-        max_new_tokens=config["max_new_tokens"],
-        repeats=config["repeats"],
-        tie_margin=config["tie_margin"],
-        batch_size=batch_size or b.preferred_batch_size or (32 if on_gpu else 4),
-    )
-    full = {**config, "identity": json.loads(json.dumps(b.identity()))}
-    _check_same(out, read_run_config(out), {"identity": full["identity"]})
-    store = JsonlStore(out / JUDGMENTS_FILE, key="pair_id")
+    """Judge ``todo`` and store each judgment in ``folder`` (``config.json`` just before the
+    first one)."""
 
     def on_result(res: PairJudgment) -> None:
-        if not (out / CONFIG_FILE).exists():
-            atomic_write_json(out / CONFIG_FILE, full)
-        store.append(res.model_dump(mode="json"))
+        folder.append(res.model_dump(mode="json"))
 
-    _judge_missing(judge, todo, finished, on_result, console, config["backend"])
+    _judge_missing(judge, todo, finished, on_result, console, folder.config.backend)
 
 
 def run_judge(
@@ -251,12 +230,15 @@ def run_judge(
     skip_invalid: bool = False,
     device: str = "auto",
     dtype: str = "auto",
+    restart: bool = False,
     console: Console | None = None,
 ) -> JudgeRunResult:
     """Judge every pair of ``data`` in both orders with a backend, resumably, into ``out``.
 
-    Pairs already in ``out/judgments.jsonl`` are not judged again (their records are reused);
-    the model is loaded only when a pair is left to judge. A file of other judges' verdicts
+    Pairs already in ``out/judgments.jsonl`` are not judged again (their records are reused)
+    once the folder's configuration, the judge model's identity and the pair file's content
+    agree with this call's (:class:`~ragfix.eval.run.RunFolder`; the model is loaded to check,
+    also when every pair is judged). A file of other judges' verdicts
     (LLMBar swap judgments) is summarised instead (:func:`summarize_judgments`). Metrics: position
     consistency, preference fairness, first-slot win rate, agreement with human labels (Zheng et
     al. 2023, section 3.4; Shi et al. 2024, section 3).
@@ -274,6 +256,8 @@ def run_judge(
         mtbench_models: for MT-bench answers, the two models to compare.
         skip_invalid: skip and count malformed records instead of stopping.
         device, dtype: where and how to load the model.
+        restart: start ``out`` over when it holds judgments of other settings, weights or pair
+            file contents, instead of refusing it.
         console: a rich console for messages and the progress bar (None: quiet).
 
     Returns:
@@ -283,14 +267,15 @@ def run_judge(
         DataError: a malformed record, no pairs, or a corrupt ``config.json``.
         ConfigError: bad judge settings, an unknown backend, a missing adapter, or a token
             budget that does not fit the backend.
-        ConfigMismatchError: ``out`` holds judgments made with another configuration or other
-            weights (a :class:`~ragfix.errors.ConfigError`).
+        ConfigMismatchError: ``out`` holds judgments made with another configuration, other
+            weights (the backend's identity) or another content of the pair file, or written
+            before run folders recorded them (not with ``restart``).
         ModelNotFoundError, AdapterError: the model or adapter cannot be used.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from ragfix.backends import validate_backend
+    from ragfix.backends import load_backend, validate_backend
     from ragfix.connectors.pairwise import detect_format
-    from ragfix.models import resolve_model
+    from ragfix.models import resolve_device, resolve_model
 
     data, out = Path(data), Path(out)
     fmt = detect_format(data)
@@ -302,32 +287,53 @@ def run_judge(
     opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
     resolve_model(model)
     pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, console)
-    config = {
-        "data": str(data.resolve()),
-        "format": fmt,
-        "model": model,
-        "backend": backend,
-        "backend_options": opts.model_dump(mode="json", exclude=set(opts.call_settings)),
-        "adapter": str(Path(adapter).resolve()) if adapter else None,
-        "style": style,
-        "max_new_tokens": max_new_tokens,
-        "repeats": repeats,
-        "tie_margin": tie_margin,
-        "mtbench_models": list(mtbench_models) if fmt == "mtbench" else None,
-    }
-    _check_same(out, read_run_config(out), config)
-    out.mkdir(parents=True, exist_ok=True)
-    store = JsonlStore(out / JUDGMENTS_FILE, key="pair_id")
-    done = store.load()
+    config = JudgeConfig(
+        data=str(data.resolve()),
+        format=fmt,
+        model=model,
+        backend=backend,
+        backend_options=opts.model_dump(mode="json", exclude=set(opts.call_settings)),
+        adapter=str(Path(adapter).resolve()) if adapter else None,
+        style=style,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        tie_margin=tie_margin,
+        mtbench_models=list(mtbench_models) if fmt == "mtbench" else None,
+        inputs=input_fingerprints(data=data),
+    )
+    folder = RunFolder(
+        out, config, results=JUDGMENTS_FILE, key="pair_id", outputs=(SUMMARY_FILE, PLOT_FILE)
+    )
+    if not restart:
+        folder.check()  # other settings: refused before the model is loaded
+    calls = opts.model_dump(mode="json", include=set(opts.call_settings))
+    b = load_backend(
+        backend,
+        model=model,
+        adapter=config.adapter,
+        device=device,
+        dtype=dtype,
+        **calls,
+        **config.backend_options,
+    )
+    on_gpu = resolve_device(device).type == "cuda"
+    judge = PairwiseJudge(
+        b,
+        style=style,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        tie_margin=tie_margin,
+        batch_size=batch_size or b.preferred_batch_size or (32 if on_gpu else 4),
+    )
+    folder.bind(b.identity(), restart=restart)  # also for a finished folder
+    done = folder.done()
     todo = [p for p in pairs if p.pair_id not in done]
     if len(todo) < len(pairs) and console is not None:
         console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
     if todo:
-        calls = opts.model_dump(mode="json", include=set(opts.call_settings))
-        load = {"device": device, "dtype": dtype, **calls}
         finished = [done[p.pair_id] for p in pairs if p.pair_id in done]
-        _judge_todo(out, todo, finished, config, load, batch_size, console)
-    records = store.load()
+        _judge_todo(folder, judge, todo, finished, console)
+    records = folder.done()
     name = f"{model} · {backend}"
     mine = [records[p.pair_id] for p in pairs if p.pair_id in records]
     summary = summarize(mine)
@@ -343,9 +349,9 @@ def run_judge(
         "data": str(data),
         "format": fmt,
         "limit": limit,
-        "config": config,
+        "config": folder.config.stored(),
         "skipped_records": skipped.count,
-        "torn_lines": store.torn_lines,
+        "torn_lines": folder.store.torn_lines,
         "notes": notes,
     }
     _write_report(out, {name: summary}, extra, f"{data.name}: {name} as judge ({style})")

@@ -27,11 +27,12 @@ is recorded with the flag ``overflow`` and its question is left out of every cur
 sweep (:func:`ragfix.eval.sweep.summary_counts`); ``summary.json``'s ``flags`` and the printed
 table count flagged cells per rank.
 
-Results go to ``results.jsonl`` (resumable: a cell id is a hash of the question, rank, strategy,
-model, backend, retrieval settings and framework), then ``summary.json`` and ``curve.png`` (one
-curve per strategy). The summary also holds, per strategy, the accuracy weighted by how often the
-real retriever put the gold chunk at each rank (``retrieval_weighted``): what a user of this
-retriever would see on average."""
+Results go to a run folder (:class:`~ragfix.eval.run.RunFolder`, bound to the backend's identity
+and the content of the corpus and the question file): ``results.jsonl`` (resumable: a cell id is
+a hash of the question, rank, strategy, model, backend, retrieval settings and framework), then
+``summary.json`` and ``curve.png`` (one curve per strategy). The summary also holds, per
+strategy, the accuracy weighted by how often the real retriever put the gold chunk at each rank
+(``retrieval_weighted``): what a user of this retriever would see on average."""
 
 from __future__ import annotations
 
@@ -40,11 +41,15 @@ import json
 import os
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Literal
 
+from pydantic import Field
 from rich.console import Console
 from rich.table import Table
 
+from ragfix.backends.base import Fit
 from ragfix.connectors.corpus import (
     DEFAULT_CHUNK_SIZE,
     build_corpus,
@@ -56,24 +61,22 @@ from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.report import (
     RunTally,
+    build_summary,
     print_run_files,
     print_summary,
     progress_bar,
-    write_report,
+    write_summary,
 )
+from ragfix.eval.run import RunConfig, input_fingerprints
 from ragfix.eval.sweep import (
-    CUT_TO_WINDOW,
     OVERFLOW,
-    SweepConfig,
     cell_flags,
-    fits,
-    open_store,
     parse_positions,
     print_flags,
     summary_counts,
+    sweep_folder,
 )
 from ragfix.integrations import require_extra
-from ragfix.io import atomic_write_json
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import check_strategy, load_profile
 from ragfix.tasks import get_task, join_chunks
@@ -96,11 +99,41 @@ def _fixed_retriever_class():
     return FixedRetriever
 
 
-def pipeline_cell_id(config: SweepConfig, question_id: str, rank: int, strategy: str, extra: dict):
-    """Deterministic 16-hex id of a pipeline cell."""
-    key = json.dumps(
-        [question_id, rank, strategy, config.model_dump(mode="json"), extra], sort_keys=True
-    )
+class PipelineConfig(RunConfig):
+    """What makes the results of a pipeline sweep's folder comparable (checked on every rerun,
+    finished folders included: :class:`~ragfix.eval.run.RunFolder`). Frozen, validated when
+    built; its request fields (all but ``identity`` and ``inputs``) are hashed into the cell ids.
+
+    Attributes:
+        corpus, questions: the corpus (folder or JSONL) and the question file (resolved paths);
+            their contents are ``inputs["corpus"]`` and ``inputs["questions"]``.
+        task: ``qa-pipeline``.
+        num_docs: ``top_k``, the chunks the retriever returns.
+        model, backend, backend_options: as in :class:`~ragfix.eval.sweep.SweepConfig`.
+        retriever: ``faiss`` or ``bm25``.
+        chunk_size: chunk size in embedder tokens.
+        framework: ``llamaindex``, ``langchain`` or ``haystack``.
+    """
+
+    run: Literal["pipeline"] = "pipeline"
+    corpus: str
+    questions: str
+    task: Literal["qa-pipeline"] = "qa-pipeline"
+    num_docs: int = Field(ge=1)
+    model: str
+    backend: str
+    backend_options: dict = Field(default_factory=dict)
+    retriever: Literal["faiss", "bm25"] = "faiss"
+    chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
+    framework: str = "llamaindex"
+
+
+def pipeline_cell_id(
+    config: PipelineConfig, question_id: str, rank: int, strategy: str, extra: dict
+) -> str:
+    """Deterministic 16-hex id of a pipeline cell (from the request, not the bound identity)."""
+    request = config.model_dump(mode="json", exclude={"identity", "inputs"})
+    key = json.dumps([question_id, rank, strategy, request, extra], sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
@@ -155,6 +188,7 @@ def run_pipeline_sweep(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     attention_rounds: int = 1,
     framework: str = "llamaindex",
+    restart: bool = False,
 ) -> dict:
     """Run the position sweep through a LlamaIndex, LangChain or Haystack pipeline; returns the
     summary dict.
@@ -175,22 +209,26 @@ def run_pipeline_sweep(
         profile: ``summary.json`` for ``bias-profile`` (same model, ``top_k`` documents).
         retriever: ``faiss`` or ``bm25``.
         skip_invalid: skip and count malformed questions and unreadable files.
-        console: where tables and progress go.
+        console: where progress and notes go (``None``: quiet); the tables are the caller's
+            (:func:`print_pipeline_run`).
         chunk_size: chunk size in embedder tokens.
         attention_rounds: rounds of ``attention-sort``.
         framework: ``llamaindex``, ``langchain`` or ``haystack`` (the last two need their extra):
             the pipeline the cells run through; part of the run's config and cell ids. The same
             cell gives the same prompt in each (``prompt_sha1`` in the records).
+        restart: start ``out`` over when it holds a run of other settings, weights or inputs
+            (corpus, questions), instead of refusing it.
 
     Raises:
-        ConfigError, DataError, CorpusError, ProfileError, ConfigMismatchError,
-            ModelNotFoundError: bad input (one line).
+        ConfigError, DataError, CorpusError, ProfileError, ModelNotFoundError: bad input (one
+            line).
+        ConfigMismatchError: ``out`` holds a run of other settings, weights or corpus or
+            question contents (not with ``restart``).
         pydantic.ValidationError: an unknown or invalid backend option.
     """
     from ragfix.backends import load_backend, result_options, validate_backend
     from ragfix.models import resolve_model
 
-    console = console or Console()
     options = dict(backend_options or {})
     adapter = str(adapter) if adapter else None
     corpus, questions = resolve_demo(corpus, "corpus"), resolve_demo(questions, "questions")
@@ -213,18 +251,9 @@ def run_pipeline_sweep(
     ranks = parse_positions(positions, top_k)
     skipped = SkipCounter()
     records = read_questions(questions, skip_invalid, skipped)  # a bad file fails before indexing
-    with console.status(f"indexing {corpus} (only when it changed)"):
-        cor = build_corpus(corpus, chunk_size=chunk_size, skipped=skipped)
-    base = cor.retriever(retriever, top_k)
-    qs = locate_gold(questions, records, cor.nodes, limit, skip_invalid, skipped)
-    if skipped.count:
-        console.print(
-            f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
-            highlight=False,
-        )
-    config = SweepConfig(
-        data=f"corpus={Path(corpus).resolve()};questions={Path(questions).resolve()}",
-        task="qa-pipeline",
+    config = PipelineConfig(
+        corpus=str(Path(corpus).resolve()),
+        questions=str(Path(questions).resolve()),
         num_docs=top_k,
         model=model,
         backend=backend,
@@ -232,35 +261,44 @@ def run_pipeline_sweep(
             **result_options(options, validated),
             **({"adapter": adapter} if adapter else {}),
         },
-        retrieval=(
-            f"retriever={retriever};chunk_size={chunk_size};synthesis=compact;framework={framework}"
-        ),
+        retriever=retriever,
+        chunk_size=chunk_size,
+        framework=framework,
+        inputs=input_fingerprints(corpus=corpus, questions=questions),
     )
-    has_config = config.check(out)
-    out.mkdir(parents=True, exist_ok=True)
-    store = open_store(out)
-    done = store.load()
+    folder = sweep_folder(out, config)
+    if not restart:
+        folder.check()  # another request: refused before indexing and loading
+    with console.status(f"indexing {corpus} (only when it changed)") if console else nullcontext():
+        cor = build_corpus(corpus, chunk_size=chunk_size, skipped=skipped)
+    base = cor.retriever(retriever, top_k)
+    qs = locate_gold(questions, records, cor.nodes, limit, skip_invalid, skipped)
+    if skipped.count and console is not None:
+        console.print(
+            f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
+            highlight=False,
+        )
+    b = load_backend(backend, model=model, device=device, dtype=dtype, adapter=adapter, **options)
+    folder.bind(b.identity(), restart=restart)
+    done = folder.done()
 
     def cid(q, r, s):
         extra = {"profile": accuracies} if s == "bias-profile" else {}
         if s == "attention-sort":
             extra = {"attention_rounds": attention_rounds}
-        return pipeline_cell_id(config, q.id, r, s, extra)
+        return pipeline_cell_id(folder.config, q.id, r, s, extra)
 
     cells = [(q, r, s, cid(q, r, s)) for q in qs for r in ranks for s in strategies]
     todo = [c for c in cells if c[3] not in done]
-    if len(todo) < len(cells):
+    if len(todo) < len(cells) and console is not None:
         console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
     retrieved = {q.id: _retrieve(base, q) for q in qs}
     if todo:
-        b = load_backend(
-            backend, model=model, device=device, dtype=dtype, adapter=adapter, **options
-        )
         engines = ENGINES[framework](b, strategies, accuracies, top_k, attention_rounds)
         planned = engines.plan(todo, retrieved, {n.node_id: n for n in cor.nodes})
         finished = [done[c[3]] for c in cells if c[3] in done]
         tally = RunTally(finished)
-        with progress_bar(console) as progress:
+        with progress_bar(console, disable=console is None) as progress:
             task = progress.add_task(
                 "pipeline sweep",
                 total=len(planned) + len(finished),
@@ -269,40 +307,44 @@ def run_pipeline_sweep(
             )
             for cands, (q, r, s, cell) in planned:
                 rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
-                if not has_config:
-                    config.write(out)
-                    has_config = True
-                store.append(rec.model_dump())
+                folder.append(rec.model_dump())
                 status = f"{s} {tally.add(rec.correct, rec.flags)}"
                 progress.update(task, advance=1, status=status)
 
-    records = store.load()
-    mine = [records[c[3]] for c in cells if c[3] in records]
+    stored = folder.done()
+    mine = [stored[c[3]] for c in cells if c[3] in stored]
     if not mine:
         raise DataError(out, None, None, "no finished cells")
-    if not config.check(out):  # results from before config.json was written
-        config.write(out)
+    if not folder.check():
+        folder.write_config()
     natural = Counter(retrieved[q.id][1] for q in qs)
     extra = {
         "skipped_inputs": skipped.count,
         "questions": len(qs),
         "strategies": strategies,
         "retriever": retriever,
+        "framework": framework,
         "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
         "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
         "context_cut_cells": sum(1 for r in mine if r.get("extra", {}).get("context_cut")),
         "strategy_settings": {"profile": accuracies, "attention_rounds": attention_rounds},
     }
     scored, counts = summary_counts(mine)
-    summary = write_report(out, scored, {**extra, **counts})
+    summary = build_summary(out, scored, {**extra, **counts})
     summary["retrieval_weighted"] = retrieval_weighted(summary, natural)
-    atomic_write_json(out / "summary.json", summary)
-    title = f"{model} · {backend} · top-{top_k} · {retriever} · {framework}"
-    print_summary(summary, console, title=title)
+    write_summary(out, summary)
+    return summary
+
+
+def print_pipeline_run(summary: dict, out: Path, console: Console) -> None:
+    """What ``ragfix eval --corpus --questions`` prints for a finished pipeline sweep: the
+    per-rank tables, the flagged cells, the strategies and where the files are."""
+    c = summary["config"]
+    title = f"{c['model']} · {c['backend']} · top-{c['num_docs']} · {c['retriever']} · "
+    print_summary(summary, console, title=title + c["framework"])
     print_flags(summary, console)
     print_strategies(summary, console)
     print_run_files(out, console)
-    return summary
 
 
 def _retrieve(retriever, q) -> tuple[list, int | None]:
@@ -342,7 +384,7 @@ class _Engines:
 
     def __init__(self, backend, strategies, accuracies, top_k: int, attention_rounds: int):
         self.backend, self.top_k = backend, top_k
-        self.fit: dict[str, tuple[bool, int]] = {}  # cell id -> (fits the window, prompt tokens)
+        self.fit: dict[str, Fit] = {}  # cell id -> the backend's verdict on its prompt
         self.answer = {"max_new_tokens": 32, "stop_at_newline": True, "prefix_reuse": True}
         self.llms: dict = {}
         self.posts: dict = {}
@@ -386,7 +428,7 @@ class _Engines:
                 gold = NodeWithScore(node=by_id[q.gold_node_id], score=None)
             cands = candidates_with_gold_at(res, gold, r)
             self.fit[cell[3]] = self.fits(q.question, cands)
-            if not self.fit[cell[3]][0] and not self.backend.cuts_long_prompts:
+            if not self.fit[cell[3]].runs:
                 key = (q.id, -1, [n.node.node_id for n in cands])
             elif s == "attention-sort":
                 key = (q.id, 1, [n.node.node_id for n in cands])
@@ -403,9 +445,9 @@ class _Engines:
         candidates do not fit the window in one prompt (:meth:`fits`) nothing runs: the record is
         flagged ``overflow`` (a backend that cuts long prompts by design runs it, flagged
         ``cut_to_window``)."""
-        fit, n = self.fit.get(cell) or self.fits(q.question, cands)
-        if not fit and not self.backend.cuts_long_prompts:
-            return self._overflow(q, r, s, cell, n, natural)
+        fit = self.fit.get(cell) or self.fits(q.question, cands)
+        if not fit.runs:
+            return self._overflow(q, r, s, cell, fit.prompt_tokens, natural)
         llm = self.llms[s]
         calls = llm.calls
         start = time.perf_counter()
@@ -417,7 +459,7 @@ class _Engines:
         cut = any(" ".join(_chunk(by_id[i]).split()) not in prompt for i in final_ids)
         gen = llm.last_generation
         rep = self.posts[s].last_report
-        flags, explained = cell_flags(q.answers, [*([] if fit else [CUT_TO_WINDOW]), *gen.flags])
+        flags, explained = cell_flags(q.answers, [*([fit.flag] if fit.flag else []), *gen.flags])
         if gen.usage is not None:
             explained["usage"] = gen.usage
         return SweepRecord(
@@ -449,14 +491,13 @@ class _Engines:
             },
         )
 
-    def fits(self, question: str, cands: list) -> tuple[bool, int]:
-        """Whether the ``qa`` prompt with every candidate chunk (as every framework renders them,
-        in candidate order) and the answer budget fit the backend's window, and the prompt's
-        token count (see :func:`ragfix.eval.sweep.fits`)."""
+    def fits(self, question: str, cands: list) -> Fit:
+        """The backend's verdict (:meth:`~ragfix.backends.Backend.fit`) on the ``qa`` prompt
+        with every candidate chunk (as every framework renders them, in candidate order) and the
+        answer budget."""
         user = get_task("qa").user_turn(question, join_chunks([_chunk(n) for n in cands]))
-        return fits(
-            self.backend, TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"])
-        )
+        prompt = TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"])
+        return self.backend.fit(prompt)
 
     def _overflow(self, q, r: int, s: str, cell: str, n: int, natural: int | None) -> SweepRecord:
         """The record of a cell that was not run: its prompt of ``n`` tokens does not fit."""

@@ -35,12 +35,14 @@ Every method is scored through the model interface only (``tokenize``, ``token_l
 from __future__ import annotations
 
 import gc
+import hashlib
 import itertools
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -51,6 +53,7 @@ from ragfix.connectors.jsonl import read_jsonl, require
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import Bootstrap, Interval
 from ragfix.eval.report import PPL_KIND, markdown_tables, ppl_tables
+from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
 from ragfix.io import atomic_write_json, atomic_write_text
 
 #: method name -> (backend, options); train windows and rope factors are filled in per run
@@ -83,6 +86,45 @@ class Variant:
     label: str
     backend: str
     options: dict
+
+
+class PplConfig(RunConfig):
+    """What makes the windows stored in a perplexity run folder comparable (checked on every
+    rerun: :class:`~ragfix.eval.run.RunFolder`). ``identity`` is the model's (weights and chat
+    template: every method runs on the same weights); each method's options are in its windows'
+    cell ids. The window offsets depend on the longest length, so ``ratios`` is part of it.
+
+    Attributes:
+        data: the text file (resolved path); its content is ``inputs["data"]``.
+        model: the model name.
+        train_window: ``L`` as given (``None``: the model's).
+        ratios: the lengths as multiples of ``L``.
+    """
+
+    run: Literal["ppl"] = "ppl"
+    data: str
+    model: str
+    train_window: int | None = None
+    ratios: list[float]
+
+
+#: the store of a perplexity run folder: one record per (method, length, window)
+WINDOWS_FILE = "windows.jsonl"
+
+
+def ppl_folder(out: str | Path, config: PplConfig) -> RunFolder:
+    """The run folder of a perplexity run: :data:`WINDOWS_FILE` keyed by ``cell_id``; a restart
+    also removes the reports (:func:`write_report`)."""
+    return RunFolder(
+        out, config, results=WINDOWS_FILE, key="cell_id", outputs=("ppl.json", "ppl.md", "ppl.png")
+    )
+
+
+def _window_id(config: PplConfig, variant: Variant, ratio: float, window: int) -> str:
+    """Deterministic 16-hex id of one (method, length, window) of a run."""
+    request = config.model_dump(mode="json", exclude={"identity", "inputs"})
+    key = [request, variant.label, variant.backend, variant.options, ratio, window]
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def read_texts(path: str | Path) -> str:
@@ -204,9 +246,37 @@ def score_window(backend: Backend, ids: Sequence[int]) -> tuple[torch.Tensor, to
     return backend.token_logprobs(ids), torch.arange(len(ids) - 1, dtype=torch.float64)
 
 
-def _ppl(logp: torch.Tensor) -> float | None:
-    """Perplexity of log-probabilities; ``None`` for none."""
-    return math.exp(-logp.double().mean().item()) if len(logp) else None
+def window_stats(logp: torch.Tensor, pos: torch.Tensor) -> dict:
+    """The sums one text window contributes to its (method, length) figures, as stored in a
+    perplexity run folder (one record per window).
+
+    Args:
+        logp: float ``[n - 1]`` log-probabilities of the window's tokens (:func:`score_window`).
+        pos: ``[n - 1]`` query position IDs they were predicted from.
+
+    Returns:
+        ``{"nll": sum of -logp (nats, float64), "tokens": n - 1, "tail_nll", "tail_tokens" (the
+        last quarter of the window), "interp_nll", "interp_tokens" (queries at fractional
+        positions), "whole_nll", "whole_tokens"}``.
+    """
+    nll = -logp.double()
+    interp = pos != torch.floor(pos)
+    tail = nll[-max(1, len(nll) // 4) :]
+    return {
+        "nll": float(nll.sum()),
+        "tokens": len(nll),
+        "tail_nll": float(tail.sum()),
+        "tail_tokens": len(tail),
+        "interp_nll": float(nll[interp].sum()),
+        "interp_tokens": int(interp.sum()),
+        "whole_nll": float(nll[~interp].sum()),
+        "whole_tokens": int((~interp).sum()),
+    }
+
+
+def _ppl(nll: float, tokens: int) -> float | None:
+    """Perplexity of a summed NLL over ``tokens`` tokens; ``None`` for none."""
+    return math.exp(nll / tokens) if tokens else None
 
 
 def _interval(values: Sequence[float], boot: Bootstrap) -> Interval | None:
@@ -229,14 +299,11 @@ def _exp(iv: Interval | None) -> dict | None:
     return None if iv is None else {"low": math.exp(iv.low), "high": math.exp(iv.high)}
 
 
-def length_stats(
-    scores: Sequence[tuple[torch.Tensor, torch.Tensor]], boot: Bootstrap | None = None
-) -> dict:
-    """The figures of one (method, length) from its windows' :func:`score_window` outputs.
+def length_stats(windows: Sequence[dict], boot: Bootstrap | None = None) -> dict:
+    """The figures of one (method, length) from its windows' :func:`window_stats`.
 
     Args:
-        scores: per window, ``(logprobs [n - 1], query positions [n - 1])``, all windows of the
-            same length.
+        windows: per window, :func:`window_stats` of its scores, all windows of the same length.
         boot: bootstrap settings (default :data:`WINDOW_BOOTSTRAP`).
 
     Returns:
@@ -246,19 +313,20 @@ def length_stats(
         each window, nats).
     """
     boot = boot or WINDOW_BOOTSTRAP
-    logp = torch.cat([lp for lp, _ in scores])
-    pos = torch.cat([p for _, p in scores])
-    interp = pos != torch.floor(pos)
-    window_nll = [-lp.double().mean().item() for lp, _ in scores]
+
+    def total(field: str) -> float:
+        return sum(w[field] for w in windows)
+
+    window_nll = [w["nll"] / w["tokens"] for w in windows]
     return {
         "ppl": math.exp(float(np.mean(window_nll))),
         "ppl_ci": _exp(_interval(window_nll, boot)),
-        "ppl_tail": _ppl(torch.cat([lp[-max(1, len(lp) // 4) :] for lp, _ in scores])),
-        "tokens": len(logp),
-        "ppl_interp": _ppl(logp[interp]),
-        "tokens_interp": int(interp.sum()),
-        "ppl_whole": _ppl(logp[~interp]),
-        "tokens_whole": int((~interp).sum()),
+        "ppl_tail": _ppl(total("tail_nll"), int(total("tail_tokens"))),
+        "tokens": int(total("tokens")),
+        "ppl_interp": _ppl(total("interp_nll"), int(total("interp_tokens"))),
+        "tokens_interp": int(total("interp_tokens")),
+        "ppl_whole": _ppl(total("whole_nll"), int(total("whole_tokens"))),
+        "tokens_whole": int(total("whole_tokens")),
         "window_nll": window_nll,
     }
 
@@ -303,6 +371,8 @@ def run_ppl(
     baseline: str | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    out: str | Path | None = None,
+    restart: bool = False,
     on_step: Callable[[str], None] | None = None,
 ) -> dict:
     """Perplexity of each method at each length ``ratio * L`` on the text windows ``windows``.
@@ -319,6 +389,10 @@ def run_ppl(
         gali_options, gali_grid: see :func:`method_variants`.
         baseline: the label the other methods are paired with (default: ``vanilla`` when it is
             among the methods, else no pairing).
+        out: a run folder (:func:`ppl_folder`): each (method, length, window) is stored as it is
+            scored and reused by a rerun (more windows or methods resume; another model file,
+            data content, ``train_window`` or ``ratios`` is refused); ``None``: nothing stored.
+        restart: start ``out`` over when it holds a run of other settings, weights or data.
         on_step: called with a short status after each (method, length, window).
 
     Returns:
@@ -333,6 +407,8 @@ def run_ppl(
             baseline that is not among the methods.
         pydantic.ValidationError: an invalid backend option.
         DataError: bad data file, or the text is too short for the windows.
+        ConfigMismatchError: ``out`` holds a run of other settings, weights or data content
+            (not with ``restart``).
     """
     if not ratios or min(ratios) <= 0:
         raise ConfigError(f"ratios {list(ratios)}: give one or more positive multiples of L")
@@ -350,14 +426,37 @@ def run_ppl(
         baseline = "vanilla"
     if baseline is not None and baseline not in labels:
         raise ConfigError(f"baseline {baseline!r} is not among the methods ({', '.join(labels)})")
+    config = PplConfig(
+        data=str(Path(data).resolve()),
+        model=model,
+        train_window=train_window,
+        ratios=list(ratios),
+        inputs=input_fingerprints(data=data),
+    )
+    folder = None if out is None else ppl_folder(out, config)
+    if folder is not None and not restart:
+        folder.check()  # other settings: refused before any model is loaded
     text = read_texts(data)
     rows: list[dict] = []
     tokens: list[int] | None = None
-    for variant in variants:
-        backend = load_backend(
-            variant.backend, model=model, device=device, dtype=dtype, **variant.options
-        )
-        big_l = train_window or trained_window(backend)
+    done: dict[str, dict] = {}
+    for i, variant in enumerate(variants):
+        ids = {(r, k): _window_id(config, variant, r, k) for r in ratios for k in windows}
+        backend = None
+        if i == 0 or tokens is None or any(c not in done for c in ids.values()):
+            backend = load_backend(
+                variant.backend, model=model, device=device, dtype=dtype, **variant.options
+            )
+        if i == 0 and folder is not None:  # the weights and chat template every variant shares
+            ident = backend.identity()
+            folder.bind({k: ident[k] for k in ("model", "chat_template")}, restart=restart)
+            done = folder.done()
+        if backend is not None:
+            big_l = train_window or trained_window(backend)
+            resolved = backend.identity()["options"]
+        else:  # every window of this variant is stored: nothing to load
+            first = done[ids[ratios[0], windows.start]]
+            big_l, resolved = first["train_window"], first["options"]
         lengths = [max(2, int(r * big_l)) for r in ratios]
         longest = max(lengths)
         if tokens is None:  # every variant shares the model, so its tokenizer
@@ -372,12 +471,26 @@ def run_ppl(
                     f"{windows.start}:{windows.stop}",
                 )
         for ratio, length in zip(ratios, lengths, strict=True):
-            scores = []
+            stats = []
             for k in windows:
-                scores.append(score_window(backend, tokens[k * longest : k * longest + length]))
+                cell = done.get(ids[ratio, k])
+                if cell is None:
+                    window = tokens[k * longest : k * longest + length]
+                    cell = {
+                        "cell_id": ids[ratio, k],
+                        "method": variant.label,
+                        "ratio": ratio,
+                        "window": k,
+                        "train_window": big_l,
+                        "options": resolved,
+                        **window_stats(*score_window(backend, window)),
+                    }
+                    if folder is not None:
+                        folder.append(cell)
                 if on_step:
-                    ppl = _ppl(scores[-1][0])
+                    ppl = _ppl(cell["nll"], cell["tokens"])
                     on_step(f"{variant.label} {length} tok, window {k}: ppl {ppl:.2f}")
+                stats.append(cell)
             rows.append(
                 {
                     "method": variant.label,
@@ -385,10 +498,10 @@ def run_ppl(
                     "ratio": ratio,
                     "length": length,
                     "windows": [windows.start, windows.stop],
-                    **length_stats(scores),
+                    **length_stats(stats),
                     "vs_baseline": None,
                     "train_window": big_l,
-                    "options": backend.identity()["options"],
+                    "options": resolved,
                 }
             )
         del backend

@@ -67,21 +67,27 @@ JUDGE_KIND = "ragfix-judge"
 #: ``"format"`` of a judge summary computed from other judges' verdicts (``--from-judgments``;
 #: the swap-judgments format of :mod:`ragfix.connectors.pairwise`)
 SWAP_JUDGMENTS_FORMAT = "swap_judgments"
-#: ``config.json`` fields that decide what a cell (sample, position) is: the data, the task, the
-#: passages per prompt, the record range and the prompt layout (distractors, retrieval). Runs are
-#: paired only when they agree on all of them (a field absent from both agrees).
+#: ``config.json`` fields that decide what a cell (sample, position) is: the data and the
+#: content of every input file (``inputs``), the task, the passages per prompt, the record range
+#: and the prompt layout (distractors; a pipeline's corpus, questions, retriever, chunking and
+#: framework). Runs are paired only when they agree on all of them (a field absent from both
+#: agrees).
 CELL_FIELDS = (
     "data",
-    "data_fingerprint",
+    "inputs",
     "task",
     "num_docs",
     "records",
     "distractor_pool",
-    "retrieval",
+    "corpus",
+    "questions",
+    "retriever",
+    "chunk_size",
+    "framework",
 )
 #: fields holding file paths, compared by file name (runs made on another machine still pair;
-#: sample ids are hashes of the content, so cells of different contents never match anyway)
-PATH_FIELDS = ("data", "distractor_pool")
+#: their contents are compared by ``inputs``)
+PATH_FIELDS = ("data", "distractor_pool", "corpus", "questions")
 
 
 class RunTally:
@@ -160,7 +166,9 @@ def cells_by_curve(records: list[dict]) -> dict[str, dict[tuple[str, int], bool]
 
 
 def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> dict:
-    """The ``summary.json`` content: the run's config, cell counts and curves.
+    """The ``summary.json`` content: the run's config, cell counts, curves and the ids of the
+    cells it reports (``cell_ids``: those of ``records`` unless ``extra`` gives them, e.g. with
+    the overflowed cells that were counted but not scored).
 
     ``x_axis`` is ``"prompt position"`` for raw sweeps and ``"retrieval rank"`` when a reorder
     strategy was applied.
@@ -179,6 +187,7 @@ def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> 
         "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in records),
         "seconds": round(sum(r.get("seconds", 0.0) for r in records), 2),
         "curves": {k: v.model_dump() for k, v in curves.items()},
+        "cell_ids": [r["cell_id"] for r in records],
         **(extra or {}),
     }
 
@@ -208,11 +217,17 @@ def print_run_files(out: Path, console: Console) -> None:
 
 
 def write_report(out: Path, records: list[dict], extra: dict | None = None) -> dict:
-    """Write ``summary.json`` and ``curve.png`` into ``out`` (atomically); return the summary."""
+    """Write ``summary.json`` and ``curve.png`` of ``records`` into ``out`` (atomically); return
+    the summary (:func:`build_summary`)."""
     summary = build_summary(out, records, extra)
+    write_summary(out, summary)
+    return summary
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """Write a built summary as ``summary.json`` (atomically) and its ``curve.png``."""
     atomic_write_json(out / SUMMARY_FILE, summary)
     plot_curves([(out.name, summary)], out / PLOT_FILE)
-    return summary
 
 
 @dataclass
@@ -340,11 +355,15 @@ class Run:
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
-    """Read a run folder (or a file inside one): its config, summary and cells.
+    """Read a run folder (or a file inside one): its config, summary and the cells its run
+    reported (the ``cell_ids`` of its ``summary.json``; a folder may hold more cells, e.g. of a
+    run with a larger ``--limit`` before, or of an interrupted extension).
 
     Raises:
-        DataError: no such folder, no ``summary.json``, an unreadable ``config.json`` /
-            ``summary.json``, a malformed ``records`` / ``tuned_on`` in it, or no scored cell.
+        DataError: no such folder, no ``summary.json``, a summary written before summaries
+            listed their cells, an unreadable ``config.json`` / ``summary.json``, a malformed
+            ``records`` / ``tuned_on`` in it, a reported cell missing from the results, or no
+            scored cell.
     """
     from ragfix.eval.sweep import open_store, summary_counts  # sweep imports this module
 
@@ -362,7 +381,26 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
             raise DataError(
                 config_path, None, None, f"unreadable run configuration ({e})"
             ) from None
-    records, _ = summary_counts(list(open_store(folder).load().values()))
+    ids = summary.get("cell_ids")
+    if not isinstance(ids, list):
+        raise DataError(
+            folder / SUMMARY_FILE,
+            None,
+            "cell_ids",
+            "written by an earlier ragfix that did not list the run's cells: rerun its "
+            "`ragfix eval` command with --restart",
+        )
+    stored = open_store(folder).load()
+    missing = [i for i in ids if i not in stored]
+    if missing:
+        raise DataError(
+            folder / RESULTS_FILE,
+            None,
+            None,
+            f"{len(missing)} of the {len(ids)} cells its summary reports are not in the results "
+            f"(first: {missing[0]}): rerun its `ragfix eval` command",
+        )
+    records, _ = summary_counts([stored[i] for i in ids])
     curves = cells_by_curve(records)
     continued = dict.fromkeys(curves, 0)
     for r in records:
@@ -375,16 +413,22 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     return run
 
 
+def uneven_positions(cells: Cells) -> str | None:
+    """A one-line note when the positions of a curve cover different samples (``n`` per
+    position differs, or the same ``n`` of other samples), so its points are not comparable;
+    None when every position has the same samples."""
+    by_pos: dict[int, set[str]] = {}
+    for sample, pos in cells:
+        by_pos.setdefault(pos, set()).add(sample)
+    if len({frozenset(s) for s in by_pos.values()}) <= 1:
+        return None
+    counts = ", ".join(f"{p}: {len(s)}" for p, s in sorted(by_pos.items()))
+    return f"its positions cover different samples (samples per position {counts})"
+
+
 def _file_key(value):
-    """A data setting with every path cut to its file name (``corpus=docs;questions=q.jsonl``
-    for a pipeline sweep)."""
-    if not isinstance(value, str):
-        return value
-    out = []
-    for part in value.split(";"):
-        key, sep, rest = part.partition("=")
-        out.append(f"{key}={Path(rest).name}" if sep and "/" not in key else Path(part).name)
-    return ";".join(out)
+    """A path setting cut to its file name."""
+    return Path(value).name if isinstance(value, str) else value
 
 
 def _setting(name: str, config: dict):
@@ -510,6 +554,10 @@ def compare_runs(
     groups: list[list[Run]] = []
     notes: list[str] = []
     for run in runs:
+        for curve, cells in run.curves.items():
+            uneven = uneven_positions(cells)
+            if uneven:
+                notes.append(f"{_label(run, curve)}: {uneven}")
         group = next((g for g in groups if _same_cells(g[0], run)), None)
         if group is not None:
             group.append(run)

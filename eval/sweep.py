@@ -32,50 +32,47 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from rich.console import Console
 
 from ragfix.backends.base import Backend
-from ragfix.errors import ConfigError, ConfigMismatchError
-from ragfix.eval.report import RESULTS_FILE, TableSpec, print_tables
-from ragfix.io import (
-    CONFIG_FILE,
-    JsonlStore,
-    atomic_write_json,
-    config_differences,
-    read_run_config,
-)
+from ragfix.errors import ConfigError
+from ragfix.eval.report import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE, TableSpec, print_tables
+from ragfix.eval.run import RunConfig, RunFolder, folder_store
+from ragfix.io import JsonlStore
 from ragfix.metrics import degenerate_gold
 from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import OVERFLOW, Generation, QASample, SweepRecord
 
-CUT_TO_WINDOW = "cut_to_window"
 DEGENERATE_GOLD = "degenerate_gold"
 
 
-class SweepConfig(BaseModel):
-    """What makes the results of one output folder comparable (checked on every rerun).
+class SweepConfig(RunConfig):
+    """What makes the results of one output folder comparable (checked on every rerun, finished
+    folders included: :class:`~ragfix.eval.run.RunFolder`).
 
-    Frozen: it is hashed into the cell ids. ``limit`` and ``positions`` are not part of it: a
-    rerun may add samples or positions. Validated when built: an unknown field, ``num_docs < 1``
-    or a malformed record range is refused (pydantic ``ValidationError`` naming the value).
+    Frozen: its request fields are hashed into the cell ids. ``limit`` and ``positions`` are not
+    part of it: a rerun may add samples or positions. Validated when built: an unknown field,
+    ``num_docs < 1`` or a malformed record range is refused (pydantic ``ValidationError`` naming
+    the value).
 
     Attributes:
-        data: the data file (resolved path), or the corpus and question files of a pipeline sweep.
-        task: the task (``qa``, ``kv``, ``qa-pipeline``).
+        data: the data file (resolved path).
+        task: the task (``qa``, ``kv``).
         num_docs: passages per prompt.
         model: the model name.
         backend: the backend name.
         backend_options: the options as the user gave them (plus ``adapter`` when one is given).
-        distractor_pool: the file distractors were drawn from (raw sweep), or None.
-        retrieval: the retriever settings of a pipeline sweep, or None.
+        distractor_pool: the file distractors were drawn from, or None.
         records: the record range of the data file (``"0:200"``, see :func:`parse_records`),
             or None for the whole file; a rerun with another range is refused.
+        identity, inputs: what the run ran on (:class:`~ragfix.eval.run.RunConfig`); ``inputs``
+            has ``data`` and, with a pool, ``distractor_pool``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+    run: Literal["sweep"] = "sweep"
     data: str
     task: str
     num_docs: int
@@ -83,7 +80,6 @@ class SweepConfig(BaseModel):
     backend: str
     backend_options: dict = Field(default_factory=dict)
     distractor_pool: str | None = None
-    retrieval: str | None = None
     records: str | None = None
 
     @field_validator("num_docs")
@@ -97,27 +93,6 @@ class SweepConfig(BaseModel):
     @classmethod
     def _range(cls, v: str | None) -> str | None:
         return None if v is None else format_records(parse_records(v))
-
-    def check(self, out: Path) -> bool:
-        """Whether ``out/config.json`` exists; if it does, check it matches this configuration.
-
-        Raises:
-            ConfigMismatchError: the folder was used for another configuration (names the fields).
-            DataError: ``config.json`` is not readable JSON.
-        """
-        theirs = read_run_config(out)
-        if theirs is None:
-            return False
-        detail = config_differences(theirs, self.model_dump(mode="json"))
-        if detail:
-            raise ConfigMismatchError(
-                f"{out} holds results of another configuration ({detail}); use another --out folder"
-            )
-        return True
-
-    def write(self, out: Path) -> None:
-        """Write ``out/config.json`` (atomically)."""
-        atomic_write_json(out / CONFIG_FILE, self.model_dump(mode="json"))
 
 
 @dataclass(frozen=True)
@@ -229,14 +204,6 @@ def _prompt(cell: Cell):
     return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
 
 
-def fits(backend: Backend, prompt) -> tuple[bool, int]:
-    """Whether ``prompt`` (a :class:`~ragfix.prompts.TaskPrompt`) and its answer budget fit the
-    backend's window: ``len(backend.encode(prompt)) + prompt.max_new_tokens <=
-    backend.context_window``; and the prompt's token count."""
-    n = len(backend.encode(prompt))
-    return n + prompt.max_new_tokens <= backend.context_window, n
-
-
 def cell_flags(answers: list[str], flags: list[str] = ()) -> tuple[list[str], dict]:
     """``flags`` plus ``degenerate_gold`` when a gold answer is degenerate, and the ``extra``
     fields that explain them (``{"degenerate_gold": [reasons]}``)."""
@@ -282,14 +249,14 @@ def run_cells(
 ) -> None:
     """Compute ``cells`` and hand each finished record to ``on_record`` as soon as it is done.
 
-    A cell whose prompt does not fit (:func:`fits`) is not run: its record has the flag
-    ``overflow``, an empty answer, ``correct`` False and no prefill or new tokens. With a backend
-    that cuts long prompts by design (``backend.cuts_long_prompts``, the ``truncated``
-    baseline) the cell runs and is flagged ``cut_to_window``. A backend that cannot count tokens
-    here (a remote model without a tokenizer, ``backend.has_tokenizer`` False) runs every cell
-    and the window is checked on the prompt tokens the server counted: a cell that did not fit,
-    or that the server refused as too long, gets the same ``overflow`` record (its answer
-    dropped).
+    The backend's verdict decides (:meth:`~ragfix.backends.Backend.fit`): a cell whose prompt
+    does not fit is not run: its record has the flag ``overflow``, an empty answer, ``correct``
+    False and no prefill or new tokens. With a backend that cuts long prompts by design
+    (``backend.cuts_long_prompts``, the ``truncated`` baseline) the cell runs and is flagged
+    ``cut_to_window``. A backend that cannot count tokens here (a remote model without a
+    tokenizer, ``backend.has_tokenizer`` False) runs every cell and the same verdict is taken on
+    the prompt tokens the server counted: a cell that did not fit, or that the server refused as
+    too long, gets the same ``overflow`` record (its answer dropped).
 
     Args:
         backend: the model backend.
@@ -305,15 +272,11 @@ def run_cells(
     """
     runnable = []
     for c in cells:
-        if not backend.has_tokenizer:  # its size is known once the server has read it
-            runnable.append((c, []))
-            continue
-        ok, n = fits(backend, _prompt(c))
-        if ok:
-            runnable.append((c, []))
-        elif backend.cuts_long_prompts:
-            runnable.append((c, [CUT_TO_WINDOW]))
+        fit = backend.fit(_prompt(c))  # size unknown without a tokenizer: checked afterwards
+        if fit.runs:
+            runnable.append((c, [fit.flag] if fit.flag else []))
         else:
+            n = fit.prompt_tokens
             gen = Generation(text="", prompt_tokens=n, new_tokens=0, prefill_tokens=0, seconds=0)
             on_record(_record(c, backend, gen, [OVERFLOW]))
     if prefix_reuse and backend.supports_prefix_reuse:
@@ -339,9 +302,9 @@ def run_cells(
 def _checked(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:
     """The record of a cell that ran: flagged ``overflow`` (answer dropped, not scored) when
     the server refused its prompt or, for a backend that could not count it beforehand, when
-    the prompt tokens the server counted plus the answer budget exceed the window."""
-    late = not backend.has_tokenizer and not backend.cuts_long_prompts
-    if late and gen.prompt_tokens + _prompt(cell).max_new_tokens > backend.context_window:
+    the backend's verdict on the prompt tokens the server counted is ``overflow``."""
+    fit = backend.fit(_prompt(cell))
+    if fit.prompt_tokens is None and fit.counted(gen.prompt_tokens).flag == OVERFLOW:
         flags = [*flags, OVERFLOW]
     if OVERFLOW in flags or OVERFLOW in gen.flags:
         gen = gen.model_copy(update={"text": "", "new_tokens": 0, "prefill_tokens": 0})
@@ -360,7 +323,9 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
     Returns:
         ``(scored, extra)``: ``scored`` the records of samples without an overflow cell;
         ``extra`` = ``{"cells": all records, "scored_cells": len(scored), "excluded_samples":
-        samples left out, "flags": {flag: {position: cells}}}`` (positions as strings, sorted).
+        samples left out, "flags": {flag: {position: cells}}, "cell_ids": the ids of all
+        records}`` (positions as strings, sorted). ``cell_ids`` tells a report which of a
+        folder's cells the run reported (:func:`ragfix.eval.report.load_run`).
     """
     over = {r["sample_id"] for r in records if OVERFLOW in r.get("flags", ())}
     counts: dict[str, dict[int, int]] = {}
@@ -376,6 +341,7 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
         "flags": {
             f: {str(p): n for p, n in sorted(per.items())} for f, per in sorted(counts.items())
         },
+        "cell_ids": [r["cell_id"] for r in records],
     }
 
 
@@ -409,6 +375,22 @@ def open_store(out: Path, rank: int = 0, world_size: int = 1) -> JsonlStore:
     """The result store of ``out``: a single process appends to ``results.jsonl``; rank ``r`` of
     a multi-process run to ``results.rank{r}.jsonl``. Every store reads all of the folder's
     result files, so finished cells are skipped whoever computed them."""
-    own = out / (RESULTS_FILE if world_size == 1 else f"results.rank{rank}.jsonl")
-    others = sorted(p for p in out.glob("results*.jsonl") if p != own)
-    return JsonlStore(own, key="cell_id", read_also=others)
+    return folder_store(Path(out), RESULTS_FILE, "cell_id", _shard_name(rank, world_size))
+
+
+def _shard_name(rank: int, world_size: int) -> str:
+    return RESULTS_FILE if world_size == 1 else f"results.rank{rank}.jsonl"
+
+
+def sweep_folder(out: Path, config: RunConfig, rank: int = 0, world_size: int = 1) -> RunFolder:
+    """The run folder of a sweep (raw or pipeline): ``results*.jsonl`` keyed by ``cell_id``,
+    rank ``r`` of a multi-process run appending to ``results.rank{r}.jsonl``; a restart also
+    removes ``summary.json`` and ``curve.png``."""
+    return RunFolder(
+        out,
+        config,
+        results=RESULTS_FILE,
+        key="cell_id",
+        own=_shard_name(rank, world_size),
+        outputs=(SUMMARY_FILE, PLOT_FILE),
+    )

@@ -8,20 +8,29 @@ LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) for the sa
 Loading refuses, with one line naming the folder, an adapter trained on other weights and an
 adapter whose tensors do not all attach to the model (peft itself only warns, and a LoRA that
 never attaches is the base model). Every applied adapter is identified by a fingerprint of its
-weight file, which goes into the backend's identity and so into every run and cache key.
+weight file and its ``adapter_config.json`` (rank, alpha and target modules change the adapted
+model too), which goes into the backend's identity and so into every run and cache key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from ragfix.errors import AdapterError
-from ragfix.io import file_fingerprint
-from ragfix.models import model_identity
+from ragfix.models import (
+    files_fingerprint,
+    model_identity,
+    note_weights,
+    weights_differ,
+    weights_fingerprint,
+)
 
 #: adapter metadata file written next to the peft adapter files by ``ragfix distill``
 METADATA_FILE = "ragfix_adapter.json"
+#: peft's LoRA settings (rank, alpha, target modules)
+CONFIG_FILE = "adapter_config.json"
 #: full fine-tuning weights (safetensors state dict of the whole model)
 FULL_WEIGHTS_FILE = "model.safetensors"
 #: peft's LoRA weight file
@@ -42,7 +51,7 @@ def read_metadata(adapter_dir: str | Path) -> dict | None:
     d = Path(adapter_dir)
     p = d / METADATA_FILE
     if not p.is_file():
-        if (d / "adapter_config.json").is_file():
+        if (d / CONFIG_FILE).is_file():
             return None
         raise AdapterError(
             f"{adapter_dir}: not an adapter folder (no {METADATA_FILE} from `ragfix distill`, "
@@ -60,11 +69,16 @@ def read_metadata(adapter_dir: str | Path) -> dict | None:
 def check_base(meta: dict, model, where: str | Path) -> None:
     """Check that ``model`` is the base model the adapter was trained on.
 
+    The fields of :data:`BASE_FIELDS` must be equal, and the ``weights`` fingerprints too when
+    both the stored identity and the model's name weight files (``files:``).
+
     Raises:
-        AdapterError: the identities differ (architecture, sizes or weight fingerprint).
+        AdapterError: the identities differ (architecture, sizes or weight fingerprints).
     """
     want, have = meta["base_model"], model_identity(model)
     diff = [f for f in BASE_FIELDS if want.get(f) != have.get(f)]
+    if weights_differ(want, have):
+        diff.append("weights")
     if diff:
         raise AdapterError(
             f"{where}: adapter was trained on base model {want.get('name')!r} "
@@ -114,8 +128,11 @@ def load_adapter(model, adapter_dir: str | Path):
 
     Returns:
         ``(model, info)``: the adapted model (eval mode) and ``info`` for the backend's identity:
-        ``path``, ``fingerprint`` (of the weight file), ``kind`` and, for ``ragfix distill``
-        folders, ``variant`` / ``steps`` / ``rows``.
+        ``path``, ``fingerprint`` (:func:`adapter_fingerprint`), ``kind`` and, for ``ragfix
+        distill`` folders, ``variant`` / ``steps`` / ``rows``. The adapted model's
+        :func:`~ragfix.models.weights_fingerprint` is a ``files:`` value derived from the base
+        model's and the adapter's when the base model was loaded from files, else the hash of its
+        new tensors.
 
     Raises:
         AdapterError: see :func:`read_metadata`, :func:`check_base` and the attach check.
@@ -124,6 +141,7 @@ def load_adapter(model, adapter_dir: str | Path):
     meta = read_metadata(d)
     if meta is not None:
         check_base(meta, model, d)
+    base = weights_fingerprint(model) if getattr(model, "ragfix_weights", None) else None
     if meta is not None and meta.get("kind") == "full":
         from safetensors.torch import load_file
 
@@ -134,17 +152,38 @@ def load_adapter(model, adapter_dir: str | Path):
             raise AdapterError(f"{d}: weights do not fit the model ({bad})")
     else:
         model, weights = _attach_lora(model, d)
-    info = {"path": str(d), "fingerprint": file_fingerprint(weights), "kind": "lora"}
+    fingerprint = adapter_fingerprint(d, weights)
+    if base is not None and base.startswith("files:"):
+        derived = hashlib.sha256(f"{base}\0adapter:{fingerprint}".encode()).hexdigest()[:16]
+        note_weights(model, f"files:{derived}")
+    else:  # peft merges through .data, which the tensors' version counters do not see
+        note_weights(model, None)
+    info = {"path": str(d), "fingerprint": fingerprint, "kind": "lora"}
     if meta is not None:
         info.update({k: meta.get(k) for k in ("kind", "variant", "steps", "rows")})
     return model.eval(), info
 
 
+def adapter_fingerprint(adapter_dir: str | Path, weights: str | Path) -> str:
+    """What identifies an adapter folder's effect on a model: 16 hex digits over its weight file
+    ``weights`` and, when present, its :data:`CONFIG_FILE` (names and content fingerprints, see
+    :func:`ragfix.models.files_fingerprint`).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    d = Path(adapter_dir)
+    files = [Path(weights)] + ([d / CONFIG_FILE] if (d / CONFIG_FILE).is_file() else [])
+    return files_fingerprint(d, files)
+
+
 __all__ = [
+    "CONFIG_FILE",
     "FORMAT",
     "FULL_WEIGHTS_FILE",
     "LORA_WEIGHTS_FILE",
     "METADATA_FILE",
+    "adapter_fingerprint",
     "check_base",
     "load_adapter",
     "read_metadata",

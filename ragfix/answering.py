@@ -134,16 +134,18 @@ class Answerer:
 
         Raises:
             ConfigError: the prompt as the model reads it plus ``max_new_tokens`` exceeds the
-                backend's window: refused, never truncated (unless the backend cuts long prompts
-                by design, :attr:`~ragfix.backends.Backend.cuts_long_prompts`).
+                backend's window (:meth:`~ragfix.backends.Backend.fit`): refused, never
+                truncated (unless the backend cuts long prompts by design,
+                :attr:`~ragfix.backends.Backend.cuts_long_prompts`). A backend that cannot count
+                tokens here is not checked.
         """
         s, b = self.settings, self.backend
         text = b.format_prompt(TaskPrompt(user=prompt)) if s.use_chat_template else prompt
-        size, window = b.count_tokens(text), b.context_window
-        if size + s.max_new_tokens > window and not b.cuts_long_prompts:
+        fit = b.fit(text, max_new_tokens=s.max_new_tokens)
+        if not fit.runs:
             raise ConfigError(
-                f"the prompt has {size} tokens (chat template included); with "
-                f"num_output={s.max_new_tokens} it exceeds the {window}-token window of "
+                f"the prompt has {fit.prompt_tokens} tokens (chat template included); with "
+                f"num_output={fit.budget} it exceeds the {fit.window}-token window of "
                 f"{b.model_name}: retrieve fewer or shorter documents, or lower num_output"
             )
         self.last_prompt = text

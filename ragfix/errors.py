@@ -59,6 +59,11 @@ class MissingExtraError(RagfixError):
     install (``pip install "ragfix[langchain]"``)."""
 
 
+class WorkerError(RagfixError):
+    """A worker process of a run died or failed; the message says what happened and where its
+    traceback is, and that the finished results are saved."""
+
+
 class IncompatibleMethodsError(RagfixError):
     """Two methods that cannot be combined on the same model (e.g. two attention patches)."""
 
@@ -73,4 +78,5 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "RagfixError",
+    "WorkerError",
 ]

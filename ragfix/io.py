@@ -132,10 +132,3 @@ def read_run_config(out: str | Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise DataError(path, None, None, f"unreadable run configuration ({e})") from None
-
-
-def config_differences(theirs: dict, mine: dict) -> str:
-    """``"key: X there, Y now; ..."`` for the keys of ``mine`` whose stored value differs, or
-    ``""`` when they all agree."""
-    diff = [k for k in mine if theirs.get(k) != mine[k]]
-    return "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in diff)

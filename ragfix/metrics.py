@@ -3,13 +3,17 @@
 ``best_subspan_em`` follows Lost in the Middle (Liu et al., TACL 2024,
 ``src/lost_in_the_middle/metrics.py``): the first line of the prediction and every gold answer are
 normalised as in SQuAD (lower case, punctuation removed, the articles a/an/the removed, white space
-folded); the prediction is correct when any normalised gold answer is a substring of it.
+folded); the prediction is correct when any normalised gold answer is a substring of it. Both are
+put in Unicode NFC first (:func:`score_normalize`), so a decomposed ``"Beyonce\u0301"`` matches
+the composed ``"Beyoncé"``; on text already in NFC (every gold answer of the shipped Lost in the
+Middle files) the scores are Lost in the Middle's.
 """
 
 from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections.abc import Sequence
 
 from pydantic import BaseModel
@@ -22,24 +26,33 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lower case, drop punctuation, drop a/an/the, fold white space."""
+    """SQuAD normalisation (Lost in the Middle's): lower case, drop punctuation, drop a/an/the,
+    fold white space. No Unicode normalisation (scoring adds it: :func:`score_normalize`)."""
     text = text.lower().translate(_PUNCT)
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())
 
 
+def score_normalize(text: str) -> str:
+    """The normalisation scoring applies to a prediction and a gold answer: Unicode NFC
+    (composed characters, so ``"e" + U+0301`` is ``"é"``), then :func:`normalize_answer`."""
+    return normalize_answer(unicodedata.normalize("NFC", text))
+
+
 def best_subspan_em(prediction: str, answers: list[str]) -> bool:
     """True when a normalised gold answer is a substring of the normalised first line of
-    ``prediction`` (Lost in the Middle's metric; character level, so "1" matches "1990")."""
-    first = prediction.split("\n")[0].strip()
-    pred = normalize_answer(first)
-    return any(normalize_answer(a) in pred for a in answers if normalize_answer(a))
+    ``prediction`` (Lost in the Middle's metric, both sides through :func:`score_normalize`;
+    character level, so "1" matches "1990"). A gold answer that normalises to nothing is
+    ignored."""
+    pred = score_normalize(prediction.split("\n")[0].strip())
+    golds = (score_normalize(a) for a in answers)
+    return any(g in pred for g in golds if g)
 
 
 def degenerate_gold(answers: Sequence[str]) -> list[str]:
     """Why each degenerate gold answer of ``answers`` makes best_subspan_em loose or void.
 
-    A gold answer is degenerate when its normalised form (:func:`normalize_answer`) is
+    A gold answer is degenerate when its normalised form (:func:`score_normalize`, as scored) is
 
     * empty (``"*"``, ``"A"``: the article is dropped): Lost in the Middle's metric counts every
       prediction correct (the empty string is a substring of anything); :func:`best_subspan_em`
@@ -59,7 +72,7 @@ def degenerate_gold(answers: Sequence[str]) -> list[str]:
 
     out = []
     for a in answers:
-        norm = normalize_answer(a)
+        norm = score_normalize(a)
         if not norm:
             out.append(f"gold_normalizes_to_empty:{a!r}")
         elif len(norm) <= 1:

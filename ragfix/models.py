@@ -19,6 +19,7 @@ the same way by :func:`default_embedder_path`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -26,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,27 +139,107 @@ def resolve_model(name: str) -> ModelSpec:
     return ModelSpec(name, "hub", name)
 
 
-def gguf_fingerprint(gguf: str | Path) -> str:
-    """First 16 hex digits of the SHA-256 of a GGUF file's bytes.
+#: the JSON index, under :func:`cache_dir`, of remembered content fingerprints
+FINGERPRINT_INDEX = "content-hashes.json"
+#: a file modified less than this long ago (ns) is hashed but not remembered: a rewrite within
+#: the file system's timestamp granularity would otherwise keep its size and modification time
+RECENT_NS = 2 * 10**9
 
-    The hash of a file is remembered in ``<cache>/gguf-hashes.json`` under its resolved path,
-    size and modification time, so an unchanged file is hashed once; any change of the file
-    (even one keeping its name and size) gives a new hash.
+
+def _fingerprints(files: list[Path]) -> list[str]:
+    """The content fingerprint (:func:`ragfix.io.file_fingerprint`) of each file, read from the
+    index when the file's resolved path, size and ``mtime_ns`` are those remembered; the index is
+    rewritten once, atomically, for the files hashed (an unwritable cache only costs the memory).
+
+    Raises:
+        OSError: a file does not exist or cannot be read.
     """
     from ragfix.io import atomic_write_json, file_fingerprint
 
-    g = Path(gguf).resolve()
-    st = g.stat()
-    key = f"{g}:{st.st_size}:{st.st_mtime_ns}"
-    index_path = cache_dir() / "gguf-hashes.json"
+    index_path = cache_dir() / FINGERPRINT_INDEX
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
         index = {}
-    if key not in index:
-        index[key] = file_fingerprint(g)
-        atomic_write_json(index_path, index)
-    return index[key]
+    if not isinstance(index, dict):
+        index = {}
+    out, changed = [], False
+    for f in files:
+        path = Path(f).resolve()
+        st = path.stat()  # before reading: a change while hashing gives a new mtime next time
+        key = str(path)
+        entry = index.get(key)
+        if (
+            isinstance(entry, dict)
+            and entry.get("size") == st.st_size
+            and entry.get("mtime_ns") == st.st_mtime_ns
+            and isinstance(entry.get("sha256"), str)
+        ):
+            out.append(entry["sha256"])
+            continue
+        digest = file_fingerprint(path)
+        out.append(digest)
+        if time.time_ns() - st.st_mtime_ns >= RECENT_NS:
+            index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            changed = True
+    if changed:
+        with contextlib.suppress(OSError):  # an unwritable cache: hashed again next time
+            atomic_write_json(index_path, index)
+    return out
+
+
+def files_fingerprint(root: str | Path, files: list[Path]) -> str:
+    """First 16 hex digits of the SHA-256 over the sorted names of ``files`` relative to
+    ``root`` (POSIX form), each with its content fingerprint (remembered as
+    :func:`content_fingerprint` does).
+
+    Raises:
+        ValueError: a file is not under ``root``.
+        OSError: a file does not exist or cannot be read.
+    """
+    named = sorted((Path(f).relative_to(root).as_posix(), Path(f)) for f in files)
+    digests = _fingerprints([f for _, f in named])
+    h = hashlib.sha256()
+    for (name, _), digest in zip(named, digests, strict=True):
+        h.update(f"{name}\0{digest}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def content_fingerprint(path: str | Path) -> str:
+    """What identifies the content of a file or a folder: 16 hex digits.
+
+    A file: the first 16 hex digits of the SHA-256 of its bytes. A folder: the first 16 hex
+    digits of the SHA-256 over the sorted relative names of its files (in every subfolder) and
+    their content fingerprints, so renaming, adding, removing or editing a file changes it.
+    Names starting with ``.`` (files or folders) are left out; symbolic links to files are
+    followed, links to folders are not.
+
+    Each file's hash is remembered in ``<cache>/content-hashes.json`` under its resolved path,
+    size and modification time (ns), so an unchanged file is read once; a file modified in the
+    last :data:`RECENT_NS` is hashed on every call.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        OSError: a file cannot be read.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return _fingerprints([p])[0]
+    files = []
+    for folder, dirs, names in os.walk(p):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(folder, n) for n in names if not n.startswith(".")]
+    return files_fingerprint(p, [f for f in files if f.is_file()])
+
+
+def gguf_fingerprint(gguf: str | Path) -> str:
+    """The content fingerprint (:func:`content_fingerprint`) of a GGUF file: any change of the
+    file (even one keeping its name and size) gives a new value.
+
+    Raises:
+        OSError: the file does not exist or cannot be read.
+    """
+    return content_fingerprint(gguf)
 
 
 def converted_dir(gguf: str | Path) -> Path:
@@ -469,8 +551,134 @@ def load_model(
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e
     model.to(dev).eval()
-    model.ragfix_name = resolve_model(name).name
+    spec = resolve_model(name)
+    model.ragfix_name = spec.name
+    files = checkpoint_files_fingerprint(spec)
+    note_weights(model, f"files:{files}" if files else None)
     return model, tok
+
+
+#: suffixes of the weight files of a checkpoint folder
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+#: files of a checkpoint folder that describe how its weight files are read
+WEIGHT_INDEX_FILES = ("adapter_config.json", "config.json", "generation_config.json")
+#: training state a trainer saves next to the weights (never loaded as weights)
+TRAINING_STATE_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file of a checkpoint folder holds or indexes weights: ``*.safetensors``,
+    ``*.bin``, ``*.pt``, ``*.pth`` (not a trainer's optimizer, scheduler, scaler, RNG or argument
+    state), their ``*.index.json``, the model's ``config.json`` and ``generation_config.json``
+    (RoPE settings, sizes) and a peft ``adapter_config.json``."""
+    if name in TRAINING_STATE_FILES or name.startswith("rng_state"):
+        return False
+    return name.endswith((*WEIGHT_SUFFIXES, ".index.json")) or name in WEIGHT_INDEX_FILES
+
+
+def weight_files_fingerprint(folder: str | Path) -> str | None:
+    """Fingerprint over the weight files (:func:`is_weight_file`) directly in ``folder``: their
+    sorted names and content fingerprints (remembered as :func:`content_fingerprint` does), or
+    ``None`` when the folder holds none.
+
+    Raises:
+        OSError: the folder or a weight file cannot be read.
+    """
+    root = Path(folder)
+    files = [f for f in root.iterdir() if is_weight_file(f.name) and f.is_file()]
+    return files_fingerprint(root, files) if files else None
+
+
+def checkpoint_files_fingerprint(spec: ModelSpec) -> str | None:
+    """What identifies the files model ``spec`` is loaded from: the GGUF file's
+    :func:`content_fingerprint`; for a folder, or a hub id's snapshot in the local Hugging Face
+    cache, :func:`weight_files_fingerprint`. ``None`` for a served model, a hub id without a local
+    snapshot, or a folder without weight files.
+
+    Raises:
+        OSError: a weight file cannot be read.
+    """
+    if spec.source == "gguf":
+        return content_fingerprint(spec.path)
+    if spec.source == "local":
+        return weight_files_fingerprint(spec.path)
+    if spec.source == "hub":
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(spec.path, local_files_only=True)
+        except (OSError, ValueError):  # not in the local cache (LocalEntryNotFoundError)
+            return None
+        return weight_files_fingerprint(folder)
+    return None
+
+
+def _tensor_state(model) -> tuple:
+    """Name, storage address, autograd version counter, dtype and shape of every tensor of
+    ``model``'s state dict: it changes when a tensor is replaced, moved, cast or changed in place
+    through autograd-visible operations (training steps, ``copy_``, ``load_state_dict``)."""
+    return tuple(
+        (k, t.data_ptr(), t._version, str(t.dtype), tuple(t.shape))
+        for k, t in model.state_dict(keep_vars=True).items()
+    )
+
+
+def note_weights(model, weights: str | None) -> None:
+    """Record what ``model``'s tensors, as they are now, were loaded from: ``weights`` is a
+    ``"files:<16 hex>"`` value (:func:`checkpoint_files_fingerprint`), kept by
+    :func:`weights_fingerprint` until a tensor of the model changes. ``None`` forgets any record
+    and the remembered tensor hash (for changes the version counters do not see, such as peft's
+    LoRA merge through ``.data``), so the next :func:`weights_fingerprint` hashes the tensors."""
+    model.__dict__.pop("_ragfix_tensors", None)
+    if weights is None:
+        model.__dict__.pop("ragfix_weights", None)
+        model.__dict__.pop("_ragfix_weights_state", None)
+        return
+    model.ragfix_weights = weights
+    model._ragfix_weights_state = _tensor_state(model)
+
+
+def tensors_fingerprint(model) -> str:
+    """First 16 hex digits of the SHA-256 over every state-dict entry of ``model`` (parameters
+    and persistent buffers, in state-dict order): its name, dtype, shape and bytes. The same
+    weights in another dtype give another value."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data)
+    return h.hexdigest()[:16]
+
+
+def weights_fingerprint(model) -> str:
+    """What identifies the weights of ``model`` now.
+
+    Returns:
+        ``"files:<16 hex>"`` when the model was loaded from files by :func:`load_model` (or
+        recorded by :func:`note_weights`) and no tensor has changed since; otherwise
+        ``"tensors:<16 hex>"`` (:func:`tensors_fingerprint`), remembered on the model until a
+        tensor is replaced, moved, cast or changed in place through autograd-visible operations.
+        Changes through ``.data`` are not seen: call ``note_weights(model, None)`` after them.
+    """
+    state = _tensor_state(model)
+    files = model.__dict__.get("ragfix_weights")
+    if files is not None and model.__dict__.get("_ragfix_weights_state") == state:
+        return files
+    memo = model.__dict__.get("_ragfix_tensors")
+    if memo is not None and memo[0] == state:
+        return memo[1]
+    value = f"tensors:{tensors_fingerprint(model)}"
+    model._ragfix_tensors = (state, value)
+    return value
+
+
+def weights_differ(stored: dict, have: dict) -> bool:
+    """Whether two :func:`model_identity` values name different weight files: only when both
+    have a ``files:`` ``weights`` value (a ``tensors:`` hash depends on the dtype, and identities
+    stored before the field existed have none)."""
+    a, b = stored.get("weights"), have.get("weights")
+    files = all(isinstance(w, str) and w.startswith("files:") for w in (a, b))
+    return files and a != b
 
 
 def model_identity(model) -> dict:
@@ -481,8 +689,10 @@ def model_identity(model) -> dict:
         ``num_hidden_layers``, ``vocab_size`` and ``fingerprint``: sha1 of those config values
         plus the sign bits of 256 entries, spread evenly, of each of three weight matrices (the
         input embedding and the first and last other 2-D parameters). Rounding to bf16 or fp16
-        never changes a sign bit, so the fingerprint is the same for every dtype and device; models
-        with different weights (other seeds, other checkpoints) differ.
+        never changes a sign bit, so the fingerprint is the same for every dtype and device; it
+        tells different seeds or checkpoints apart, but not weights that differ only outside
+        those entries. ``weights`` (:func:`weights_fingerprint`) does: ``"files:<16 hex>"`` for
+        a model loaded from files, ``"tensors:<16 hex>"`` for one built or changed in memory.
     """
     cfg = model.config
     emb = model.get_input_embeddings().weight
@@ -503,6 +713,7 @@ def model_identity(model) -> dict:
     for b in bits:
         digest.update(b)
     fields["fingerprint"] = digest.hexdigest()[:16]
+    fields["weights"] = weights_fingerprint(model)
     return fields
 
 

@@ -200,7 +200,8 @@ class Server:
 
         Raises:
             ApiError: another model, ``n`` other than 1, a stop other than a newline, or a
-                prompt that does not fit the window.
+                prompt that does not fit the window (:meth:`Backend.fit`, ``max_tokens``
+                defaulting to :data:`DEFAULT_MAX_TOKENS`; 400 ``context_length_exceeded``).
         """
         if req.model != self.model_id:
             raise ApiError(
@@ -215,19 +216,17 @@ class Server:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(s != "\n" for s in stops):
             raise ApiError(400, 'stop may only be "\\n" (the newline stop rule)', param="stop")
-        budget = max_tokens or DEFAULT_MAX_TOKENS
         with self.lock:  # the tokenizer is not shared across threads
-            n = len(self.backend.encode(prompt))
-        window = self.backend.context_window
-        if n + budget > window and not self.backend.cuts_long_prompts:
+            fit = self.backend.fit(prompt, max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS)
+        if not fit.runs:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {window} tokens; the prompt has {n} "
-                f"tokens and max_tokens asks for {budget}",
+                f"This model's maximum context length is {fit.window} tokens; the prompt has "
+                f"{fit.prompt_tokens} tokens and max_tokens asks for {fit.budget}",
                 code="context_length_exceeded",
                 param="messages",
             )
-        return budget, bool(stops)
+        return fit.budget, bool(stops)
 
     # ------------------------------------------------------------------ answers
     def _generate(self, prompt: Prompt, budget: int, stop: bool, logprobs: bool):

@@ -7,8 +7,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: flag of a cell (or a :class:`Generation`) whose prompt does not fit the model's window
+#: flag of a cell (or a :class:`Generation`, or a judged pair) whose prompt does not fit the
+#: model's window: not run, not scored
 OVERFLOW = "overflow"
+#: flag of a cell (or a judged pair) whose prompt does not fit the window of a backend that cuts
+#: long prompts by design (``truncated``): run on the cut prompt and scored
+CUT_TO_WINDOW = "cut_to_window"
 #: flag of a remote answer whose prompt the server counted differently from the local tokenizer
 TOKEN_COUNT_MISMATCH = "token_count_mismatch"
 

@@ -97,6 +97,28 @@ def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "eager", **overri
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def tiny_folder(folder, seed: int = 0, window: int = 2048):
+    """A seeded tiny Llama with the real SmolLM2 tokenizer and a ``window``-token context, saved
+    as a model folder (``--model FOLDER``); saving again into the same folder replaces its
+    weights. Returns the folder."""
+    from transformers import AutoTokenizer
+
+    from ragfix.models import checkpoint_dir, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
+    model = tiny_model(
+        seed=seed,
+        vocab_size=len(tok),
+        max_position_embeddings=window,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def gali_query_positions(n: int, big_l: int, w: int, s: int) -> list[float]:
     """The position of every query ``0..n-1`` of a GALI prefill (window ``big_l``, local window
     ``w``, chunks of ``s``) as the chunk that computes it sees it: :func:`gali_positions` of each

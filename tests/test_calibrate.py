@@ -37,6 +37,7 @@ from ragfix.calibrate import (
     select,
 )
 from ragfix.errors import ConfigError, DataError
+from ragfix.models import content_fingerprint
 
 
 def test_screen_finds_a_planted_positional_channel():
@@ -222,6 +223,7 @@ def test_calibrate_end_to_end_and_artefact(smol, tmp_path):
             "layers": [3, 4],
             "factor": cal.factor,
             "source": f"calibration:{path}",
+            "calibration": content_fingerprint(path),
         }
     finally:
         scaled.scaling.remove()

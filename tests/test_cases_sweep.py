@@ -8,7 +8,7 @@ import gzip
 import json
 
 import pytest
-from conftest import BUNDLED, case_file, data_file, tiny_model
+from conftest import BUNDLED, case_file, data_file, tiny_folder
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -23,31 +23,11 @@ def _records(out):
     return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
 
 
-def _tiny_dir(folder, window: int):
-    """A seeded tiny Llama with the real SmolLM2 tokenizer and a ``window``-token context, saved
-    as a model folder (``--model FOLDER``)."""
-    from transformers import AutoTokenizer
-
-    from ragfix.models import checkpoint_dir, resolve_model
-
-    tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
-    model = tiny_model(
-        vocab_size=len(tok),
-        max_position_embeddings=window,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def tiny_2048(tmp_path_factory):
     """The case's model window: 2048 tokens."""
     spec = json.loads(case_file("12_context_overflow.json").read_text())
-    return _tiny_dir(tmp_path_factory.mktemp("tiny2048"), spec["model_context_window"])
+    return tiny_folder(tmp_path_factory.mktemp("tiny2048"), window=spec["model_context_window"])
 
 
 def _case12_data(path):
@@ -111,7 +91,7 @@ def test_case12_overflow_is_flagged_before_the_model_runs_and_counted(tiny_2048,
 def test_case12_a_backend_that_cuts_by_design_runs_and_flags_the_cell(tmp_path):
     """Case 12, the ``truncated`` baseline: cutting is the method, so the cell runs on the cut
     prompt (``prefill_tokens`` = window - answer budget) and is flagged ``cut_to_window``."""
-    model = _tiny_dir(tmp_path / "tiny", 2048)
+    model = tiny_folder(tmp_path / "tiny", window=2048)
     out = tmp_path / "run"
     recs = []
     summary = run_sweep(
@@ -150,7 +130,7 @@ def test_case12_pipeline_sweep_flags_overflow_without_running(tmp_path):
         strategies=["none", "reverse"],
         top_k=10,
         positions="0,9",
-        model=str(_tiny_dir(tmp_path / "tiny", 600)),
+        model=str(tiny_folder(tmp_path / "tiny", window=600)),
         retriever="bm25",
         device="cpu",
     )
@@ -206,7 +186,7 @@ def test_an_answer_budget_that_fills_the_window_is_one_line_naming_both(tmp_path
     """The kind of case 07 in the sweep: a model whose whole window is the answer budget can fit
     no prompt; the run stops before any cell with both numbers named, and leaves no config. In
     worker processes the error crosses to the parent unchanged."""
-    model = _tiny_dir(tmp_path / "tiny", 32)
+    model = tiny_folder(tmp_path / "tiny", window=32)
     out = tmp_path / "run"
     args = ["eval", str(NQ), "--model", str(model), "--num-docs", "2", "--limit", "2"]
     res = runner.invoke(app, [*args, "--device", "cpu", "--workers", workers, "--out", str(out)])

@@ -405,6 +405,101 @@ def test_truncated_judge_scores_letters_on_the_cut_prompt(smol):
         assert abs(o.p_a - float(lf[ta].exp())) > 1e-3
 
 
+def _essays(chars: int) -> str:
+    """Paul Graham essays (the repository's needle data) joined until ``chars`` characters."""
+    out = []
+    with gzip.open(data_file("needle_paul_graham_essays.jsonl.gz"), "rt") as f:
+        for line in f:
+            out.append(json.loads(line)["text"])
+            if sum(map(len, out)) >= chars:
+                break
+    return "\n\n".join(out)
+
+
+def test_judge_flags_a_pair_over_the_window_and_judges_the_others_as_before(smol, judged):
+    judge, ref, _ = judged
+    # a pair whose judge prompt is longer than SmolLM2's 8192-token window (answer B: essays)
+    long = JudgePair(
+        pair_id="long",
+        question="Which answer summarises the essays better?",
+        answer_a="They are about startups.",
+        answer_b=_essays(45_000),
+        label="A",
+    )
+    prompts = [
+        judge.prompt(long.question, long.answer_a, long.answer_b, None),
+        judge.prompt(long.question, long.answer_b, long.answer_a, None),
+    ]
+    assert all(smol.fit(tp, max_new_tokens=4).prompt_tokens > 8192 for tp in prompts)
+    sent = []
+    backend = type(smol)(smol.model, smol.tokenizer)
+    generate = backend.generate
+
+    def recording(ps, **kw):
+        sent.extend(ps)
+        return generate(ps, **kw)
+
+    backend.generate = recording
+    seen = []
+    pairs = [PAIRS[0], long, *PAIRS[1:]]
+    res = PairwiseJudge(backend, repeats=3, batch_size=4).judge_pairs(pairs, on_result=seen.append)
+    # the long pair never reached the model: four prompts ran, two pairs in both orders
+    assert len(sent) == 4 and all(len(smol.encode(tp)) < 300 for tp in sent)
+    over = res[1]
+    assert over.pair_id == "long" and over.flags == ["overflow"] and over in seen
+    assert (over.original.raw, over.swapped.raw) == ("", "")
+    assert over.swap_verdict == "invalid" and not over.consistent and over.logit_verdict is None
+    # the other pairs: the same judgments as without the long pair (same batches, same draws)
+    for got, want in zip([res[0], *res[2:]], ref, strict=True):
+        assert got.model_dump() == want.model_dump()
+    # the summary counts the pair and leaves it out of every metric
+    with_long = summarize([r.model_dump(mode="json") for r in res])
+    without = summarize([r.model_dump(mode="json") for r in ref])
+    assert (with_long["pairs"], with_long["overflow_pairs"], without["overflow_pairs"]) == (4, 1, 0)
+    assert with_long["labelled"] == 4 and with_long["agreement"]["logit_calibrated"]["n"] == 3
+    assert with_long["flags"] == {"identical_answers": 1, "overflow": 1}
+    for key in ("generated", "logit", "agreement", "repetition_stability", "letter_mass"):
+        assert with_long[key] == without[key], key
+    assert with_long["generated"]["pairs"] == 3 and with_long["logit"] is not None
+
+
+def test_truncated_judge_runs_a_pair_over_its_window_and_flags_it_cut(smol):
+    from ragfix.backends.truncated import TruncatedBackend
+
+    # 219 tokens of prompt: cut to the 64-token window by design, judged, flagged cut_to_window
+    judge = PairwiseJudge(TruncatedBackend(smol.model, smol.tokenizer, train_window=64))
+    [r] = judge.judge_pairs([PAIRS[0]])
+    assert r.flags == ["cut_to_window"] and r.original.p_a is not None
+    s = summarize([r.model_dump(mode="json")])
+    assert s["overflow_pairs"] == 0 and s["generated"]["pairs"] == 1
+
+
+def test_judge_without_a_token_count_checks_the_window_on_the_tokens_the_model_read(smol):
+    """A backend that cannot count tokens beforehand (a remote model without a tokenizer) runs
+    every pair; a pair whose prompt the model counted as longer than the window leaves is
+    flagged ``overflow`` afterwards, and its replies are dropped."""
+    budget = 2
+    sizes = [
+        [len(smol.encode(PairwiseJudge(smol, style="explain").prompt(p.question, a, b, None)))
+         for a, b in ((p.answer_a, p.answer_b), (p.answer_b, p.answer_a))]
+        for p in PAIRS[:2]
+    ]  # fmt: skip
+    window = max(sizes[0]) + budget
+    assert max(sizes[1]) + budget > window  # pair 1 has an order one token too long
+
+    class Untokenized(type(smol)):
+        has_tokenizer = False
+        context_window = window
+
+    backend = Untokenized(smol.model, smol.tokenizer)
+    fit = backend.fit(PAIRS[0].question)
+    assert fit.prompt_tokens is None and fit.runs
+    judge = PairwiseJudge(backend, style="explain", max_new_tokens=budget)
+    fits, over = judge.judge_pairs(PAIRS[:2])
+    assert fits.flags == []
+    assert over.flags == ["overflow"] and over.original.raw == over.swapped.raw == ""
+
+
 def test_llamaindex_evaluator(judged):
     from llama_index.core.evaluation import BaseEvaluator, EvaluationResult
 
@@ -429,6 +524,17 @@ def test_llamaindex_evaluator(judged):
         RagfixPairwiseEvaluator(PairwiseJudge(judge.backend, style="explain"))
 
 
+def test_llamaindex_evaluator_reports_a_pair_over_the_window_as_invalid(judged):
+    from ragfix.judge import RagfixPairwiseEvaluator
+
+    ev = RagfixPairwiseEvaluator(judged[0])
+    out = ev.evaluate(query="Which is better?", response="Short.", second_response=_essays(45_000))
+    assert out.invalid_result and out.score is None and out.passing is None
+    assert out.invalid_reason == (
+        "the judge prompt plus its answer budget exceeds the context window"
+    )
+
+
 def test_explain_style_generates_and_parses(smol):
     judge = PairwiseJudge(smol, style="explain", max_new_tokens=6)
     r = judge.judge("What is 2 + 3?", "5", "6")
@@ -444,8 +550,8 @@ def test_explain_style_generates_and_parses(smol):
 
 
 def test_run_judge_resumes_and_records_config_only_after_a_judgment(tmp_path):
+    from ragfix.errors import ConfigMismatchError
     from ragfix.eval import run_judge
-    from ragfix.eval.sweep import ConfigMismatchError
 
     data = data_file("llmbar_pairs.jsonl.gz")
     out = tmp_path / "run"

@@ -1,6 +1,13 @@
+import gzip
+import json
 import math
+import re
+import string
+import time
+import unicodedata
 
 import pytest
+from conftest import BUNDLED, data_file
 
 from ragfix.errors import RagfixError
 from ragfix.metrics import (
@@ -11,6 +18,7 @@ from ragfix.metrics import (
     normalize_answer,
     paired_comparison,
     position_curve,
+    score_normalize,
     wilson_interval,
 )
 
@@ -34,6 +42,75 @@ def test_normalize_answer_squad_rules():
 )
 def test_best_subspan_em(pred, answers, expected):
     assert best_subspan_em(pred, answers) is expected
+
+
+COMPOSED = "Beyonc\u00e9"  # "Beyoncé", e with acute as one code point
+DECOMPOSED = "Beyonce\u0301"  # e, then the combining acute accent
+
+
+def test_decomposed_and_composed_unicode_match_both_ways():
+    assert COMPOSED != DECOMPOSED and unicodedata.normalize("NFC", DECOMPOSED) == COMPOSED
+    assert score_normalize(DECOMPOSED) == score_normalize(COMPOSED) == "beyonc\u00e9"
+    assert best_subspan_em(DECOMPOSED, [COMPOSED]) is True
+    assert best_subspan_em(COMPOSED, [DECOMPOSED]) is True
+    assert best_subspan_em(f"It was {DECOMPOSED} Knowles.", [f"{COMPOSED} Knowles"]) is True
+    assert best_subspan_em(f"The singer {COMPOSED}", [f"{DECOMPOSED} Knowles"]) is False
+    # the SQuAD step alone leaves the two spellings apart: the NFC step is what matches them
+    assert normalize_answer(DECOMPOSED) != normalize_answer(COMPOSED)
+
+
+def _litm_normalize(s: str) -> str:
+    """Lost in the Middle's ``normalize_answer`` (nelson-liu/lost-in-the-middle,
+    ``src/lost_in_the_middle/metrics.py``): lower, drop punctuation, drop articles, fold
+    white space; no Unicode normalisation."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+#: the Lost-in-the-Middle-format files (``data/`` and the package samples) and how many gold
+#: answers each holds (QA: every entry of ``answers``; KV: the ``value``)
+GOLD_FILES = {
+    "litm_nq_open_oracle.jsonl.gz": 3519,
+    "derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz": 337,
+    "derived_nq_20docs_bm25pool_gold_at_9.jsonl.gz": 337,
+    "litm_kv_retrieval_75_keys.jsonl.gz": 500,
+    "litm_kv_retrieval_140_keys.jsonl.gz": 400,
+    "bundled:nq_10docs_sample.jsonl.gz": 99,
+    "bundled:kv_16pairs_sample.jsonl.gz": 60,
+    "bundled:nq_demo_questions.jsonl": 709,
+}
+
+
+def _golds(name: str) -> list[str]:
+    path = BUNDLED / name.split(":", 1)[1] if name.startswith("bundled:") else data_file(name)
+    if not path.exists():
+        pytest.fail(f"data file not available: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            out += rec["answers"] if "answers" in rec else [rec["value"]]
+    return out
+
+
+def test_nfc_leaves_every_gold_answer_of_the_litm_files_as_it_was():
+    """Every gold answer of the shipped Lost-in-the-Middle files normalises to the same string
+    with and without the NFC step (and as Lost in the Middle's own code does), so every score
+    on these files is unchanged."""
+    start = time.perf_counter()
+    checked, accented = {}, 0
+    for name in GOLD_FILES:
+        golds = _golds(name)
+        for a in golds:
+            litm = _litm_normalize(a)
+            assert normalize_answer(a) == litm, (name, a)
+            assert score_normalize(a) == litm, (name, a)
+            accented += not a.isascii()
+        checked[name] = len(golds)
+    assert checked == GOLD_FILES and sum(checked.values()) == 5961
+    assert accented == 158  # "Wilhelm Conrad Röntgen", "Beyoncé", ...: the step is exercised
+    assert time.perf_counter() - start < 5
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from ragfix.eval.ppl import (
     parse_windows,
     read_texts,
     score_window,
+    window_stats,
 )
 from ragfix.eval.render import render_files
 from ragfix.eval.report import load_result, ppl_tables, print_tables
@@ -220,7 +221,7 @@ def _ids(n: int, seed: int = 1) -> list[int]:
 def test_query_kind_split_has_the_counts_of_gali_positions(smol, n, big_l, w, s):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, smol.tokenizer, train_window=big_l, chunk_size=s, local_window=w)
-    windows = [score_window(b, _ids(n, seed)) for seed in (1, 2)]
+    windows = [window_stats(*score_window(b, _ids(n, seed))) for seed in (1, 2)]
     st = length_stats(windows)
     expected = fractional_queries(n, big_l, w, s)
     assert expected > 0
@@ -237,21 +238,20 @@ def test_whole_number_ppl_of_gali_within_the_window_is_vanilla(smol):
     gali = GaliBackend(model, smol.tokenizer, train_window=32, chunk_size=5, local_window=2)
     vanilla = HFBackend(model, smol.tokenizer)
     texts = [_ids(32, seed) for seed in (1, 2, 3)]
-    g = length_stats([score_window(gali, ids) for ids in texts])
-    v = length_stats([score_window(vanilla, ids) for ids in texts])
+    g = length_stats([window_stats(*score_window(gali, ids)) for ids in texts])
+    v = length_stats([window_stats(*score_window(vanilla, ids)) for ids in texts])
     assert g["tokens_interp"] == 0 and g["ppl_interp"] is None and g["tokens_whole"] == 3 * 31
     assert g["ppl_whole"] == pytest.approx(v["ppl"], rel=1e-5)
     assert g["window_nll"] == pytest.approx(v["window_nll"], rel=1e-5)
     # and a method without query positions reads whole-number positions only, even past L
-    t = length_stats(
-        [score_window(TruncatedBackend(model, smol.tokenizer, train_window=8), texts[0])]
-    )
+    truncated = TruncatedBackend(model, smol.tokenizer, train_window=8)
+    t = length_stats([window_stats(*score_window(truncated, texts[0]))])
     assert t["tokens_interp"] == 0 and t["ppl_whole"] == pytest.approx(t["ppl"])
 
 
 # ---------------------------------------------------------------- intervals and pairing
-def _window(nll: float, n: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.full((n,), -nll), torch.arange(n, dtype=torch.float64)
+def _window(nll: float, n: int = 9) -> dict:
+    return window_stats(torch.full((n,), -nll), torch.arange(n, dtype=torch.float64))
 
 
 def _rows() -> list[dict]:

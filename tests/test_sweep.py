@@ -189,7 +189,7 @@ def test_output_folder_of_another_config_is_refused(finished_run):
         app, ["eval", NQ, "--num-docs", "4", "--limit", "1", "--out", str(out), "--device", "cpu"]
     )
     assert res.exit_code == 2
-    assert "holds results of another configuration" in res.output
+    assert "holds a run of other settings, weights or inputs" in res.output
     assert "num_docs: 3 there, 4 now" in res.output
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragfix.backends.base import Backend, BackendOptions, Prompt
+from ragfix.backends.base import Backend, BackendOptions, Fit, Prompt
 from ragfix.errors import ConfigError
 from ragfix.models import REMOTE_PREFIX
 
@@ -273,6 +273,7 @@ __all__ = [
     "BackendOptions",
     "BackendRef",
     "BackendSpec",
+    "Fit",
     "Prompt",
     "backend_names",
     "backend_spec",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
-from ragfix.types import Generation
+from ragfix.types import CUT_TO_WINDOW, OVERFLOW, Generation
 
 Prompt = TaskPrompt | str
 
@@ -47,6 +48,56 @@ class BackendOptions(BaseModel):
     call_settings: ClassVar[frozenset[str]] = frozenset()
 
 
+@dataclass(frozen=True)
+class Fit:
+    """Whether a prompt and its answer budget fit a backend's window: the one verdict every
+    consumer (sweep, judge, framework components, server) acts on (:meth:`Backend.fit`). All
+    counts are tokens.
+
+    Attributes:
+        prompt_tokens: tokens the model reads for the prompt (``len(backend.encode(prompt))``:
+            chat template and assistant prefix included), or ``None`` when the backend cannot
+            count them here (:attr:`Backend.has_tokenizer` ``False``).
+        budget: answer tokens the prompt asks for (:func:`answer_rules`).
+        window: the backend's :attr:`~Backend.context_window` (prompt plus answer).
+        cuts_long_prompts: the backend cuts a prompt longer than its window by design
+            (:attr:`Backend.cuts_long_prompts`).
+    """
+
+    prompt_tokens: int | None
+    budget: int
+    window: int
+    cuts_long_prompts: bool = False
+
+    @property
+    def fits(self) -> bool | None:
+        """``prompt_tokens + budget <= window``; ``None`` when ``prompt_tokens`` is unknown."""
+        if self.prompt_tokens is None:
+            return None
+        return self.prompt_tokens + self.budget <= self.window
+
+    @property
+    def runs(self) -> bool:
+        """Whether a consumer should run the prompt: it fits, its size is unknown (check
+        afterwards, on the tokens the model counted: :meth:`counted`), or the backend cuts long
+        prompts by design."""
+        return self.fits is not False or self.cuts_long_prompts
+
+    @property
+    def flag(self) -> str | None:
+        """``None`` when the prompt fits (or its size is unknown); else :data:`OVERFLOW`
+        (``"overflow"``: not to be run) or, for a backend that cuts long prompts,
+        :data:`CUT_TO_WINDOW` (``"cut_to_window"``: runs on the cut prompt)."""
+        if self.fits is not False:
+            return None
+        return CUT_TO_WINDOW if self.cuts_long_prompts else OVERFLOW
+
+    def counted(self, prompt_tokens: int) -> Fit:
+        """The same verdict with the prompt's size as the model counted it once it had read it
+        (a remote model's ``Generation.prompt_tokens``)."""
+        return replace(self, prompt_tokens=prompt_tokens)
+
+
 class Backend(ABC):
     """A causal LM ready to answer prompts and score text.
 
@@ -59,7 +110,7 @@ class Backend(ABC):
             when ``False``, :meth:`generate` runs prompts one at a time.
         cuts_long_prompts: the backend itself cuts a prompt longer than :attr:`context_window`
             by design (the ``truncated`` baseline); otherwise consumers refuse or flag such a
-            prompt (``overflow``) instead of running it.
+            prompt (``overflow``) instead of running it. :meth:`fit` gives the verdict.
         has_tokenizer: :meth:`tokenize`, :meth:`encode` and :meth:`count_tokens` work here; when
             ``False`` (a remote model given no tokenizer) they raise, and a prompt's size is
             known only after the model has read it (``Generation.prompt_tokens``, from the
@@ -114,6 +165,27 @@ class Backend(ABC):
     def count_tokens(self, text: str) -> int:
         """Number of tokens of ``text`` (no special tokens)."""
         return len(self.tokenize(text))
+
+    def fit(self, prompt: Prompt, max_new_tokens: int | None = None) -> Fit:
+        """Whether ``prompt`` and its answer budget fit :attr:`context_window` (tokens).
+
+        Args:
+            prompt: the prompt, as it would be given to :meth:`generate`.
+            max_new_tokens: the answer budget, as it would be given to :meth:`generate`
+                (default: the prompt's own, see :func:`answer_rules`).
+
+        Returns:
+            a :class:`Fit`: ``prompt_tokens = len(encode(prompt))`` (``None`` without
+            :attr:`has_tokenizer`), ``budget``, ``window = context_window``; it fits when
+            ``prompt_tokens + budget <= window``.
+        """
+        budget, _ = answer_rules(prompt, max_new_tokens, None)
+        return Fit(
+            prompt_tokens=len(self.encode(prompt)) if self.has_tokenizer else None,
+            budget=budget,
+            window=self.context_window,
+            cuts_long_prompts=self.cuts_long_prompts,
+        )
 
     # ------------------------------------------------------------------ generation
     @abstractmethod
@@ -253,6 +325,7 @@ __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "Backend",
     "BackendOptions",
+    "Fit",
     "Prompt",
     "answer_rules",
     "answer_text",

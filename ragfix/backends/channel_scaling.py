@@ -38,7 +38,7 @@ from ragfix.backends.hf import HFBackend
 from ragfix.backends.patching import AttentionPatch, attention_modules, patch_attention
 from ragfix.errors import ConfigError, DataError
 from ragfix.io import atomic_write_json
-from ragfix.models import model_identity
+from ragfix.models import content_fingerprint, model_identity, weights_differ
 
 #: attention classes the patch understands (transformers 5 module layout: q/k/v/o_proj, RoPE)
 SUPPORTED_ATTENTION = (
@@ -455,7 +455,9 @@ class ChannelScalingCalibration(BaseModel):
         """Read an artefact; with ``model``, check that it was calibrated for that model.
 
         Raises:
-            ConfigError: no such file, or the file belongs to another model.
+            ConfigError: no such file, or the file belongs to another model: another
+            ``fingerprint``, or other ``weights`` when both identities name weight files
+            (:func:`ragfix.models.weights_differ`).
             ragfix.connectors.jsonl.DataError: not JSON, or a field is missing/invalid (the
                 message names the file and the field).
             ValueError: the file belongs to another model (both identities are named).
@@ -480,6 +482,12 @@ class ChannelScalingCalibration(BaseModel):
                     f"{p}: calibrated for model {cal.model.get('name')!r} "
                     f"(fingerprint {cal.model.get('fingerprint')}), not for {mine['name']!r} "
                     f"(fingerprint {mine['fingerprint']}); run `ragfix calibrate` for this model"
+                )
+            if weights_differ(cal.model, mine):
+                raise ConfigError(
+                    f"{p}: calibrated for model {cal.model.get('name')!r} (weights "
+                    f"{cal.model.get('weights')}), not for {mine['name']!r} (weights "
+                    f"{mine['weights']}); run `ragfix calibrate` for this model"
                 )
         return cal
 
@@ -534,6 +542,8 @@ class ChannelScalingBackend(HFBackend):
             factor).
         source: where the settings came from (``"calibration:<path>"``, ``"preset:<name>"``,
             ``"options"``).
+        calibration_fingerprint: :func:`ragfix.models.content_fingerprint` of the calibration
+            file as it was read, or ``None`` without one.
 
     Raises (constructor):
         pydantic.ValidationError: invalid options.
@@ -551,8 +561,10 @@ class ChannelScalingBackend(HFBackend):
         o = self.options
         n_layers = model.config.num_hidden_layers
         channel, layers, factor, self.source = None, default_layers(n_layers), 0.0, "options"
+        self.calibration_fingerprint: str | None = None
         if o.calibration:
             cal = ChannelScalingCalibration.load(o.calibration, model)
+            self.calibration_fingerprint = content_fingerprint(o.calibration)
             channel, layers, factor = cal.channel, cal.layers, cal.factor
             self.source = f"calibration:{o.calibration}"
             if cal.beats_unmodified is False and o.factor is None:
@@ -580,14 +592,16 @@ class ChannelScalingBackend(HFBackend):
         )
 
     def identity(self) -> dict:
-        """Model identity, backend options and the applied channel, layers and factor."""
+        """Model identity, backend options and ``scaling``: the applied channel, layers and
+        factor, their source and, with a calibration file, its content fingerprint
+        (``calibration``)."""
         st = self.scaling.state
-        return {
-            **super().identity(),
-            "scaling": {
-                "channel": st.channel,
-                "layers": st.layers,
-                "factor": st.factor,
-                "source": self.source,
-            },
+        scaling = {
+            "channel": st.channel,
+            "layers": st.layers,
+            "factor": st.factor,
+            "source": self.source,
         }
+        if self.calibration_fingerprint is not None:
+            scaling["calibration"] = self.calibration_fingerprint
+        return {**super().identity(), "scaling": scaling}

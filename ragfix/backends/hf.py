@@ -115,10 +115,13 @@ class HFBackend(Backend):
         return int(self.model.config.max_position_embeddings)
 
     def identity(self) -> dict:
-        """Model fingerprint, backend name, options, the chat template used (a hash, or
-        :data:`NO_CHAT_TEMPLATE`) and the applied adapter (if any)."""
+        """Model identity (:func:`~ragfix.models.model_identity`: weights fingerprint), the
+        weights' dtype (``"torch.float32"``: another dtype computes other answers), backend
+        name, options, the chat template used (a hash, or :data:`NO_CHAT_TEMPLATE`) and the
+        applied adapter (if any)."""
         out = {
             "model": model_identity(self.model),
+            "dtype": str(next(self.model.parameters()).dtype),
             "backend": self.name,
             "options": self.options.model_dump(mode="json"),
         }

@@ -54,8 +54,10 @@ from ragfix.types import OVERFLOW, TOKEN_COUNT_MISMATCH, Generation
 TOP_LOGPROBS = 20
 #: the environment variable holding the API key
 API_KEY_ENV = "OPENAI_API_KEY"
-#: fields of a ``/v1/models`` entry that describe the served model (timestamps and permission
-#: ids, which change between server starts, are left out)
+#: fields of a ``/v1/models`` entry that describe the served model: its id, owner, the checkpoint
+#: it was loaded from (vLLM's ``root``), its window, llama.cpp's ``meta`` (vocabulary, sizes,
+#: parameters) and the served backend's identity (``ragfix serve``); the ``created`` timestamp and
+#: permission ids, which change between server starts, are left out
 SERVER_MODEL_FIELDS = ("id", "owned_by", "root", "max_model_len", "meta", "ragfix")
 #: how servers word a prompt longer than the window (OpenAI, vLLM, llama.cpp, TGI)
 _TOO_LONG = re.compile(
@@ -86,7 +88,11 @@ class RemoteOptions(BackendOptions):
         timeout: seconds a request may take before it is retried.
     """
 
-    call_settings: ClassVar[frozenset[str]] = frozenset({"concurrency", "max_retries", "timeout"})
+    #: where the server is and how it is called, never what it answers: a server restarted on
+    #: another address serves the same model (its id and what it reports count, in identity())
+    call_settings: ClassVar[frozenset[str]] = frozenset(
+        {"api_base", "concurrency", "max_retries", "timeout"}
+    )
 
     api_base: str
     tokenizer: str | None = None
@@ -237,14 +243,20 @@ class RemoteBackend(Backend):
             )
         return window
 
+    @property
+    def endpoint(self) -> str:
+        """The server's base URL (``api_base``)."""
+        return self.options.api_base
+
     def identity(self) -> dict:
-        """The endpoint, the served model's id and what the server says about it (for
-        ``ragfix serve``: the served backend's own identity, weight fingerprint included), the
-        options that change answers, and the tokenizer's chat template if one is given."""
+        """The served model's id and what the server says about it (:data:`SERVER_MODEL_FIELDS`;
+        for ``ragfix serve``: the served backend's own identity, weights fingerprint included),
+        the options that change answers, and the tokenizer's chat template if one is given. The
+        endpoint (:attr:`endpoint`) and the call settings are left out: the same server restarted
+        at another address, or called with other retries, has the same identity."""
         return {
             "model": {
                 "name": self.model_name,
-                "endpoint": self.options.api_base,
                 "server": self.server_model,
             },
             "backend": self.name,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ragfix.backends.base import Backend
+from ragfix.backends.base import Backend, Fit
 from ragfix.errors import ConfigError
 from ragfix.judge.prompts import STYLES, VERDICT_PREFIX, judge_prompt
 from ragfix.judge.verdicts import (
@@ -22,10 +22,11 @@ from ragfix.judge.verdicts import (
     PairJudgment,
     combine,
     letter_probs,
+    overflowed,
     parse_verdict,
 )
 from ragfix.prompts import TaskPrompt
-from ragfix.types import Generation, JudgePair, pair_id
+from ragfix.types import CUT_TO_WINDOW, OVERFLOW, Generation, JudgePair, pair_id
 
 
 def check_judge_settings(style: str, repeats: int) -> None:
@@ -58,6 +59,14 @@ def letter_token(backend: Backend, prefix: str, letter: str) -> int:
             "for this tokenizer; use style 'explain' (--style explain)"
         )
     return full[-1]
+
+
+def _refused(fit: Fit, gen: Generation) -> bool:
+    """Whether an order that ran does not count: the server refused its prompt as too long
+    (``overflow`` in the generation's flags) or, when the prompt could not be counted
+    beforehand, the prompt tokens the server counted plus the budget exceed the window."""
+    late = fit.prompt_tokens is None and not fit.counted(gen.prompt_tokens).runs
+    return late or OVERFLOW in gen.flags
 
 
 class PairwiseJudge:
@@ -163,14 +172,14 @@ class PairwiseJudge:
             ]
         return o
 
-    def _judge_orders(self, prompts: list[TaskPrompt]) -> list[OrderJudgment]:
+    def _generate(self, prompts: list[TaskPrompt]) -> list[Generation]:
         """Greedy replies to ``prompts`` in one batch, each with the first-step log-probabilities
         of exactly the input it was generated from (``verdict`` style). Where the backend
         reuses prefixes, the prompts are prefilled along their token trie in the given order
         (both orders of a pair share the prompt up to the first answer, pairs of one question
         share it up to the answers) and decoded together
         (:meth:`~ragfix.backends.hf.HFBackend.generate`)."""
-        gens = self.backend.generate(
+        return self.backend.generate(
             prompts,
             batch_size=len(prompts),
             max_new_tokens=self.max_new_tokens,
@@ -178,7 +187,10 @@ class PairwiseJudge:
             first_logprobs=self.style == "verdict",
             prefix_reuse=True,
         )
-        return [self._order(g) for g in gens]
+
+    def _fits(self, tp: TaskPrompt) -> Fit:
+        """The window verdict of one order's prompt with the judge's answer budget."""
+        return self.backend.fit(tp, max_new_tokens=self.max_new_tokens)
 
     def _identical(self, pair: JudgePair) -> PairJudgment:
         """Both orders of a pair with identical answers: a tie, without asking the model."""
@@ -199,6 +211,16 @@ class PairwiseJudge:
         Pairs with identical answers are not sent to the model: both orders are a tie (flagged
         ``identical_answers``).
 
+        Each order's prompt is checked against the window first (:meth:`Backend.fit
+        <ragfix.backends.Backend.fit>`, the judge's ``max_new_tokens`` as the budget): a pair
+        with an order that does not fit is not sent to the model and its record is flagged
+        ``overflow`` (:func:`~ragfix.judge.verdicts.overflowed`; left out of every metric by
+        :func:`~ragfix.judge.summarize`). So is a pair whose prompt the backend could not count
+        here (a remote model without a tokenizer) when the server refused it as too long, or
+        counted more prompt tokens than the window leaves. With a backend that cuts long
+        prompts by design (``truncated``) such a pair is judged on the cut prompts and flagged
+        ``cut_to_window``.
+
         Args:
             pairs: the pairs.
             on_result: called with each :class:`PairJudgment` as soon as it is done
@@ -209,16 +231,26 @@ class PairwiseJudge:
         """
         results: dict[int, PairJudgment] = {}
         prompts: dict[int, tuple[TaskPrompt, TaskPrompt]] = {}
+        fits: dict[int, tuple[Fit, Fit]] = {}
+
+        def done(i: int, res: PairJudgment) -> None:
+            results[i] = res
+            if on_result is not None:
+                on_result(res)
+
         for i, p in enumerate(pairs):
             if "identical_answers" in p.flags:
-                results[i] = self._identical(p)
-                if on_result is not None:
-                    on_result(results[i])
+                done(i, self._identical(p))
+                continue
+            both = (
+                self.prompt(p.question, p.answer_a, p.answer_b, p.reference),
+                self.prompt(p.question, p.answer_b, p.answer_a, p.reference),
+            )
+            fit = (self._fits(both[0]), self._fits(both[1]))
+            if all(f.runs for f in fit):
+                prompts[i], fits[i] = both, fit
             else:
-                prompts[i] = (
-                    self.prompt(p.question, p.answer_a, p.answer_b, p.reference),
-                    self.prompt(p.question, p.answer_b, p.answer_a, p.reference),
-                )
+                done(i, overflowed(p))
         size = self.backend.count_tokens if self.backend.has_tokenizer else len
 
         def key(i: int) -> tuple:
@@ -232,11 +264,15 @@ class PairwiseJudge:
         per_step = max(1, self.batch_size // 2)
         for start in range(0, len(order), per_step):
             chunk = order[start : start + per_step]
-            orders = iter(self._judge_orders([tp for i in chunk for tp in prompts[i]]))
+            gens = iter(self._generate([tp for i in chunk for tp in prompts[i]]))
             for i in chunk:
-                results[i] = combine(pairs[i], next(orders), next(orders), self.tie_margin)
-                if on_result is not None:
-                    on_result(results[i])
+                both = (next(gens), next(gens))
+                if any(_refused(f, g) for f, g in zip(fits[i], both, strict=True)):
+                    done(i, overflowed(pairs[i]))
+                    continue
+                cut = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
+                original, swapped = (self._order(g) for g in both)
+                done(i, combine(pairs[i], original, swapped, self.tie_margin, cut))
         return [results[i] for i in range(len(pairs))]
 
     def judge(

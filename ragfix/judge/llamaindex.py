@@ -9,6 +9,7 @@ from typing import Any, Literal
 from ragfix.errors import ConfigError, RagfixError
 from ragfix.judge.judge import PairwiseJudge
 from ragfix.judge.verdicts import PairJudgment
+from ragfix.types import OVERFLOW
 
 
 def _result(res: PairJudgment, verdict: str, query: str, response: str, contexts):
@@ -16,6 +17,14 @@ def _result(res: PairJudgment, verdict: str, query: str, response: str, contexts
     from llama_index.core.evaluation import EvaluationResult
     from llama_index.core.evaluation.pairwise import EvaluationSource
 
+    if OVERFLOW in res.flags:
+        return EvaluationResult(
+            query=query,
+            response=response,
+            feedback="not judged: the judge prompt does not fit the model's window",
+            invalid_result=True,
+            invalid_reason="the judge prompt plus its answer budget exceeds the context window",
+        )
     v = res.logit_verdict if verdict == "logit" else res.swap_verdict
     feedback = (
         f"original order: {res.original.raw!r} -> {res.verdict_original}; "
@@ -58,7 +67,8 @@ def evaluator_class() -> type:
         * ``verdict="swap"``: the MT-bench swap-aggregated verdict (inconsistent -> tie).
 
         ``pairwise_source`` is ``"original"`` when both orders agree and ``"neither"`` when they do
-        not; ``feedback`` holds both orders' raw replies and verdicts; an unparseable verdict gives
+        not; ``feedback`` holds both orders' raw replies and verdicts; an unparseable verdict, or
+        a judge prompt that does not fit the model's window (not judged), gives
         ``invalid_result=True``.
 
         Raises:

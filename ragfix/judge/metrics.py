@@ -14,6 +14,7 @@ from typing import Any
 
 from ragfix.judge.verdicts import Verdict, swap_aggregate, unswap
 from ragfix.metrics import wilson_interval
+from ragfix.types import OVERFLOW
 
 
 def _share(k: int, n: int) -> float | None:
@@ -168,12 +169,20 @@ def _logit_slot(o: dict) -> Verdict:
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
     """Every judge metric of a list of :class:`PairJudgment` records (as dicts).
 
+    A pair flagged ``overflow`` (its prompt did not fit the judge's window: not judged) is left
+    out of every metric (position bias, agreement, repetition stability, letter mass) and
+    counted in ``overflow_pairs`` (and in ``flags``).
+
     Returns:
-        ``{"pairs", "flags", "generated": order_metrics, "logit": order_metrics of the per-order
-        argmax of p(A) vs p(B) or None, "agreement": {kind: agreement or None}, "labelled",
-        "repetition_stability", "letter_mass"}``. ``letter_mass`` is the mean next-token
-        probability on ``A`` plus ``B`` (how much the judge is answering in the format at all).
+        ``{"pairs": all records, "overflow_pairs", "labelled": records with a label, "flags":
+        {flag: records}, "generated": order_metrics, "logit": order_metrics of the per-order
+        argmax of p(A) vs p(B) or None, "agreement": {kind: agreement or None},
+        "repetition_stability", "letter_mass"}``, the metrics over the judged pairs (their
+        ``pairs`` / ``n`` count those). ``letter_mass`` is the mean next-token probability on
+        ``A`` plus ``B`` (how much the judge is answering in the format at all).
     """
+    every = records
+    records = [r for r in every if OVERFLOW not in r.get("flags", [])]
     gen = order_metrics(
         (r["original"]["slot_verdict"], r["swapped"]["slot_verdict"]) for r in records
     )
@@ -192,7 +201,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
             vs = [r.get(field) for r in records]
             vs = None if any(v is None for v in vs) else vs
         agree[kind] = agreement(vs, labels) if vs is not None else None
-    flags = Counter(f for r in records for f in r.get("flags", []))
+    flags = Counter(f for r in every for f in r.get("flags", []))
     samples = [o["samples"] for r in records for o in (r["original"], r["swapped"])]
     mass = (
         [o["p_a"] + o["p_b"] for r in records for o in (r["original"], r["swapped"])]
@@ -200,8 +209,9 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         else []
     )
     return {
-        "pairs": len(records),
-        "labelled": sum(lab is not None for lab in labels),
+        "pairs": len(every),
+        "overflow_pairs": len(every) - len(records),
+        "labelled": sum(r.get("label") is not None for r in every),
         "flags": dict(flags),
         "generated": gen,
         "logit": logit,

@@ -20,8 +20,8 @@ def _fmt(x: float | None, signed: bool = False) -> str:
 def print_judge_summary(summaries: dict[str, dict], console: Console | None = None) -> None:
     """Two tables for one or more judges (one row per judge, or per judge and verdict kind):
     position bias (position consistency with its 95% interval, preference fairness, first-slot
-    win rate, tie and invalid rates) and agreement with the human labels (accuracy, Cohen's
-    kappa) for each verdict kind."""
+    win rate, tie and invalid rates), a line per judge with pairs that overflow its window, and
+    agreement with the human labels (accuracy, Cohen's kappa) for each verdict kind."""
     console = console or Console()
     t = Table(title="position bias (each pair judged in both orders)", title_justify="left")
     for col in ("judge", "verdicts", "pairs", "consistency [95% CI]", "pref. fairness",
@@ -50,6 +50,13 @@ def print_judge_summary(summaries: dict[str, dict], console: Console | None = No
                 _fmt(m["invalid_rate"]),
             )
     console.print(t)
+    for name, s in summaries.items():
+        if s.get("overflow_pairs"):
+            console.print(
+                f"{name}: {s['overflow_pairs']} pair(s) overflow the context window: not judged, "
+                "left out of every metric",
+                highlight=False,
+            )
     if not any(s["labelled"] for s in summaries.values()):
         console.print("no human labels in the data: agreement not reported")
         return

@@ -16,13 +16,14 @@ Language Models are not Fair Evaluators", section 3.2).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, Field
 
 from ragfix.errors import ConfigError
-from ragfix.types import JudgePair
+from ragfix.types import OVERFLOW, JudgePair
 
 Verdict = Literal["A", "B", "tie", "invalid"]
 VERDICTS: tuple[str, ...] = ("A", "B", "tie", "invalid")
@@ -199,7 +200,15 @@ class PairJudgment(BaseModel):
     """Both orders of one pair and the order-free verdicts (one line of ``judgments.jsonl``).
 
     Attributes:
-        pair_id, label, flags: from the :class:`JudgePair`.
+        pair_id, label: from the :class:`JudgePair`.
+        flags: the :class:`JudgePair`'s flags, plus what the judge found:
+            ``overflow`` (:data:`~ragfix.types.OVERFLOW`: an order's prompt plus the answer
+            budget does not fit the judge's window, :meth:`~ragfix.backends.Backend.fit`, or
+            the server refused it as too long; not judged: both orders empty and
+            ``"invalid"``, no logit verdict, and :func:`~ragfix.judge.summarize` leaves the
+            pair out of every metric and counts it as ``overflow_pairs``) or
+            ``cut_to_window`` (:data:`~ragfix.types.CUT_TO_WINDOW`: the same for a backend that
+            cuts long prompts by design; judged on the cut prompt and counted as usual).
         original: the order (answer_a, answer_b).
         swapped: the order (answer_b, answer_a); its ``slot_verdict`` is about the slots.
         verdict_original: answer verdict of the original order alone (the single-order verdict).
@@ -224,9 +233,14 @@ class PairJudgment(BaseModel):
 
 
 def combine(
-    pair: JudgePair, original: OrderJudgment, swapped: OrderJudgment, tie_margin: float = 0.0
+    pair: JudgePair,
+    original: OrderJudgment,
+    swapped: OrderJudgment,
+    tie_margin: float = 0.0,
+    flags: Sequence[str] = (),
 ) -> PairJudgment:
-    """Build the :class:`PairJudgment` of a pair from its two :class:`OrderJudgment`."""
+    """Build the :class:`PairJudgment` of a pair from its two :class:`OrderJudgment` (its flags:
+    the pair's, then ``flags``)."""
     v1 = original.slot_verdict
     v2 = unswap(swapped.slot_verdict)
     lv, lp = None, None
@@ -237,7 +251,7 @@ def combine(
     return PairJudgment(
         pair_id=pair.pair_id,
         label=pair.label,
-        flags=pair.flags,
+        flags=[*pair.flags, *flags],
         original=original,
         swapped=swapped,
         verdict_original=v1,
@@ -248,3 +262,11 @@ def combine(
         logit_p_a=lp,
         source=pair.source,
     )
+
+
+def overflowed(pair: JudgePair) -> PairJudgment:
+    """The record of a pair that was not judged because a prompt does not fit the judge's
+    window: flagged ``overflow``, both orders empty and ``"invalid"``, not consistent, no logit
+    verdict (see :class:`PairJudgment`)."""
+    empty = OrderJudgment(raw="", slot_verdict="invalid")
+    return combine(pair, empty, empty.model_copy(), flags=[OVERFLOW])

@@ -1,0 +1,356 @@
+"""Run folders are bound to what they ran on: for every run kind (sweep, pipeline sweep, judge,
+perplexity), a rerun after the weights, an adapter, a calibration or an input file changed in
+place is refused (or starts over with ``restart``), never resumed; reports read the cells the
+run reported. Tiny seeded models with SmolLM2's tokenizer, saved as real checkpoint folders."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BUNDLED, tiny_folder
+
+from ragfix.errors import ConfigMismatchError, DataError
+from ragfix.eval import run_judge, run_sweep
+from ragfix.eval.pipeline import run_pipeline_sweep
+from ragfix.eval.ppl import run_ppl
+from ragfix.eval.report import compare_runs, load_run, uneven_positions
+
+NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _sweep(out, model, data=NQ, limit=2, **kw):
+    seen = []
+    summary = run_sweep(
+        data,
+        out,
+        model=str(model),
+        num_docs=2,
+        limit=limit,
+        workers=1,
+        device="cpu",
+        on_record=seen.append,
+        **kw,
+    )
+    return summary, seen
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return tiny_folder(tmp_path / "model", seed=0)
+
+
+def _nq_copy(path, n=3):
+    """The first ``n`` records of the bundled NQ sample as a file of one's own."""
+    with gzip.open(NQ, "rt") as f:
+        lines = [next(f) for _ in range(n)]
+    path.write_text("".join(lines))
+    return path
+
+
+# ------------------------------------------------------------------ sweep
+def test_sweep_refuses_weights_saved_into_its_model_folder_and_restarts_when_asked(
+    tmp_path, model_dir
+):
+    out = tmp_path / "run"
+    _, first = _sweep(out, model_dir)
+    assert len(first) == 4
+    _, again = _sweep(out, model_dir)  # the same weights: every cell reused
+    assert again == []
+    tiny_folder(model_dir, seed=1)  # new weights into the same folder
+    # the folder is finished: it is checked all the same
+    with pytest.raises(ConfigMismatchError, match=r"identity\.model\.weights: .* there, .* now"):
+        _sweep(out, model_dir)
+    assert len(_lines(out / "results.jsonl")) == 4  # nothing lost
+    summary, fresh = _sweep(out, model_dir, restart=True)
+    assert len(fresh) == 4 and summary["cells"] == 4
+    assert len(_lines(out / "results.jsonl")) == 4  # the old cells are gone, not mixed in
+    stored = json.loads((out / "config.json").read_text())
+    assert stored["identity"]["model"]["weights"].startswith("files:")
+
+
+def test_sweep_refuses_an_adapter_retrained_into_the_same_folder(tmp_path, model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = tmp_path / "lora"
+
+    def train(seed):
+        torch.manual_seed(seed)
+        m = AutoModelForCausalLM.from_pretrained(model_dir)
+        cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
+        get_peft_model(m, cfg).save_pretrained(lora)
+
+    train(0)
+    out = tmp_path / "run"
+    _, first = _sweep(out, model_dir, limit=1, adapter=lora)
+    assert len(first) == 2
+    train(1)
+    with pytest.raises(ConfigMismatchError, match=r"identity\.adapter\.fingerprint"):
+        _sweep(out, model_dir, limit=1, adapter=lora)
+
+
+def test_sweep_refuses_a_calibration_file_edited_in_place(tmp_path, model_dir):
+    from ragfix.backends.channel_scaling import ChannelScalingCalibration
+    from ragfix.models import load_model, model_identity
+
+    cal = tmp_path / "cal.json"
+
+    def calibrate(channel):
+        ChannelScalingCalibration(
+            model=model_identity(load_model(str(model_dir), device="cpu")[0]),
+            channel=channel,
+            layers=[1],
+            factor=0.5,
+            baseline_loss=1.0,
+            factor_losses={"0.5": 0.9},
+            candidates=[],
+            settings={},
+            minutes=0.1,
+        ).save(cal)
+
+    calibrate(3)
+    out = tmp_path / "run"
+    opts = {"calibration": str(cal)}
+    _sweep(out, model_dir, limit=1, backend="channel-scaled", backend_options=opts)
+    calibrate(4)  # another channel in the same file
+    with pytest.raises(ConfigMismatchError, match=r"identity\.scaling\.calibration"):
+        _sweep(out, model_dir, limit=1, backend="channel-scaled", backend_options=opts)
+
+
+def test_sweep_refuses_a_data_file_or_pool_edited_in_place(tmp_path, model_dir):
+    data = _nq_copy(tmp_path / "nq.jsonl")
+    out = tmp_path / "run"
+    _sweep(out, model_dir, data=data, limit=1)
+    data.write_text(data.read_text().replace("the", "teh", 1))  # one passage edited
+    with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
+        _sweep(out, model_dir, data=data, limit=1)
+    _, fresh = _sweep(out, model_dir, data=data, limit=1, restart=True)
+    assert len(fresh) == 2
+    load_run(out)  # the report reads the run's cells only
+
+    pool = _nq_copy(tmp_path / "pool.jsonl", 3)
+    pooled = tmp_path / "pooled"
+    _sweep(pooled, model_dir, data=data, limit=1, distractor_pool=pool)
+    with open(pool, "a") as f:  # a record more in the pool: other BM25 distractors may win
+        f.write(_nq_copy(tmp_path / "more.jsonl", 4).read_text().splitlines(keepends=True)[3])
+    with pytest.raises(ConfigMismatchError, match=r"inputs\.distractor_pool: "):
+        _sweep(pooled, model_dir, data=data, limit=1, distractor_pool=pool)
+
+
+def test_a_folder_from_before_identity_binding_is_refused_in_one_line(tmp_path, model_dir):
+    out = tmp_path / "run"
+    _sweep(out, model_dir, limit=1)
+    config = json.loads((out / "config.json").read_text())
+    old = {k: v for k, v in config.items() if k not in ("run", "format", "identity", "inputs")}
+    (out / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ConfigMismatchError, match="written by an earlier ragfix") as e:
+        _sweep(out, model_dir, limit=1)
+    assert "\n" not in str(e.value)
+    _, fresh = _sweep(out, model_dir, limit=1, restart=True)
+    assert len(fresh) == 2
+
+
+def test_report_counts_exactly_the_cells_its_run_reports(tmp_path, model_dir):
+    out = tmp_path / "run"
+    _sweep(out, model_dir, limit=2)
+    summary, seen = _sweep(out, model_dir, limit=1)  # a smaller rerun of the same folder
+    assert seen == [] and summary["cells"] == 2
+    assert len(_lines(out / "results.jsonl")) == 4  # the folder keeps the other sample's cells
+    run = load_run(out)
+    assert sorted(run.curves["vanilla"]) == sorted(
+        (r["sample_id"], r["position"]) for r in _lines(out / "results.jsonl")[:2]
+    )
+    merit = compare_runs([out])["runs"][0]["curves"]["vanilla"]
+    assert [p["n"] for p in merit["positions"]] == [1, 1]
+
+    # an extension to more positions, interrupted: the report stays on the finished run
+    ext = tmp_path / "ext"
+    _sweep(ext, model_dir, limit=2, positions="0")
+
+    def interrupt(rec):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(
+            NQ,
+            ext,
+            model=str(model_dir),
+            num_docs=2,
+            limit=2,
+            workers=1,
+            device="cpu",
+            on_record=interrupt,
+        )
+    assert len(_lines(ext / "results.jsonl")) == 3
+    comparison = compare_runs([ext])
+    assert [p["n"] for p in comparison["runs"][0]["curves"]["vanilla"]["positions"]] == [2]
+    assert comparison["notes"] == []
+
+
+def test_uneven_positions_are_named():
+    cells = {("a", 0): True, ("b", 0): False, ("a", 1): True}
+    assert uneven_positions(cells) == (
+        "its positions cover different samples (samples per position 0: 2, 1: 1)"
+    )
+    assert uneven_positions({("a", 0): True, ("a", 1): False}) is None
+
+
+def test_a_killed_worker_is_one_line_and_exit_2(tmp_path, model_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(model_dir),
+           "--num-docs", "2", "--limit", "4", "--workers", "2", "--device", "cpu",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    start = time.time()
+    shards = []
+    while not shards and p.poll() is None and time.time() - start < 240:
+        time.sleep(0.2)
+        shards = [f for f in out.glob("results.rank*.jsonl") if f.read_text().strip()]
+    assert shards, p.communicate()
+    children = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    workers = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    assert workers
+    os.kill(int(workers[0]), signal.SIGKILL)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err
+    lines = [x for x in err.splitlines() if x.strip() and "Loading weights" not in x]
+    assert len(lines) == 1 and "died (exit code -9)" in lines[0], err
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ pipeline sweep
+@pytest.fixture
+def small_corpus(tmp_path):
+    from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(DEMO_CORPUS.read_text().splitlines(keepends=True)[:6]))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(DEMO_QUESTIONS.read_text().splitlines(keepends=True)[0])
+    return corpus, questions
+
+
+def test_pipeline_sweep_refuses_edited_corpus_questions_and_weights(
+    tmp_path, model_dir, small_corpus
+):
+    corpus, questions = small_corpus
+    out = tmp_path / "run"
+
+    def sweep(**kw):
+        return run_pipeline_sweep(
+            corpus=corpus,
+            questions=questions,
+            out=out,
+            strategies=["none"],
+            top_k=2,
+            model=str(model_dir),
+            device="cpu",
+            **kw,
+        )
+
+    first = sweep()
+    assert first["cells"] == 2
+    assert sweep()["cell_ids"] == first["cell_ids"]
+    rows = questions.read_text()
+    questions.write_text(rows.replace('"question": "', '"question": "Q: ', 1))
+    with pytest.raises(ConfigMismatchError, match=r"inputs\.questions: "):
+        sweep()
+    questions.write_text(rows)
+    text = corpus.read_text()
+    corpus.write_text(text + text.splitlines(keepends=True)[0].replace('"id": "', '"id": "x', 1))
+    with pytest.raises(ConfigMismatchError, match=r"inputs\.corpus: "):
+        sweep()
+    corpus.write_text(text)
+    tiny_folder(model_dir, seed=5)
+    with pytest.raises(ConfigMismatchError, match=r"identity\.model\.weights"):
+        sweep()
+    assert sweep(restart=True)["cells"] == 2
+
+
+# ------------------------------------------------------------------ judge
+def test_judge_refuses_a_finished_folder_after_new_weights_or_an_edited_pair_file(
+    tmp_path, model_dir
+):
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"question": "What is 2 + 2?", "answer_a": "4", "answer_b": "5", "label": 1},
+        {"question": "Capital of France?", "answer_a": "Rome", "answer_b": "Paris", "label": 2},
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "judge"
+    first = run_judge(pairs, out, model=str(model_dir), device="cpu")
+    assert first.computed == 2
+    again = run_judge(pairs, out, model=str(model_dir), device="cpu")
+    assert again.computed == 0 and again.reused == 2
+    tiny_folder(model_dir, seed=2)
+    with pytest.raises(ConfigMismatchError, match=r"identity\.model\.weights"):
+        run_judge(pairs, out, model=str(model_dir), device="cpu")  # finished, checked anyway
+    tiny_folder(model_dir, seed=0)  # the first weights again: the folder is theirs
+    assert run_judge(pairs, out, model=str(model_dir), device="cpu").computed == 0
+    pairs.write_text(pairs.read_text().replace('"5"', '"six"'))
+    with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
+        run_judge(pairs, out, model=str(model_dir), device="cpu")
+    fresh = run_judge(pairs, out, model=str(model_dir), device="cpu", restart=True)
+    assert fresh.computed == 2 and len(_lines(out / "judgments.jsonl")) == 2
+
+
+# ------------------------------------------------------------------ perplexity
+def test_perplexity_resumes_by_window_and_refuses_new_weights_or_text(tmp_path, model_dir):
+    data = tmp_path / "texts.jsonl"
+    words = " ".join(f"word{i} and more text" for i in range(200))
+    data.write_text(json.dumps({"text": words}) + "\n")
+    out = tmp_path / "ppl"
+    steps = []
+
+    def ppl(**kw):
+        return run_ppl(
+            data,
+            model=str(model_dir),
+            train_window=16,
+            ratios=(1.0,),
+            methods=("vanilla",),
+            device="cpu",
+            out=out,
+            on_step=steps.append,
+            **kw,
+        )
+
+    first = ppl(windows=range(2))
+    assert len(_lines(out / "windows.jsonl")) == 2
+    more = ppl(windows=range(3))  # one window more: the first two are reused
+    assert len(_lines(out / "windows.jsonl")) == 3
+    assert more["rows"][0]["window_nll"][:2] == first["rows"][0]["window_nll"]
+    tiny_folder(model_dir, seed=3)
+    with pytest.raises(ConfigMismatchError, match=r"identity\.model\.weights"):
+        ppl(windows=range(3))
+    tiny_folder(model_dir, seed=0)
+    data.write_text(json.dumps({"text": words.replace("word1 ", "word one ")}) + "\n")
+    with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
+        ppl(windows=range(3))
+    again = ppl(windows=range(3), restart=True)
+    assert len(_lines(out / "windows.jsonl")) == 3
+    assert again["rows"][0]["window_nll"] != more["rows"][0]["window_nll"]
+
+
+def test_a_report_of_a_summary_without_its_cells_is_refused(tmp_path, model_dir):
+    out = tmp_path / "run"
+    _sweep(out, model_dir, limit=1)
+    summary = json.loads((out / "summary.json").read_text())
+    del summary["cell_ids"]
+    (out / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(DataError, match="cell_ids: written by an earlier ragfix"):
+        load_run(out)
