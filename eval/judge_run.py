@@ -37,7 +37,7 @@ from ragfix.judge import (
     summarize,
     summarize_swap_judgments,
 )
-from ragfix.types import JudgePair
+from ragfix.types import OVERFLOW, JudgePair
 
 JUDGMENTS_FILE = "judgments.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -337,7 +337,8 @@ def run_judge(
     name = f"{model} · {backend}"
     mine = [records[p.pair_id] for p in pairs if p.pair_id in records]
     summary = summarize(mine)
-    orders = [o for r in mine for o in (r["original"], r["swapped"])]
+    judged = [r for r in mine if OVERFLOW not in r.get("flags", ())]  # overflow: never asked
+    orders = [o for r in judged for o in (r["original"], r["swapped"])]
     missing = sum(o.get("p_a") is None for o in orders)
     notes = []
     if style == "verdict" and missing:

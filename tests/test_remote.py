@@ -205,23 +205,32 @@ def test_sweep_through_serve_equals_local_and_resumes(server, local, tmp_path):
         assert r["extra"]["token_counts"] == "server"
         assert r["extra"]["usage"]["prompt_tokens"] == r["prompt_tokens"]
     config = json.loads((out / "config.json").read_text())
-    assert config["model"] == MODEL and config["backend_options"] == {"api_base": server}
-    # interrupted: one finished cell is lost; the rerun (other call settings) computes only it
+    assert config["model"] == MODEL and config["backend_options"] == {}  # no address
+    # the served backend's identity, its weights fingerprint included, binds the folder
+    served = config["identity"]["model"]["server"]["ragfix"]
+    assert served["model"]["weights"].startswith("files:")
+    assert "endpoint" not in config["identity"]["model"]
+    # interrupted: one finished cell is lost; the rerun, on another address (the same server
+    # behind a proxy) with other call settings, computes only it
     lines = (out / "results.jsonl").read_text().splitlines()
     (out / "results.jsonl").write_text(lines[0] + "\n")
     from ragfix.eval import run_sweep
 
     computed = []
-    run_sweep(
-        KV,
-        out,
-        model=MODEL,
-        backend_options={"api_base": server, "concurrency": 1, "timeout": 60},
-        num_docs=3,
-        limit=1,
-        positions="0,2",
-        on_record=computed.append,
-    )
+    proxy = Proxy(server)
+    try:
+        run_sweep(
+            KV,
+            out,
+            model=MODEL,
+            backend_options={"api_base": proxy.url, "concurrency": 1, "timeout": 60},
+            num_docs=3,
+            limit=1,
+            positions="0,2",
+            on_record=computed.append,
+        )
+    finally:
+        proxy.close()
     kept = json.loads(lines[0])["cell_id"]
     assert [r.cell_id for r in computed] == [
         r["cell_id"] for r in mine.values() if r["cell_id"] != kept
