@@ -112,12 +112,31 @@ class Task:
         )
 
     def prompt(self, question: str, passages: Sequence[Passage] | str) -> TaskPrompt:
-        """The :class:`TaskPrompt` of ``question`` with ``passages`` in the given order."""
+        """The :class:`TaskPrompt` of ``question`` with ``passages`` in the given order; given
+        as passages (not a ready context string) it knows their spans
+        (:attr:`TaskPrompt.passages`) and the separator."""
+        user = self.user_turn(question, passages)
+        spans: tuple[tuple[int, int], ...] = ()
+        if not isinstance(passages, str) and passages:
+            marker = "\x00"  # never in a template: where the context starts
+            head = self.template.format(
+                instruction=self.instruction,
+                context=marker,
+                question=self.render_question(question),
+            ).split(marker)[0]
+            start, out = len(head), []
+            for i, p in enumerate(passages):
+                text = self.render_passage(i + 1, p)
+                out.append((start, start + len(text)))
+                start += len(text) + len(self.separator)
+            spans = tuple(out)
         return TaskPrompt(
-            user=self.user_turn(question, passages),
+            user=user,
             assistant_prefix=self.assistant_prefix(question),
             max_new_tokens=self.max_new_tokens,
             stop_at_newline=self.stop_at_newline,
+            passages=spans,
+            passage_separator=self.separator if spans else "",
         )
 
     def score(self, answer: str, answers: Sequence[str]) -> bool:

@@ -88,6 +88,11 @@ register_backend(
     summary="middle truncation to the window (baseline)",
 )
 register_backend(
+    "set-based",
+    "ragfix.backends.set_based:SetBasedBackend",
+    summary="passages read as a set, order-invariant in one pass (arXiv 2406.06581)",
+)
+register_backend(
     "pos2distill",
     "ragfix.backends.hf:HFBackend",
     requires_adapter=True,

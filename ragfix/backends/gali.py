@@ -31,7 +31,6 @@ Implementation notes (differences from the official code, same maths):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch
 from pydantic import Field
 
 from ragfix.backends.base import BackendOptions, Prompt
-from ragfix.backends.hf import HFBackend
+from ragfix.backends.hf import HFBackend, greedy_steps
 from ragfix.backends.patching import patch_attention
 from ragfix.errors import ConfigError
 from ragfix.types import Generation
@@ -483,35 +482,18 @@ class GaliBackend(HFBackend):
             *_, logits = self._prefill(run, torch.tensor([list(ids)], device=self.device), 1)
         return logits[0, -1]
 
-    def _stops(self, tok: int, stop_at_newline: bool) -> bool:
-        """Whether generating ``tok`` ends a row (EOS, or a newline when asked)."""
-        if tok == self.tokenizer.eos_token_id:
-            return True
-        return stop_at_newline and "\n" in self.tokenizer.decode([tok])
-
     def _greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_at_newline: bool) -> Iterator:
-        """Greedy GALI decoding of ``ids`` ``[B, n]`` (equal lengths).
-
-        Yields:
-            ``(tokens, alive, logprobs)`` per step: the argmax ids ``[B]``, per row whether the
-            row had not stopped before this token, and the step's log-probabilities
-            ``[B, vocab]``; ends when every row has stopped or after ``max_new_tokens`` steps.
-        """
+        """Greedy GALI decoding of ``ids`` ``[B, n]`` (equal lengths): the steps of
+        :func:`~ragfix.backends.hf.greedy_steps` over GALI's prefill and cached steps."""
         run = _GaliRun(self)
-        alive = [True] * ids.shape[0]
         with self._patched(run):
             *_, logits = self._prefill(run, ids, 1)
-            for step in range(max_new_tokens):
-                last = logits[:, -1].float()
-                nxt = last.argmax(-1)
-                yield nxt.tolist(), list(alive), torch.log_softmax(last, dim=-1)
-                alive = [
-                    a and not self._stops(t, stop_at_newline)
-                    for a, t in zip(alive, nxt.tolist(), strict=True)
-                ]
-                if not any(alive) or step == max_new_tokens - 1:
-                    return
-                logits = run.step(nxt[:, None], 1)
+            yield from greedy_steps(
+                logits,
+                lambda nxt: run.step(nxt, 1),
+                max_new_tokens,
+                lambda t: self._stops(t, stop_at_newline),
+            )
 
     @torch.no_grad()
     def _generate_ids(
@@ -539,28 +521,13 @@ class GaliBackend(HFBackend):
         for i, x in enumerate(batch):
             if results[i] is None:
                 groups.setdefault(len(x), []).append(i)
-        pad = self.tokenizer.pad_token_id
         for members in groups.values():
-            start = time.perf_counter()
             ids = torch.tensor([batch[i] for i in members], device=self.device)
-            rows: list[list[int]] = [[] for _ in members]
-            first = None
-            for toks, alive, lps in self._greedy(ids, max_new_tokens, stop_at_newline):
-                first = lps.cpu() if first is None else first
-                for row, tok, a in zip(rows, toks, alive, strict=True):
-                    row.append(tok if a else pad)
-            secs = (time.perf_counter() - start) / len(members)
-            for k, (i, row) in enumerate(zip(members, rows, strict=True)):
-                text, new = self._decode_answer(row, stop_at_newline)
-                results[i] = Generation(
-                    text=text,
-                    prompt_tokens=len(batch[i]),
-                    new_tokens=len(new),
-                    token_ids=new,
-                    prefill_tokens=len(batch[i]),
-                    seconds=secs,
-                    first_logprobs=first[k] if first_logprobs else None,
-                )
+            steps = self._greedy(ids, max_new_tokens, stop_at_newline)
+            lens = [len(batch[i]) for i in members]
+            gens = self._collect(steps, lens, stop_at_newline, first_logprobs)
+            for i, g in zip(members, gens, strict=True):
+                results[i] = g
         return results  # type: ignore[return-value]
 
     def stream(

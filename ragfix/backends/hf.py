@@ -15,7 +15,7 @@ import hashlib
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
 import torch
@@ -50,6 +50,36 @@ def chat_text(tokenizer, prompt: Prompt) -> str:
     else:
         text = prompt.user + "\n"
     return text + prompt.assistant_prefix
+
+
+def greedy_steps(
+    logits: torch.Tensor,
+    step: Callable[[torch.Tensor], torch.Tensor],
+    max_new_tokens: int,
+    stops: Callable[[int], bool],
+) -> Iterator[tuple[list[int], list[bool], torch.Tensor]]:
+    """Greedy decoding from the prefill's logits, for a method with its own decoding loop.
+
+    Args:
+        logits: ``[B, n, vocab]`` logits of the prefill (the last position is used).
+        step: ``[B, 1]`` next token ids -> ``[B, 1, vocab]`` logits (the method's cached step).
+        max_new_tokens: at most this many steps.
+        stops: whether a generated token ends its row (EOS, a newline when asked).
+
+    Yields:
+        ``(tokens, alive, logprobs)`` per step: the argmax ids ``[B]``, per row whether it had
+        not stopped before this token, and the step's log-probabilities ``[B, vocab]`` (float32);
+        ends when every row has stopped or after ``max_new_tokens`` steps.
+    """
+    alive = [True] * logits.shape[0]
+    for i in range(max_new_tokens):
+        last = logits[:, -1].float()
+        nxt = last.argmax(-1)
+        yield nxt.tolist(), list(alive), torch.log_softmax(last, dim=-1)
+        alive = [a and not stops(t) for a, t in zip(alive, nxt.tolist(), strict=True)]
+        if not any(alive) or i == max_new_tokens - 1:
+            return
+        logits = step(nxt[:, None])
 
 
 def template_id(tokenizer) -> str:
@@ -225,6 +255,47 @@ class HFBackend(Backend):
             )
         return gens
 
+    def _stops(self, tok: int, stop_at_newline: bool) -> bool:
+        """Whether generating ``tok`` ends a row (EOS, or a newline when asked)."""
+        if tok == self.tokenizer.eos_token_id:
+            return True
+        return stop_at_newline and "\n" in self.tokenizer.decode([tok])
+
+    def _collect(
+        self,
+        steps: Iterator[tuple[list[int], list[bool], torch.Tensor]],
+        prompt_tokens: list[int],
+        stop_at_newline: bool,
+        first_logprobs: bool,
+    ) -> list[Generation]:
+        """One :class:`Generation` per row of a decoding loop's ``steps`` (:func:`greedy_steps`)
+        over prompts of ``prompt_tokens`` tokens (all prefilled); ``seconds`` is the loop's time
+        / ``B``."""
+        start = time.perf_counter()
+        pad = self.tokenizer.pad_token_id
+        rows: list[list[int]] = [[] for _ in prompt_tokens]
+        first = None
+        for toks, alive, lps in steps:
+            first = lps.cpu() if first is None else first
+            for row, tok, a in zip(rows, toks, alive, strict=True):
+                row.append(tok if a else pad)
+        secs = (time.perf_counter() - start) / len(prompt_tokens)
+        out = []
+        for k, (n, row) in enumerate(zip(prompt_tokens, rows, strict=True)):
+            text, new = self._decode_answer(row, stop_at_newline)
+            out.append(
+                Generation(
+                    text=text,
+                    prompt_tokens=n,
+                    new_tokens=len(new),
+                    token_ids=new,
+                    prefill_tokens=n,
+                    seconds=secs,
+                    first_logprobs=first[k] if first_logprobs and first is not None else None,
+                )
+            )
+        return out
+
     def _crop_reuse_cache(self, ids: list[int]) -> int:
         """Crop the KV cache kept between prefix-reusing calls (created on first use) to its
         longest common token prefix with ``ids``; return that prefix's length. The cache is then
@@ -306,7 +377,7 @@ class HFBackend(Backend):
             order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
             run = self._generate_ids
         results: list[Generation | None] = [None] * len(items)
-        for group in _groups(items, order, size):
+        for group in batch_groups(items, order, size):
             mnt, stop = items[group[0]][1:]
             gens = run([items[j][0] for j in group], mnt, stop, first_logprobs)
             for j, g in zip(group, gens, strict=True):
@@ -517,7 +588,7 @@ class HFBackend(Backend):
         return [float(att[s:e].sum()) for s, e in spans]
 
 
-def _groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[int]]:
+def batch_groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[int]]:
     """Consecutive runs of ``order`` of at most ``size`` items sharing a budget and stop rule
     (``items[i] = (ids, max_new_tokens, stop_at_newline)``)."""
     i = 0
@@ -530,4 +601,11 @@ def _groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[in
         yield group
 
 
-__all__ = ["NO_CHAT_TEMPLATE", "HFBackend", "chat_text", "template_id"]
+__all__ = [
+    "NO_CHAT_TEMPLATE",
+    "HFBackend",
+    "batch_groups",
+    "chat_text",
+    "greedy_steps",
+    "template_id",
+]

@@ -16,7 +16,13 @@ import torch
 
 from ragfix.backends.base import Backend, Fit
 from ragfix.errors import ConfigError
-from ragfix.judge.prompts import STYLES, VERDICT_PREFIX, judge_prompt
+from ragfix.judge.prompts import (
+    ANSWER_SEPARATOR,
+    STYLES,
+    VERDICT_PREFIX,
+    answer_spans,
+    judge_prompt,
+)
 from ragfix.judge.verdicts import (
     OrderJudgment,
     PairJudgment,
@@ -131,11 +137,14 @@ class PairwiseJudge:
     def prompt(self, question: str, first: str, second: str, reference: str | None) -> TaskPrompt:
         """The judge prompt with ``first`` in slot A (the backend applies its chat template and
         prefills the assistant turn with ``[[`` in the ``verdict`` style)."""
+        user = judge_prompt(question, first, second, reference, self.style)
         return TaskPrompt(
-            user=judge_prompt(question, first, second, reference, self.style),
+            user=user,
             assistant_prefix=self.prefix,
             max_new_tokens=self.max_new_tokens,
             stop_at_newline=False,
+            passages=answer_spans(user),
+            passage_separator=ANSWER_SEPARATOR,
         )
 
     def _order(self, gen: Generation) -> OrderJudgment:

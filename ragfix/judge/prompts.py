@@ -54,11 +54,26 @@ def judge_prompt(
     parts = [head, f"[User Question]\n{question}"]
     if reference:
         parts.append(f"[The Start of Reference Answer]\n{reference}\n[The End of Reference Answer]")
-    parts.append(f"[The Start of Assistant A's Answer]\n{first}\n[The End of Assistant A's Answer]")
-    parts.append(
-        f"[The Start of Assistant B's Answer]\n{second}\n[The End of Assistant B's Answer]"
-    )
-    return "\n\n".join(parts)
+    parts += [answer_block("A", first), answer_block("B", second)]
+    return ANSWER_SEPARATOR.join(parts)
+
+
+#: what joins the blocks of a judge prompt (and so the two answer blocks)
+ANSWER_SEPARATOR = "\n\n"
+
+
+def answer_block(slot: str, answer: str) -> str:
+    """One answer in its marked block, labelled with its slot (``A`` or ``B``)."""
+    name = f"Assistant {slot}'s Answer"
+    return f"[The Start of {name}]\n{answer}\n[The End of {name}]"
+
+
+def answer_spans(user: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The character spans of the two answer blocks (labels included) at the end of a
+    :func:`judge_prompt` user turn: what a backend reading passages as a set reads as a set."""
+    second = user.rindex("[The Start of Assistant B's Answer]")
+    first = user.rindex("[The Start of Assistant A's Answer]", 0, second)
+    return (first, second - len(ANSWER_SEPARATOR)), (second, len(user))
 
 
 #: the assistant-turn prefix of the ``verdict`` style (the verdict letter comes next)

@@ -1,0 +1,313 @@
+"""Set-based prompting: a prompt's passages read as a set, order-invariant in one forward pass.
+
+McIlroy-Young et al., "Set-Based Prompting: Provably Solving the Language Model Order Dependency
+Problem" (arXiv 2406.06581, NeurIPS 2024), section 3: every passage of the set gets the same
+position IDs ("parallel" positions) and attends only to the text before the set and to itself
+(a block attention mask over the set members); the text after the set attends to every member.
+No passage then sees another, and none is nearer the question than another, so the answer does
+not depend on the order of the passages: it is the same for every permutation (up to floating
+point), by construction.
+
+The layout of a prompt (:func:`passage_set`): the chat-formatted text before the first passage,
+each passage as rendered by its task (label included, ``Document [i](Title: ...)``: the label
+travels with the passage) plus the task's separator, and the text after the last passage, each
+tokenized on its own. Every passage ends with the separator, the last one too: the text has one
+separator more than the ordered prompt (``... passage\\n\\n\\nQuestion:`` for QA, a trailing
+comma in the KV object), so that no member differs by where it stands.
+
+Positions (``align``):
+
+* ``start`` (the paper): every passage starts at the first position after the prefix,
+  ``P .. P + L_i - 1``; the text after the set continues from ``P + max L_i``.
+* ``end``: every passage ends where the last passage of the ordered prompt ends,
+  ``E - L_i .. E - 1`` with ``E = P + sum L_i``: each reads as the one nearest the question; the
+  text after the set keeps its ordered positions from ``E``.
+
+A prompt without passage spans (a plain string, a framework's text) is refused in one line.
+Decoding is greedy over the model's own KV cache (a 4-D additive mask in the prefill, the plain
+causal mask after it: generated tokens see everything before them). No prefix reuse: a cached
+prefix of another prompt was computed under another mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from ragfix.backends.base import BackendOptions, Prompt, answer_rules
+from ragfix.backends.hf import HFBackend, batch_groups, greedy_steps
+from ragfix.errors import RagfixError
+from ragfix.prompts import TaskPrompt
+from ragfix.types import Generation
+
+#: the block of a token outside the passages (before or after the set)
+OUTSIDE = -1
+#: the block of a padding token
+PAD = -2
+
+
+class SetBasedOptions(BackendOptions):
+    """Options of the ``set-based`` backend.
+
+    Attributes:
+        align: where the parallel positions of the passages sit: ``end`` (each ends next to the
+            question) or ``start`` (each starts after the prefix, as in the paper).
+    """
+
+    align: Literal["start", "end"] = "end"
+
+
+@dataclass(frozen=True)
+class PassageSet:
+    """A prompt as a set: token ids before the passages, of each passage (its separator
+    included), and after them."""
+
+    prefix: list[int]
+    passages: list[list[int]]
+    suffix: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        """The tokens in prompt order."""
+        return [*self.prefix, *(t for p in self.passages for t in p), *self.suffix]
+
+    def blocks(self) -> list[int]:
+        """Per token: the index of its passage, or :data:`OUTSIDE`."""
+        out = [OUTSIDE] * len(self.prefix)
+        for i, p in enumerate(self.passages):
+            out += [i] * len(p)
+        return out + [OUTSIDE] * len(self.suffix)
+
+    def positions(self, align: str) -> list[int]:
+        """Per token: its position ID under ``align`` (see the module docstring)."""
+        n, lengths = len(self.prefix), [len(p) for p in self.passages]
+        out = list(range(n))
+        end = n + sum(lengths)
+        for size in lengths:
+            first = end - size if align == "end" else n
+            out += range(first, first + size)
+        after = end if align == "end" else n + max(lengths, default=0)
+        return out + list(range(after, after + len(self.suffix)))
+
+
+def passage_set(backend: HFBackend, prompt: Prompt) -> PassageSet:
+    """The set layout of ``prompt`` as ``backend`` reads it (chat template applied).
+
+    Raises:
+        RagfixError: a plain-string prompt, or a task prompt without passage spans.
+    """
+    if not isinstance(prompt, TaskPrompt) or not prompt.passages:
+        raise RagfixError(
+            f"backend {backend.name!r} reads a prompt's passages as a set and this prompt does "
+            "not say where they are (a plain text, or a prompt built without passages): use a "
+            "task prompt (ragfix eval, ragfix judge) or another backend"
+        )
+    text = backend.format_prompt(prompt)
+    offset = text.find(prompt.user)
+    first, last = prompt.passages[0][0], prompt.passages[-1][1]
+    sep = prompt.passage_separator
+    return PassageSet(
+        prefix=backend.tokenize(text[: offset + first]),
+        passages=[backend.tokenize(t + sep) for t in prompt.passage_texts()],
+        suffix=backend.tokenize(text[offset + last :]),
+    )
+
+
+def set_mask(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive prefill mask of a left-padded batch.
+
+    Args:
+        blocks: ``[B, T]`` per token its passage index, :data:`OUTSIDE` or :data:`PAD`.
+        dtype: the model's dtype.
+
+    Returns:
+        ``[B, 1, T, T]``: 0 where query ``i`` may attend key ``j`` (``j <= i``, ``j`` not
+        padding, and ``j`` outside the passages, or ``i`` outside them, or both in the same
+        passage), the dtype's minimum elsewhere; a padding query attends itself only.
+    """
+    t = blocks.shape[1]
+    q, k = blocks[:, :, None], blocks[:, None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=blocks.device).tril()
+    seen = causal & (k != PAD) & ((q == OUTSIDE) | (k == OUTSIDE) | (q == k))
+    seen |= torch.eye(t, dtype=torch.bool, device=blocks.device) & (q == PAD)
+    mask = torch.zeros(seen.shape, dtype=dtype, device=blocks.device)
+    return mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]
+
+
+class SetBasedBackend(HFBackend):
+    """The ``set-based`` backend: a task prompt's passages read as a set (see the module
+    docstring). Composes with an adapter; refuses plain-string prompts in one line.
+
+    Args:
+        model, tokenizer, adapter: as for :class:`~ragfix.backends.hf.HFBackend`.
+        **options: :class:`SetBasedOptions`.
+    """
+
+    name: ClassVar[str] = "set-based"
+    options_model: ClassVar[type[BackendOptions]] = SetBasedOptions
+    supports_prefix_reuse = False
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The tokens the model reads for ``prompt`` in set layout (:func:`passage_set`).
+
+        Raises:
+            RagfixError: a prompt without passage spans.
+        """
+        return passage_set(self, prompt).ids
+
+    @torch.no_grad()
+    def _prefill(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
+        """One left-padded forward pass over ``sets`` (each followed by its ``extra`` tokens,
+        which attend to everything before them).
+
+        Returns:
+            ``(output, last, pads)``: the model output (``logits [B, T, vocab]``,
+            ``past_key_values``), per row the position ID of its last token and its number of
+            padding tokens (on the left).
+        """
+        extra = list(extra) or [[] for _ in sets]
+        rows = []
+        for s, more in zip(sets, extra, strict=True):
+            pos = s.positions(self.options.align)
+            start = pos[-1] + 1
+            rows.append(
+                (
+                    [*s.ids, *more],
+                    [*pos, *range(start, start + len(more))],
+                    [*s.blocks(), *[OUTSIDE] * len(more)],
+                )
+            )
+        width = max(len(r[0]) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        ids = [[pad] * (width - len(r[0])) + r[0] for r in rows]
+        pos = [[0] * (width - len(r[1])) + r[1] for r in rows]
+        blocks = [[PAD] * (width - len(r[2])) + r[2] for r in rows]
+        dev, dtype = self.device, next(self.model.parameters()).dtype
+        out = self.model(
+            input_ids=torch.tensor(ids, device=dev),
+            position_ids=torch.tensor(pos, device=dev),
+            attention_mask=set_mask(torch.tensor(blocks, device=dev), dtype),
+            use_cache=True,
+        )
+        return out, [r[1][-1] for r in rows], [width - len(r[0]) for r in rows]
+
+    def _greedy(self, sets: Sequence[PassageSet], max_new_tokens: int, stop_at_newline: bool):
+        """Greedy decoding of ``sets`` in one batch: the steps of
+        :func:`~ragfix.backends.hf.greedy_steps`."""
+        out, last, pads = self._prefill(sets)
+        dev, dtype = self.device, next(self.model.parameters()).dtype
+        state = {"cache": out.past_key_values, "pos": torch.tensor(last, device=dev)}
+
+        def step(nxt: torch.Tensor) -> torch.Tensor:
+            state["pos"] = state["pos"] + 1
+            keys = state["cache"].get_seq_length() + 1
+            mask = torch.zeros(len(sets), 1, 1, keys, dtype=dtype, device=dev)
+            for row, n in enumerate(pads):
+                mask[row, ..., :n] = torch.finfo(dtype).min
+            res = self.model(
+                input_ids=nxt,
+                position_ids=state["pos"][:, None],
+                attention_mask=mask,
+                past_key_values=state["cache"],
+                use_cache=True,
+            )
+            state["cache"] = res.past_key_values
+            return res.logits
+
+        return greedy_steps(
+            out.logits[:, -1:], step, max_new_tokens, lambda t: self._stops(t, stop_at_newline)
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        batch_size: int = 8,
+        max_new_tokens: int | None = None,
+        stop_at_newline: bool | None = None,
+        first_logprobs: bool = False,
+        prefix_reuse: bool = False,
+    ) -> list[Generation]:
+        """Greedy answers (see :meth:`~ragfix.backends.base.Backend.generate`), prompts of
+        similar length and the same budget and stop rule batched; ``prefix_reuse`` is ignored.
+
+        Raises:
+            RagfixError: a prompt without passage spans.
+        """
+        items = [
+            (passage_set(self, p), *answer_rules(p, max_new_tokens, stop_at_newline))
+            for p in prompts
+        ]
+        order = sorted(range(len(items)), key=lambda i: len(items[i][0].ids))
+        results: list[Generation | None] = [None] * len(items)
+        for group in batch_groups(items, order, batch_size):
+            mnt, stop = items[group[0]][1:]
+            sets = [items[j][0] for j in group]
+            gens = self._collect(
+                self._greedy(sets, mnt, stop), [len(s.ids) for s in sets], stop, first_logprobs
+            )
+            for j, g in zip(group, gens, strict=True):
+                results[j] = g
+        return results  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def next_token_logprobs(self, prompts: Sequence[Prompt], *, batch_size: int = 8):
+        """See :meth:`~ragfix.backends.base.Backend.next_token_logprobs`: float32
+        ``[B, vocab_size]`` on the CPU, each prompt read in set layout.
+
+        Raises:
+            RagfixError: a prompt without passage spans.
+        """
+        sets = [passage_set(self, p) for p in prompts]
+        parts = []
+        for i in range(0, len(sets), batch_size):
+            out, _, _ = self._prefill(sets[i : i + batch_size])
+            parts.append(torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu())
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+        """Summed log-probability (nats) of each continuation after its context read in set
+        layout (the continuation's tokens attend to everything before them).
+
+        Raises:
+            RagfixError: a context without passage spans.
+            ValueError: an empty continuation.
+        """
+        out = []
+        for context, continuation in pairs:
+            s, cont = passage_set(self, context), self.tokenize(continuation)
+            if not cont:
+                raise ValueError("loglikelihood needs a non-empty continuation")
+            res, _, _ = self._prefill([s], [cont])
+            logp = torch.log_softmax(res.logits[0, -len(cont) - 1 : -1].float(), dim=-1)
+            target = torch.tensor(cont, device=logp.device)[:, None]
+            out.append(float(logp.gather(1, target).sum()))
+        return out
+
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+    ) -> Iterator[str]:
+        """Yield the greedy answer to one prompt piece by piece; closing the iterator stops
+        decoding at once.
+
+        Raises:
+            RagfixError: a prompt without passage spans.
+        """
+        s = passage_set(self, prompt)
+        new: list[int] = []
+        shown = ""
+        with torch.no_grad():
+            for toks, _, _ in self._greedy([s], max_new_tokens, stop_at_newline):
+                new.append(toks[0])
+                text = self.tokenizer.decode(new, skip_special_tokens=True)
+                if len(text) > len(shown):
+                    yield text[len(shown) :]
+                    shown = text
+
+
+__all__ = ["PassageSet", "SetBasedBackend", "SetBasedOptions", "passage_set", "set_mask"]
