@@ -93,6 +93,11 @@ register_backend(
     summary="passages read as a set, order-invariant in one pass (arXiv 2406.06581)",
 )
 register_backend(
+    "pine",
+    "ragfix.backends.pine:PineBackend",
+    summary="PINE: passages read order-invariantly, positions by importance (arXiv 2407.01100)",
+)
+register_backend(
     "pos2distill",
     "ragfix.backends.hf:HFBackend",
     requires_adapter=True,

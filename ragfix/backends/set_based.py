@@ -116,6 +116,45 @@ def passage_set(backend: HFBackend, prompt: Prompt) -> PassageSet:
     )
 
 
+@dataclass(frozen=True)
+class SetBatch:
+    """A left-padded batch of passage sets: ``ids``, ``positions`` (position IDs) and ``blocks``
+    (passage index, :data:`OUTSIDE` or :data:`PAD`), each ``[B, T]`` (int64, CPU), and the
+    padding tokens of each row (on the left)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    blocks: torch.Tensor
+    pads: list[int]
+
+
+def padded_batch(
+    sets: Sequence[PassageSet], extra: Sequence[Sequence[int]], align: str, pad_id: int
+) -> SetBatch:
+    """The batch of ``sets``, each followed by its ``extra`` tokens (outside the passages, at the
+    positions after its last), positions as :meth:`PassageSet.positions` under ``align``."""
+    extra = list(extra) or [[] for _ in sets]
+    rows = []
+    for s, more in zip(sets, extra, strict=True):
+        pos = s.positions(align)
+        start = pos[-1] + 1
+        rows.append(
+            (
+                [*s.ids, *more],
+                [*pos, *range(start, start + len(more))],
+                [*s.blocks(), *[OUTSIDE] * len(more)],
+            )
+        )
+    width = max(len(r[0]) for r in rows)
+    pads = [width - len(r[0]) for r in rows]
+    return SetBatch(
+        ids=torch.tensor([[pad_id] * n + r[0] for n, r in zip(pads, rows, strict=True)]),
+        positions=torch.tensor([[0] * n + r[1] for n, r in zip(pads, rows, strict=True)]),
+        blocks=torch.tensor([[PAD] * n + r[2] for n, r in zip(pads, rows, strict=True)]),
+        pads=pads,
+    )
+
+
 def set_mask(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive prefill mask of a left-padded batch.
 
@@ -137,17 +176,13 @@ def set_mask(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]
 
 
-class SetBasedBackend(HFBackend):
-    """The ``set-based`` backend: a task prompt's passages read as a set (see the module
-    docstring). Composes with an adapter; refuses plain-string prompts in one line.
-
-    Args:
-        model, tokenizer, adapter: as for :class:`~ragfix.backends.hf.HFBackend`.
-        **options: :class:`SetBasedOptions`.
+class PassageSetBackend(HFBackend):
+    """A backend that reads a task prompt's passages as a set (:func:`passage_set`): the base of
+    ``set-based`` and ``pine``, which differ only in how one forward pass over a batch of sets
+    attends (:meth:`_run`). Refuses prompts without passage spans in one line; no prefix
+    reuse (a cached prefix of another prompt was computed under another layout).
     """
 
-    name: ClassVar[str] = "set-based"
-    options_model: ClassVar[type[BackendOptions]] = SetBasedOptions
     supports_prefix_reuse = False
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -158,67 +193,22 @@ class SetBasedBackend(HFBackend):
         """
         return passage_set(self, prompt).ids
 
-    @torch.no_grad()
-    def _prefill(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
-        """One left-padded forward pass over ``sets`` (each followed by its ``extra`` tokens,
-        which attend to everything before them).
+    def _run(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
+        """One forward pass over a left-padded batch of ``sets`` (each followed by its ``extra``
+        tokens, which attend to everything before them, like the text after the set).
 
         Returns:
-            ``(output, last, pads)``: the model output (``logits [B, T, vocab]``,
-            ``past_key_values``), per row the position ID of its last token and its number of
-            padding tokens (on the left).
+            ``(logits, step)``: ``[B, T, vocab]`` logits of the pass, and the cached decoding
+            step (``[B, 1]`` next token ids -> ``[B, 1, vocab]`` logits).
         """
-        extra = list(extra) or [[] for _ in sets]
-        rows = []
-        for s, more in zip(sets, extra, strict=True):
-            pos = s.positions(self.options.align)
-            start = pos[-1] + 1
-            rows.append(
-                (
-                    [*s.ids, *more],
-                    [*pos, *range(start, start + len(more))],
-                    [*s.blocks(), *[OUTSIDE] * len(more)],
-                )
-            )
-        width = max(len(r[0]) for r in rows)
-        pad = self.tokenizer.pad_token_id
-        ids = [[pad] * (width - len(r[0])) + r[0] for r in rows]
-        pos = [[0] * (width - len(r[1])) + r[1] for r in rows]
-        blocks = [[PAD] * (width - len(r[2])) + r[2] for r in rows]
-        dev, dtype = self.device, next(self.model.parameters()).dtype
-        out = self.model(
-            input_ids=torch.tensor(ids, device=dev),
-            position_ids=torch.tensor(pos, device=dev),
-            attention_mask=set_mask(torch.tensor(blocks, device=dev), dtype),
-            use_cache=True,
-        )
-        return out, [r[1][-1] for r in rows], [width - len(r[0]) for r in rows]
+        raise NotImplementedError
 
     def _greedy(self, sets: Sequence[PassageSet], max_new_tokens: int, stop_at_newline: bool):
         """Greedy decoding of ``sets`` in one batch: the steps of
-        :func:`~ragfix.backends.hf.greedy_steps`."""
-        out, last, pads = self._prefill(sets)
-        dev, dtype = self.device, next(self.model.parameters()).dtype
-        state = {"cache": out.past_key_values, "pos": torch.tensor(last, device=dev)}
-
-        def step(nxt: torch.Tensor) -> torch.Tensor:
-            state["pos"] = state["pos"] + 1
-            keys = state["cache"].get_seq_length() + 1
-            mask = torch.zeros(len(sets), 1, 1, keys, dtype=dtype, device=dev)
-            for row, n in enumerate(pads):
-                mask[row, ..., :n] = torch.finfo(dtype).min
-            res = self.model(
-                input_ids=nxt,
-                position_ids=state["pos"][:, None],
-                attention_mask=mask,
-                past_key_values=state["cache"],
-                use_cache=True,
-            )
-            state["cache"] = res.past_key_values
-            return res.logits
-
+        :func:`~ragfix.backends.hf.greedy_steps` over :meth:`_run`."""
+        logits, step = self._run(sets)
         return greedy_steps(
-            out.logits[:, -1:], step, max_new_tokens, lambda t: self._stops(t, stop_at_newline)
+            logits[:, -1:], step, max_new_tokens, lambda t: self._stops(t, stop_at_newline)
         )
 
     @torch.no_grad()
@@ -265,8 +255,8 @@ class SetBasedBackend(HFBackend):
         sets = [passage_set(self, p) for p in prompts]
         parts = []
         for i in range(0, len(sets), batch_size):
-            out, _, _ = self._prefill(sets[i : i + batch_size])
-            parts.append(torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu())
+            logits, _ = self._run(sets[i : i + batch_size])
+            parts.append(torch.log_softmax(logits[:, -1].float(), dim=-1).cpu())
         return torch.cat(parts)
 
     @torch.no_grad()
@@ -283,8 +273,8 @@ class SetBasedBackend(HFBackend):
             s, cont = passage_set(self, context), self.tokenize(continuation)
             if not cont:
                 raise ValueError("loglikelihood needs a non-empty continuation")
-            res, _, _ = self._prefill([s], [cont])
-            logp = torch.log_softmax(res.logits[0, -len(cont) - 1 : -1].float(), dim=-1)
+            logits, _ = self._run([s], [cont])
+            logp = torch.log_softmax(logits[0, -len(cont) - 1 : -1].float(), dim=-1)
             target = torch.tensor(cont, device=logp.device)[:, None]
             out.append(float(logp.gather(1, target).sum()))
         return out
@@ -310,4 +300,60 @@ class SetBasedBackend(HFBackend):
                     shown = text
 
 
-__all__ = ["PassageSet", "SetBasedBackend", "SetBasedOptions", "passage_set", "set_mask"]
+class SetBasedBackend(PassageSetBackend):
+    """The ``set-based`` backend: a task prompt's passages read as a set with parallel
+    positions and a block mask (see the module docstring). Composes with an adapter.
+
+    Args:
+        model, tokenizer, adapter: as for :class:`~ragfix.backends.hf.HFBackend`.
+        **options: :class:`SetBasedOptions`.
+    """
+
+    name: ClassVar[str] = "set-based"
+    options_model: ClassVar[type[BackendOptions]] = SetBasedOptions
+
+    @torch.no_grad()
+    def _run(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
+        """See :meth:`PassageSetBackend._run`: one pass with the parallel positions of
+        ``align`` and the block mask (:func:`set_mask`), decoding over the model's KV cache."""
+        batch = padded_batch(sets, extra, self.options.align, self.tokenizer.pad_token_id)
+        dev, dtype = self.device, next(self.model.parameters()).dtype
+        out = self.model(
+            input_ids=batch.ids.to(dev),
+            position_ids=batch.positions.to(dev),
+            attention_mask=set_mask(batch.blocks.to(dev), dtype),
+            use_cache=True,
+        )
+        pads = batch.pads
+        state = {"cache": out.past_key_values, "pos": batch.positions[:, -1].to(dev)}
+
+        @torch.no_grad()
+        def step(nxt: torch.Tensor) -> torch.Tensor:
+            state["pos"] = state["pos"] + 1
+            keys = state["cache"].get_seq_length() + 1
+            mask = torch.zeros(len(sets), 1, 1, keys, dtype=dtype, device=dev)
+            for row, n in enumerate(pads):
+                mask[row, ..., :n] = torch.finfo(dtype).min
+            res = self.model(
+                input_ids=nxt,
+                position_ids=state["pos"][:, None],
+                attention_mask=mask,
+                past_key_values=state["cache"],
+                use_cache=True,
+            )
+            state["cache"] = res.past_key_values
+            return res.logits
+
+        return out.logits, step
+
+
+__all__ = [
+    "PassageSet",
+    "PassageSetBackend",
+    "SetBasedBackend",
+    "SetBasedOptions",
+    "SetBatch",
+    "padded_batch",
+    "passage_set",
+    "set_mask",
+]
