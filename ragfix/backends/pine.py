@@ -26,10 +26,9 @@ computes, from pre-RoPE queries and keys:
 Each query sees the keys at the positions it gives them (per head and query), so the keys and
 values are cached before RoPE and every decoding step re-ranks the passages; the scores are
 computed with each query rotated once per passage (RoPE is a rotation by position, so shifting a
-key back by ``s`` is rotating the query forward by ``s``). Invariant to the order of the
-passages by construction (up to floating point and ties in importance); the cost over vanilla is
-a score matrix per passage for every query: time grows with (queries) x (passages) x (prompt
-tokens).
+key back by ``s`` is rotating the query forward by ``s``): one score per (query, key), as in
+vanilla attention, plus a rotation of each query per passage. Invariant to the order of the
+passages by construction (up to floating point and ties in importance).
 
 Like the official code, attention is computed explicitly in this module (any
 ``attn_implementation``), one prompt of a batch at a time inside each layer (the MLPs and
@@ -86,8 +85,8 @@ def passage_shifts(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 class _PineRun:
     """State of one prefill/decode run over a left-padded batch of passage sets: per row the
-    base positions and blocks of its tokens, the pre-RoPE keys and values of every layer and the
-    RoPE tables."""
+    base positions and blocks of its tokens, per layer the keys (before RoPE and at their base
+    positions) and values of every query head, and the RoPE tables."""
 
     def __init__(self, backend: PineBackend, sets: Sequence[PassageSet], extra=()):
         batch = padded_batch(sets, extra, "end", backend.tokenizer.pad_token_id)
@@ -97,8 +96,8 @@ class _PineRun:
         self.lengths = [
             torch.tensor([len(p) for p in s.passages], device=backend.device) for s in sets
         ]
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        #: per layer, per query head: keys before RoPE, keys at base positions, values
+        self.heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.start = 0  # index of the step's first query
         self.rotary = backend.rotary
         self.device = backend.device
@@ -128,8 +127,9 @@ class _PineRun:
         """PINE attention of the step's queries over every cached key.
 
         Args:
-            attn: the layer's attention module (``scaling``).
-            q: pre-RoPE queries ``[B, H, c, d]``; k, v: pre-RoPE keys / values ``[B, Hkv, T, d]``.
+            attn: the layer's attention module (``scaling``, ``layer_idx``).
+            q: pre-RoPE queries ``[B, H, c, d]``; k, v: the step's pre-RoPE keys / values
+                ``[B, Hkv, c, d]``, appended to the layer's cache.
 
         Returns:
             ``[B, c, H * d]`` attention output (before ``o_proj``).
@@ -138,15 +138,29 @@ class _PineRun:
         groups = heads // k.shape[1]
         out = torch.zeros(bsz, heads, c, d, device=q.device, dtype=q.dtype)
         cos, sin = self.tables(q.dtype)
+        # the step's new keys and values, per query head, and the keys at their base positions
+        # (which never change): appended to this layer's cache of them
+        new_k = k.repeat_interleave(groups, dim=1)  # [B, H, c, d]
+        new_v = v.repeat_interleave(groups, dim=1)
+        cached = self.heads[attn.layer_idx][0].shape[2] if attn.layer_idx in self.heads else 0
+        at = self.base[:, cached : cached + c]  # [B, c]
+        new_rot = _rope(new_k, cos[at][:, None], sin[at][:, None])
+        parts = (new_k, new_rot, new_v)
+        if attn.layer_idx in self.heads:
+            parts = tuple(
+                torch.cat([old, new], dim=2)
+                for old, new in zip(self.heads[attn.layer_idx], parts, strict=True)
+            )
+        self.heads[attn.layer_idx] = parts
+        keys, rotated, values = parts
         for b in range(bsz):
-            kb = k[b].repeat_interleave(groups, dim=0)  # [H, T, d]
-            vb = v[b].repeat_interleave(groups, dim=0)
-            out[b] = self._row(attn.scaling, b, q[b], kb, vb, cos, sin)
+            out[b] = self._row(attn.scaling, b, q[b], keys[b], rotated[b], values[b], cos, sin)
         return out.transpose(1, 2).reshape(bsz, c, heads * d)
 
-    def _row(self, scaling, b, q, k, v, cos, sin) -> torch.Tensor:
-        """One row's output ``[H, c, d]``; see the module docstring for the three kinds of
-        query.
+    def _row(self, scaling, b, q, k, k_rot, v, cos, sin) -> torch.Tensor:
+        """One row's output ``[H, c, d]`` from its queries ``q [H, c, d]``, its keys per query
+        head before RoPE (``k``) and at their base positions (``k_rot``), ``[H, T, d]``, and
+        values ``v [H, T, d]``; see the module docstring for the three kinds of query.
 
         A key of passage ``j`` shifted back by ``s`` scores ``<R(m) q, R(n - s) k> =
         <R(m + s) q, R(n) k>`` (RoPE is a rotation by position): the keys are rotated once, at
@@ -167,20 +181,19 @@ class _PineRun:
         out = torch.zeros(heads, c, d, device=q.device, dtype=q.dtype)
         first = int(region[0]) if len(region) else total
         keys_seen = blocks != PAD
-        k_rot = _rope(k, cos[base], sin[base])  # [H, T, d] at base positions
         index = torch.arange(total, device=q.device)
+
+        members = [(blocks == j).nonzero().squeeze(-1) for j in range(n)]
 
         def attend(rows, shifts, seen):
             # rows [r] query indices into q; shifts [H, r|1, n] per passage; seen [H|1, r, T]
             m = base[qi[rows]]
             q0 = _rope(q[:, rows], cos[m], sin[m])  # [H, r, d]
-            logits = q0 @ k_rot.transpose(-1, -2)  # [H, r, T]
-            if n:
-                at = (m[None, :, None] + shifts).expand(heads, len(rows), n)
-                qd = _rope(q[:, rows, None], cos[at], sin[at])  # [H, r, n, d]
-                per = torch.einsum("hrnd,htd->hrnt", qd, k_rot)
-                pick = doc_of_key[None, None, None].expand(heads, len(rows), 1, total)
-                logits = torch.where(in_region, per.gather(2, pick).squeeze(2), logits)
+            logits = q0 @ k_rot.transpose(-1, -2)  # [H, r, T]: right for keys outside passages
+            for j, keys in enumerate(members):
+                at = (m[None] + shifts[:, :, j]).expand(heads, len(rows))
+                qj = _rope(q[:, rows], cos[at], sin[at])  # [H, r, d], forward by j's shift
+                logits[:, :, keys] = qj @ k_rot[:, keys].transpose(-1, -2)
             logits = (logits * scaling).masked_fill(~seen, float("-inf"))
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
             out[:, rows] = probs @ v
@@ -221,8 +234,8 @@ class _PineRun:
 
 def _pine_attention_forward(attn, run: _PineRun, hidden_states, *args, **kwargs):
     """Replacement ``forward`` of a Llama/Mistral/Qwen2/Qwen3 attention module during a PINE run:
-    projects q/k/v (Qwen3's q/k norms applied), caches the pre-RoPE keys and values in ``run``
-    and attends as PINE does. Returns ``(output [B, c, hidden], None)``."""
+    projects q/k/v (Qwen3's q/k norms applied) and attends as PINE does over ``run``'s cache
+    (which the step's keys and values join). Returns ``(output [B, c, hidden], None)``."""
     bsz, c, _ = hidden_states.shape
     shape = (bsz, c, -1, attn.head_dim)
     q = attn.q_proj(hidden_states).view(shape)
@@ -231,11 +244,6 @@ def _pine_attention_forward(attn, run: _PineRun, hidden_states, *args, **kwargs)
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
-    i = attn.layer_idx
-    if i in run.keys:
-        k = torch.cat([run.keys[i], k], dim=2)
-        v = torch.cat([run.values[i], v], dim=2)
-    run.keys[i], run.values[i] = k, v
     return attn.o_proj(run.attend(attn, q, k, v)), None
 
 
