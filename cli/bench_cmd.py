@@ -18,7 +18,8 @@ JsonOpt = Annotated[
 
 
 def _show(table, details: dict, json_out: Path | None) -> None:
-    from ragfix.eval.report import print_tables, write_benchmark
+    from ragfix.eval.results import write_benchmark
+    from ragfix.tables import print_tables
 
     print_tables([table], console)
     if json_out is not None:

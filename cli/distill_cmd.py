@@ -58,17 +58,14 @@ def _load(
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import load_samples
     from ragfix.distill import shorten_sample
-    from ragfix.eval.sweep import select_records
 
     out = []
     for f in files:
         limit = None if candidates is None else offset + candidates
         skipped = SkipCounter()
         loaded = load_samples(
-            f, num_docs, None if records else limit, skip_invalid=True, skipped=skipped
+            f, num_docs, limit, skip_invalid=True, skipped=skipped, records=records
         )
-        if records is not None:
-            loaded = select_records(loaded, records)[:limit]
         out += [shorten_sample(s, max_words) for s in loaded[offset:]]
         if skipped.count:
             console.print(
@@ -103,9 +100,9 @@ def _train(
     """Load the data, run :func:`ragfix.distill.distill` and print the outcome."""
     import torch
 
+    from ragfix.connectors.records import format_records, parse_records
     from ragfix.distill import DistillSettings, compose_two_passage, distill
     from ragfix.errors import ConfigError
-    from ragfix.eval.sweep import format_records, parse_records
 
     if threads:
         torch.set_num_threads(threads)

@@ -35,8 +35,7 @@ from ragfix.errors import ConfigError
 def print_run(summary: dict, out: Path, title: str) -> None:
     """The per-position tables of a finished sweep, its flagged cells per position (overflow,
     degenerate gold) and where its files are."""
-    from ragfix.eval.report import print_run_files, print_summary
-    from ragfix.eval.sweep import print_flags
+    from ragfix.eval.sweep_summary import print_flags, print_run_files, print_summary
 
     print_summary(summary, console, title=title)
     print_flags(summary, console)

@@ -28,11 +28,13 @@ from ragfix.cli.common import (
 
 
 def _print_result(result, warn_unparsed: bool = True) -> None:
-    """The tables of a judge run, a warning when most generated verdicts were unreadable, and
-    the paths of the run folder's files."""
+    """The tables of a judge run (rendered from its ``summary.json``), a warning when most
+    generated verdicts were unreadable, and the paths of the run folder's files."""
+    import json
+
     from ragfix.judge import print_judge_summary
 
-    print_judge_summary(result.summaries, console)
+    print_judge_summary(json.loads(result.files["summary"].read_text()), console)
     for s in result.summaries.values():
         inv = s["generated"]["invalid_rate"]
         if warn_unparsed and inv is not None and inv > 0.5:

@@ -37,13 +37,8 @@ def register(app: typer.Typer) -> None:
         one: the difference per position, the exact McNemar p-value, and paired bootstrap
         intervals of the mean and gap differences. Other runs are drawn side by side with a note
         naming the differing settings; a run that tuned on the compared records is not paired."""
-        from ragfix.eval.report import (
-            compare_runs,
-            comparison_tables,
-            markdown_tables,
-            print_tables,
-            write_comparison,
-        )
+        from ragfix.eval.compare import compare_runs, comparison_tables, write_comparison
+        from ragfix.tables import markdown_tables, print_tables
 
         with user_errors():
             comparison = compare_runs(runs, plot=out, title=title)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
-from ragfix.eval.report import RunTally, progress_bar, write_report
+from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.run import RunFolder, input_fingerprints
 from ragfix.eval.shard import (
     assign_groups,
@@ -37,13 +38,12 @@ from ragfix.eval.sweep import (
     SweepConfig,
     open_store,
     parse_positions,
-    parse_records,
     plan_cells,
     run_cells,
-    select_records,
     summary_counts,
     sweep_folder,
 )
+from ragfix.eval.sweep_summary import write_report
 from ragfix.io import atomic_write_text
 from ragfix.tasks import get_task
 from ragfix.types import SweepRecord
@@ -366,13 +366,9 @@ def run_sweep(
     )
     pos = parse_positions(positions, num_docs)
     skipped = SkipCounter()
-    samples = load_samples(
-        path, num_docs, None if rng else limit, distractor_pool, skip_invalid, skipped
-    )
-    if rng is not None:
-        samples = select_records(samples, rng)[:limit]
-        if not samples:
-            raise DataError(path, None, None, f"no usable record in --records {records}")
+    samples = load_samples(path, num_docs, limit, distractor_pool, skip_invalid, skipped, rng)
+    if rng is not None and not samples:
+        raise DataError(path, None, None, f"no usable record in --records {records}")
     if skipped.count and console is not None:
         console.print(
             f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "

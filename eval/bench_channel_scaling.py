@@ -28,7 +28,8 @@ from ragfix.backends import load_backend
 from ragfix.backends.channel_scaling import ChannelScalingBackend, apply_channel_scaling
 from ragfix.bundled import resolve_data
 from ragfix.connectors.litm import load_samples
-from ragfix.eval.report import TableSpec, print_tables, write_benchmark
+from ragfix.eval.results import write_benchmark
+from ragfix.tables import TableSpec, print_tables
 from ragfix.tasks import task_prompt
 
 

@@ -30,7 +30,8 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from ragfix.backends import load_backend
 from ragfix.backends.gali import GaliBackend, _GaliRun, paper_logits
 from ragfix.eval.ppl import read_texts
-from ragfix.eval.report import TableSpec, print_tables, write_benchmark
+from ragfix.eval.results import write_benchmark
+from ragfix.tables import TableSpec, print_tables
 
 #: the default ``--data``, relative to the working directory (the repository root)
 DATA = "data/needle_paul_graham_essays.jsonl.gz"

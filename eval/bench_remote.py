@@ -24,8 +24,9 @@ from rich.console import Console
 from ragfix.backends import load_backend
 from ragfix.bundled import bundled_path
 from ragfix.connectors.litm import load_samples
-from ragfix.eval.report import TableSpec, print_tables, write_benchmark
+from ragfix.eval.results import write_benchmark
 from ragfix.serve import serving
+from ragfix.tables import TableSpec, print_tables
 from ragfix.tasks import task_prompt
 
 

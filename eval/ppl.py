@@ -52,9 +52,10 @@ from ragfix.backends import Backend, load_backend, validate_backend
 from ragfix.connectors.jsonl import read_jsonl, require
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import Bootstrap, Interval
-from ragfix.eval.report import PPL_KIND, markdown_tables, ppl_tables
+from ragfix.eval.ppl_tables import PPL_KIND, ppl_tables
 from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
 from ragfix.io import atomic_write_json, atomic_write_text
+from ragfix.tables import markdown_tables
 
 #: method name -> (backend, options); train windows and rope factors are filled in per run
 METHODS: dict[str, tuple[str, dict]] = {

@@ -193,9 +193,9 @@ def test_distill_records_select_the_training_records_and_are_recorded(tmp_path):
     malformed range is one line before any model is loaded."""
     from ragfix.cli.distill_cmd import _load
     from ragfix.connectors.litm import load_samples
+    from ragfix.connectors.records import parse_records
     from ragfix.distill import DistillSettings, TeacherReport, adapter_metadata
     from ragfix.distill.loop import TrainResult
-    from ragfix.eval.sweep import parse_records
 
     every = load_samples(NQ, 3)
     got = _load([NQ], 3, 1, 1, None, parse_records("2:5"))

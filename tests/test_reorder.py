@@ -8,7 +8,7 @@ import pytest
 
 from ragfix.correct import BudgetError, drop_near_duplicates, fit_budget
 from ragfix.errors import ConfigError
-from ragfix.eval.report import build_summary
+from ragfix.eval.sweep_summary import build_summary
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import (
     ProfileError,
