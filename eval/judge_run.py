@@ -307,15 +307,8 @@ def run_judge(
     )
     if not restart:
         folder.check()  # other settings: refused before the model is loaded
-    calls = opts.model_dump(mode="json", include=set(opts.call_settings))
     b = load_backend(
-        backend,
-        model=model,
-        adapter=config.adapter,
-        device=device,
-        dtype=dtype,
-        **calls,
-        **config.backend_options,
+        backend, model=model, adapter=config.adapter, device=device, dtype=dtype, validated=opts
     )
     on_gpu = resolve_device(device).type == "cuda"
     judge = PairwiseJudge(

@@ -277,7 +277,9 @@ def run_pipeline_sweep(
             f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
             highlight=False,
         )
-    b = load_backend(backend, model=model, device=device, dtype=dtype, adapter=adapter, **options)
+    b = load_backend(
+        backend, model=model, device=device, dtype=dtype, adapter=adapter, validated=validated
+    )
     folder.bind(b.identity(), restart=restart)
     done = folder.done()
 

@@ -17,9 +17,9 @@ from conftest import ROOT, tiny_model
 
 import ragfix.io
 import ragfix.models
-from ragfix.adapters import METADATA_FILE, load_adapter
 from ragfix.backends.channel_scaling import ChannelScalingBackend, ChannelScalingCalibration
 from ragfix.errors import AdapterError, ConfigError
+from ragfix.lora import METADATA_FILE, load_adapter
 from ragfix.models import (
     FINGERPRINT_INDEX,
     ModelSpec,

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from ragfix.correct import BudgetError, drop_near_duplicates, fit_budget
 from ragfix.errors import ConfigError
 from ragfix.eval.sweep_summary import build_summary
 from ragfix.prompts import TaskPrompt
+from ragfix.pruning import BudgetError, drop_near_duplicates, fit_budget
 from ragfix.reorder import (
     ProfileError,
     attention_sort_order,

@@ -26,6 +26,7 @@ from ragfix.backends.base import (
     Prompt,
     answer_rules,
     answer_text,
+    validated_options,
 )
 from ragfix.errors import RagfixError
 from ragfix.models import model_identity
@@ -67,12 +68,15 @@ class HFBackend(Backend):
         model: a ``transformers`` causal LM in eval mode (as from
             :func:`ragfix.models.load_model`).
         tokenizer: its tokenizer (left padding, with a pad token).
-        adapter: what :func:`ragfix.adapters.load_adapter` applied to ``model`` (recorded in
+        adapter: what :func:`ragfix.lora.load_adapter` applied to ``model`` (recorded in
             :meth:`identity`), or ``None``.
-        **options: the backend's options (:attr:`options_model`).
+        options: the backend's options already validated (an :attr:`options_model`, as
+            :func:`ragfix.backends.load_backend` passes them), or None to validate ``**kwargs``.
+        **kwargs: the backend's options as keywords (when ``options`` is None).
 
     Raises:
         pydantic.ValidationError: an unknown or invalid option.
+        TypeError: both ``options`` and keyword options, or ``options`` of another backend.
     """
 
     name: ClassVar[str] = "vanilla"
@@ -84,11 +88,19 @@ class HFBackend(Backend):
         implementation the method needs). None for most backends."""
         return {}
 
-    def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        adapter: dict | None = None,
+        options: BackendOptions | None = None,
+        **kwargs,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter
-        self.options = self.options_model(**options)
+        self.options = validated_options(self.options_model, options, kwargs)
         self._reuse_cache = None
         self._reuse_ids: list[int] = []
         if not tokenizer.chat_template:

@@ -30,7 +30,7 @@ teacher answers, filtering), :mod:`~ragfix.distill.batches` (tokenised rows, ans
 :mod:`~ragfix.distill.checkpoint` (resumable state via ``accelerate``),
 :mod:`~ragfix.distill.artefacts` (the adapter folder) and :mod:`~ragfix.distill.pipeline`
 (:func:`distill`, the whole run). Loading an adapter is a model-loading concern:
-:func:`ragfix.adapters.load_adapter` (every backend takes ``adapter=PATH``).
+:func:`ragfix.lora.load_adapter` (every backend takes ``adapter=PATH``).
 """
 
 from ragfix.distill.artefacts import adapter_metadata, save_adapter

@@ -389,7 +389,7 @@ def run_sweep(
         device=device,
         dtype=dtype,
         adapter=str(adapter) if adapter else None,
-        **options,
+        validated=validated,
     )
     loaded = load_backend(**load_kwargs)  # also for a finished folder: what it ran on is checked
     _check_budget(loaded, config)
