@@ -9,20 +9,15 @@ import typer
 from rich.table import Table
 
 from ragfix.cli.common import (
+    REMOTE_OPTIONS,
     AdapterOpt,
-    ApiBaseOpt,
     BackendOpt,
     BackendOptsOpt,
     CalibrationOpt,
-    ConcurrencyOpt,
-    ContextWindowOpt,
     DeviceOpt,
     DtypeOpt,
-    MaxRetriesOpt,
     ModelOpt,
     RestartOpt,
-    TimeoutOpt,
-    TokenizerOpt,
     TrainWindowOpt,
     backend_options,
     console,
@@ -46,6 +41,7 @@ def register(app: typer.Typer) -> None:
     """Add ``eval``, ``demo`` and ``models`` to the CLI."""
 
     @app.command("eval")
+    @REMOTE_OPTIONS
     def eval_cmd(
         data: Annotated[
             Path | None,
@@ -115,15 +111,10 @@ def register(app: typer.Typer) -> None:
                 'pip install "ragfix[langchain]" / "ragfix[haystack]")'
             ),
         ] = "llamaindex",
-        api_base: ApiBaseOpt = None,
-        tokenizer: TokenizerOpt = None,
-        context_window: ContextWindowOpt = None,
-        concurrency: ConcurrencyOpt = None,
-        max_retries: MaxRetriesOpt = None,
-        timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
+        remote: dict | None = None,
     ) -> None:
         """Accuracy as the gold passage moves through every position (table, summary.json,
         curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex,
@@ -131,9 +122,7 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             options = {
                 **backend_options(backend_opt, calibration, train_window),
-                **remote_options(
-                    model, api_base, tokenizer, context_window, concurrency, max_retries, timeout
-                ),
+                **remote_options(model, remote),
             }
             if corpus is not None or questions is not None:
                 if corpus is None or questions is None:

@@ -19,21 +19,18 @@ a benchmark's file (:func:`ragfix.eval.results.write_benchmark`), ``ppl`` a perp
 judge``, also ``--from-judgments``: :func:`ragfix.judge.report.judge_tables`), each only its own
 kind of file. Markers inside fenced code blocks are left alone.
 
-Commands (the same function)::
+Commands::
 
     ragfix render README.md docs/*.md            # rewrite the blocks from results/
     ragfix render --check README.md docs/*.md    # exit 1 when a block is out of date
-    python -m ragfix.eval.render [--check] README.md docs/*.md
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from pathlib import Path
 
-from ragfix.errors import DataError, RagfixError
+from ragfix.errors import DataError
 from ragfix.eval.results import TABLE_KINDS, load_result, result_tables
 from ragfix.io import atomic_write_text
 from ragfix.tables import markdown_tables
@@ -109,26 +106,3 @@ def render_files(paths: list[str | Path], check: bool = False) -> list[Path]:
             if not check:
                 atomic_write_text(p, new)
     return stale
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ragfix.eval.render [--check] FILE...``: 0 when done (or up to date), 1 when
-    ``--check`` finds a file out of date, 2 on a user error (one line)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ragfix.eval.render", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("files", nargs="+", help="Markdown files")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a file is out of date")
-    args = parser.parse_args(argv)
-    try:
-        stale = render_files(args.files, check=args.check)
-    except RagfixError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for p in stale:
-        print(f"{'out of date' if args.check else 'rewrote'}: {p}")
-    return 1 if args.check and stale else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
