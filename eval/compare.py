@@ -263,7 +263,7 @@ def compare_runs(
     seed: int = SEED,
 ) -> dict:
     """Compare run folders: figures of merit of every curve, and paired comparisons where the
-    cells are the same (issue 15's protocol).
+    cells are the same.
 
     Runs are grouped by :func:`config_differences` (a run joins the first group whose first run
     has the same cells); in each group every curve is paired with the group's first curve, unless

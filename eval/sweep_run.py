@@ -294,7 +294,7 @@ def run_sweep(
         positions: ``all``, ``first,middle,last`` or ``0,4,9`` (0-based gold positions).
         records: a record range of the file, ``"START:END"`` (0-based, END excluded; record
             ``i`` is on line ``i + 1``), applied before ``limit``; written to ``config.json``
-            (a tune range and a disjoint test range, issue 15's protocol). The whole file is
+            (choices made on one range are reported on a disjoint one). The whole file is
             read (and must be valid, or ``skip_invalid``) so distractors never depend on it.
         limit: use the first ``limit`` samples (of the range).
         batch_size: cells per batch (default: a remote model's concurrency, else 16 on CUDA or

@@ -63,7 +63,10 @@ def _summary_file(tmp_path, model="smollm2", num_docs=4, accs=(0.9, 0.4, 0.5, 0.
     records = []
     for pos, acc in enumerate(accs):
         for i in range(10):
-            records.append({"backend": "vanilla", "position": pos, "correct": i < round(acc * 10)})
+            correct = i < round(acc * 10)
+            records.append(
+                {"cell_id": f"{pos}-{i}", "backend": "vanilla", "position": pos, "correct": correct}
+            )
     (tmp_path / "config.json").write_text(json.dumps({"model": model, "num_docs": num_docs}))
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(build_summary(tmp_path, records)))
