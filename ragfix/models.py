@@ -455,7 +455,7 @@ def cpu_threads(threads: int | None = None) -> int:
 
     PyTorch starts one thread per core; when other processes hold some of the cores, its threads
     wait on each other at every parallel step and a model process slows several-fold (measured in
-    ``results/cpu-threads.json``, ``python -m ragfix.eval.bench_threads``). The number comes from,
+    ``results/cpu-threads.json``, ``ragfix bench threads``). The number comes from,
     in order: ``threads``; ``$RAGFIX_THREADS`` (``ragfix --threads N``); ``$OMP_NUM_THREADS``
     (then torch's own setting is kept); otherwise :func:`free_cpu_cores`.
 
