@@ -68,6 +68,8 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             stale = render_files(files, check=check)
         for p in stale:
-            console.print(f"{'out of date' if check else 'rewrote'}: {p}")
+            console.print(
+                f"{'out of date' if check else 'rewrote'}: {p}", soft_wrap=True, highlight=False
+            )
         if check and stale:
             raise typer.Exit(1)

@@ -265,7 +265,7 @@ def test_render_round_trip_and_check(tmp_path):
         "# KV\n\n<!-- results:merit ../results/kv.json -->\nstale\n<!-- /results -->\n\ntext\n\n"
         "<!-- results:curve ../results/base.json -->\n<!-- /results -->\n" + fenced
     )
-    cli = [sys.executable, "-m", "ragfix.eval.render"]
+    cli = [sys.executable, "-m", "ragfix.cli", "render"]
     check = subprocess.run([*cli, "--check", str(doc)], capture_output=True, text=True)
     assert check.returncode == 1 and f"out of date: {doc}" in check.stdout
     assert runner.invoke(app, ["render", str(doc)]).exit_code == 0
