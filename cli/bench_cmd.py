@@ -17,12 +17,16 @@ JsonOpt = Annotated[
 ]
 
 
-def _show(table, details: dict, json_out: Path | None) -> None:
-    from ragfix.eval.report import print_tables, write_benchmark
+def _show(tables, details: dict, json_out: Path | None) -> None:
+    """Print the benchmark's table (or tables); with ``--json`` keep the first as a result
+    file, ``details`` beside it."""
+    from ragfix.eval.results import write_benchmark
+    from ragfix.tables import print_tables
 
-    print_tables([table], console)
+    tables = tables if isinstance(tables, list) else [tables]
+    print_tables(tables, console)
     if json_out is not None:
-        write_benchmark(json_out, table, **details)
+        write_benchmark(json_out, tables[0], **details)
         console.print(f"result file: {json_out}", highlight=False, soft_wrap=True)
 
 
@@ -88,6 +92,95 @@ def processes_cmd(
         table, details = bench_processes(
             parse_settings(settings), data, num_docs, limit, model, status.update
         )
+    _show(table, details, json_out)
+
+
+@bench.command("gali")
+def gali_cmd(
+    model: Annotated[str, typer.Option(help="model")] = "smollm2",
+    train_window: Annotated[int, typer.Option(help="the trained window L (lowered)")] = 512,
+    ratios: Annotated[str, typer.Option(help="lengths as multiples of L, comma separated")] = (
+        "1,2,4"
+    ),
+    query_block: Annotated[int, typer.Option(help="GALI's query block")] = 256,
+    chunk_size: Annotated[int | None, typer.Option(help="GALI chunk (default: its own)")] = None,
+    local_window: Annotated[int | None, typer.Option(help="GALI W (default: its own)")] = None,
+    attn_tokens: Annotated[int | None, typer.Option(help="default: max ratio x L")] = None,
+    attn_chunk: Annotated[int | None, typer.Option(help="default: GALI's chunk size")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda ...")] = "cpu",
+    data: Annotated[Path, typer.Option(help="JSON Lines of long texts (field 'text')")] = Path(
+        "data/needle_paul_graham_essays.jsonl.gz"
+    ),
+    json_out: JsonOpt = None,
+) -> None:
+    """GALI prefill time and peak memory against vanilla at several lengths, and one layer's
+    blocked attention against the paper's two-full-matrices form (run with
+    MALLOC_MMAP_THRESHOLD_=65536 on the CPU)."""
+    from ragfix.cli.common import parse_numbers
+    from ragfix.eval.bench_gali import bench_gali
+
+    with user_errors(), console.status("benchmark") as status:
+        tables, details = bench_gali(
+            model,
+            train_window,
+            parse_numbers(ratios, "--ratios"),
+            query_block,
+            chunk_size,
+            local_window,
+            attn_tokens,
+            attn_chunk,
+            device,
+            data,
+            status.update,
+        )
+    _show(tables, details, json_out)
+
+
+@bench.command("channel-scaling")
+def channel_scaling_cmd(
+    model: Annotated[str, typer.Option(help="model")] = "smollm2",
+    device: Annotated[str, typer.Option(help="cpu, cuda ...")] = "cpu",
+    data: Annotated[str, typer.Option(help="QA file or nq-sample")] = "nq-sample",
+    num_docs: Annotated[int, typer.Option(help="documents per prompt")] = 10,
+    prompts: Annotated[int, typer.Option(help="prompts (gold passage first)")] = 4,
+    new_tokens: Annotated[int, typer.Option(help="greedy decode steps per prompt")] = 32,
+    repeats: Annotated[int, typer.Option(help="runs per prompt and mode (median)")] = 3,
+    calibration: Annotated[
+        str | None, typer.Option(help="calibration JSON (default: channel 0)")
+    ] = None,
+    clock: Annotated[str, typer.Option(help="wall or cpu (the process's CPU time)")] = "wall",
+    json_out: JsonOpt = None,
+) -> None:
+    """Prefill time and decode speed of channel-scaled against vanilla on the same prompts (one
+    model, patched and unpatched in turn)."""
+    from ragfix.eval.bench_channel_scaling import bench_channel_scaling
+
+    with user_errors(), console.status("benchmark") as status:
+        table, details = bench_channel_scaling(
+            model, device, data, num_docs, prompts, new_tokens, repeats, calibration, clock,
+            status.update,
+        )  # fmt: skip
+    _show(table, details, json_out)
+
+
+@bench.command("remote")
+def remote_cmd(
+    model: Annotated[str, typer.Option(help="model (local, and served by ragfix serve)")] = (
+        "smollm2"
+    ),
+    prompts: Annotated[int, typer.Option(help="KV prompts")] = 16,
+    num_docs: Annotated[int, typer.Option(help="KV pairs per prompt")] = 4,
+    concurrency: Annotated[str, typer.Option(help="requests in flight, comma separated")] = "1,2,4",
+    json_out: JsonOpt = None,
+) -> None:
+    """Requests/s of the same prompts through the local backend and through `ragfix serve` at
+    several client concurrencies, with the answers compared."""
+    from ragfix.cli.common import parse_numbers
+    from ragfix.eval.bench_remote import bench_remote
+
+    with user_errors(), console.status("benchmark") as status:
+        levels = parse_numbers(concurrency, "--concurrency", int)
+        table, details = bench_remote(model, prompts, num_docs, levels, status.update)
     _show(table, details, json_out)
 
 

@@ -130,7 +130,8 @@ def register(app: typer.Typer) -> None:
 
 def _print_result(cal, out: Path, table: Path | None) -> None:
     from ragfix.calibrate import calibration_table
-    from ragfix.eval.report import print_tables, write_benchmark
+    from ragfix.eval.results import write_benchmark
+    from ragfix.tables import print_tables
 
     spec = calibration_table(cal)
     print_tables([spec], console)

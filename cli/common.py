@@ -1,10 +1,12 @@
-"""Shared CLI pieces: one-line errors, backend options, the console."""
+"""Shared CLI pieces: one-line errors, backend options, option groups, the console."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -159,31 +161,15 @@ TimeoutOpt = Annotated[
 ]
 
 
-def remote_options(
-    model: str,
-    api_base: str | None,
-    tokenizer: str | None,
-    context_window: int | None,
-    concurrency: int | None,
-    max_retries: int | None,
-    timeout: float | None,
-) -> dict:
-    """The remote-model flags that were given, as backend options
-    (:class:`~ragfix.backends.remote.RemoteOptions`).
+def remote_options(model: str, flags: dict) -> dict:
+    """The remote-model flags that were given (``flags``: the values of :data:`REMOTE_OPTIONS`),
+    as backend options (:class:`~ragfix.backends.remote.RemoteOptions`).
 
     Raises:
         ConfigError: a remote flag with a local model, or ``openai:NAME`` without ``--api-base``.
     """
     from ragfix.models import REMOTE_PREFIX
 
-    flags = {
-        "api_base": api_base,
-        "tokenizer": tokenizer,
-        "context_window": context_window,
-        "concurrency": concurrency,
-        "max_retries": max_retries,
-        "timeout": timeout,
-    }
     given = {k: v for k, v in flags.items() if v is not None}
     if not model.startswith(REMOTE_PREFIX):
         if given:
@@ -193,3 +179,58 @@ def remote_options(
     if "api_base" not in given:
         raise ConfigError(f"--model {model} needs --api-base URL (the server's base URL)")
     return given
+
+
+#: the default of a required option of an :class:`OptionGroup`
+REQUIRED = inspect.Parameter.empty
+
+
+class OptionGroup:
+    """Options declared once and shared by several commands: decorating a command with the group
+    adds its options to the command's signature (after the command's own) and hands their
+    values to the command as one dict, the keyword ``name`` (``{option: value}``).
+
+    Args:
+        name: the command's parameter that receives the dict (left out of its options).
+        **options: ``option name: (Annotated type, default)``, in the order ``--help`` shows;
+            the default :data:`REQUIRED` makes the option required.
+    """
+
+    def __init__(self, name: str, **options: tuple) -> None:
+        self.name = name
+        self.options = options
+
+    def __call__(self, command: Callable) -> Callable:
+        sig = inspect.signature(command, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != self.name]
+        added = [
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d)
+            for k, (a, d) in self.options.items()
+        ]
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            group = {k: kwargs.pop(k) for k in self.options}
+            return command(*args, **kwargs, **{self.name: group})
+
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added
+        run.__signature__ = sig.replace(parameters=params)
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        del run.__wrapped__  # typer reads the signature above, not the command's own
+        return run
+
+    def __add__(self, other: OptionGroup) -> OptionGroup:
+        """This group's options followed by ``other``'s, under this group's name."""
+        return OptionGroup(self.name, **self.options, **other.options)
+
+
+#: the options of a served model (``--model openai:NAME``), for :func:`remote_options`
+REMOTE_OPTIONS = OptionGroup(
+    "remote",
+    api_base=(ApiBaseOpt, None),
+    tokenizer=(TokenizerOpt, None),
+    context_window=(ContextWindowOpt, None),
+    concurrency=(ConcurrencyOpt, None),
+    max_retries=(MaxRetriesOpt, None),
+    timeout=(TimeoutOpt, None),
+)

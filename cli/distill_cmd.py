@@ -11,7 +11,15 @@ from typing import Annotated
 
 import typer
 
-from ragfix.cli.common import DeviceOpt, DtypeOpt, ModelOpt, console, user_errors
+from ragfix.cli.common import (
+    REQUIRED,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    OptionGroup,
+    console,
+    user_errors,
+)
 
 TrainOpt = Annotated[
     list[Path],
@@ -44,6 +52,35 @@ StopAfterOpt = Annotated[int | None, typer.Option(help="stop after N steps now")
 ResumeOpt = Annotated[bool, typer.Option(help="continue from the checkpoint")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads")]
 
+#: the options of both variants (``r1``, ``r2``): data, training loop, checkpoints, machine
+TRAINING_OPTIONS = OptionGroup(
+    "training",
+    train=(TrainOpt, REQUIRED),
+    out=(OutOpt, REQUIRED),
+    model=(ModelOpt, "smollm2"),
+    exclude=(ExcludeOpt, None),
+    records=(RecordsOpt, None),
+    offset=(OffsetOpt, 0),
+    candidates=(CandidatesOpt, None),
+    num_docs=(NumDocsOpt, 10),
+    max_passage_words=(WordsOpt, None),
+    epochs=(int, 1),
+    max_steps=(MaxStepsOpt, None),
+    effective_batch=(int, 32),
+    micro_batch=(int, 1),
+    lr=(float, 1e-4),
+    lora_r=(int, 16),
+    lora_alpha=(int, 32),
+    full_finetune=(FullOpt, False),
+    save_every=(SaveEveryOpt, 10),
+    stop_after=(StopAfterOpt, None),
+    resume=(ResumeOpt, True),
+    seed=(int, 42),
+    threads=(ThreadsOpt, None),
+    device=(DeviceOpt, "auto"),
+    dtype=(DtypeOpt, "auto"),
+)
+
 
 def _load(
     files: list[Path],
@@ -58,17 +95,14 @@ def _load(
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import load_samples
     from ragfix.distill import shorten_sample
-    from ragfix.eval.sweep import select_records
 
     out = []
     for f in files:
         limit = None if candidates is None else offset + candidates
         skipped = SkipCounter()
         loaded = load_samples(
-            f, num_docs, None if records else limit, skip_invalid=True, skipped=skipped
+            f, num_docs, limit, skip_invalid=True, skipped=skipped, records=records
         )
-        if records is not None:
-            loaded = select_records(loaded, records)[:limit]
         out += [shorten_sample(s, max_words) for s in loaded[offset:]]
         if skipped.count:
             console.print(
@@ -103,9 +137,9 @@ def _train(
     """Load the data, run :func:`ragfix.distill.distill` and print the outcome."""
     import torch
 
+    from ragfix.connectors.records import format_records, parse_records
     from ragfix.distill import DistillSettings, compose_two_passage, distill
     from ragfix.errors import ConfigError
-    from ragfix.eval.sweep import format_records, parse_records
 
     if threads:
         torch.set_num_threads(threads)
@@ -156,93 +190,45 @@ def register(app: typer.Typer) -> None:
     app.add_typer(distill_app, name="distill")
 
     @distill_app.command("r1")
+    @TRAINING_OPTIONS
     def r1(
-        train: TrainOpt,
-        out: OutOpt,
-        model: ModelOpt = "smollm2",
-        exclude: ExcludeOpt = None,
-        records: RecordsOpt = None,
-        offset: OffsetOpt = 0,
-        candidates: CandidatesOpt = None,
         questions: Annotated[int, typer.Option(help="correct teacher answers to keep")] = 300,
-        num_docs: NumDocsOpt = 10,
-        max_passage_words: WordsOpt = None,
         positions_per_question: Annotated[int, typer.Option(help="K trivial positions")] = 4,
         max_answer_words: Annotated[
             int, typer.Option(help="QA: drop teacher answers longer than N words")
         ] = 12,
         anchor_position: Annotated[int, typer.Option(help="sink position, 0-based; -1 last")] = 0,
         anchor_weight: Annotated[float, typer.Option(help="lambda of the anchoring term")] = 1.0,
-        epochs: int = 1,
-        max_steps: MaxStepsOpt = None,
-        effective_batch: int = 32,
-        micro_batch: int = 1,
-        lr: float = 1e-4,
-        lora_r: int = 16,
-        lora_alpha: int = 32,
-        full_finetune: FullOpt = False,
-        save_every: SaveEveryOpt = 10,
-        stop_after: StopAfterOpt = None,
-        resume: ResumeOpt = True,
-        seed: int = 42,
-        threads: ThreadsOpt = None,
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "auto",
+        training: dict | None = None,
     ) -> None:
         """R1 (retrieval): KL from the model at its advantaged position to every other one."""
         with user_errors():
             _train(
-                train, out, model, exclude, records, offset, candidates, threads, device, dtype,
-                resume, stop_after, variant="r1", num_docs=num_docs,
-                max_passage_words=max_passage_words, max_answer_words=max_answer_words,
-                questions=questions, positions_per_question=positions_per_question,
-                anchor_position=anchor_position, anchor_weight=anchor_weight, epochs=epochs,
-                max_steps=max_steps, effective_batch=effective_batch, micro_batch=micro_batch,
-                lr=lr, lora_r=lora_r, lora_alpha=lora_alpha, full_finetune=full_finetune,
-                save_every=save_every, seed=seed,
-            )  # fmt: skip
+                **training,
+                variant="r1",
+                max_answer_words=max_answer_words,
+                questions=questions,
+                positions_per_question=positions_per_question,
+                anchor_position=anchor_position,
+                anchor_weight=anchor_weight,
+            )
 
     @distill_app.command("r2")
+    @TRAINING_OPTIONS
     def r2(
-        train: TrainOpt,
-        out: OutOpt,
-        model: ModelOpt = "smollm2",
-        exclude: ExcludeOpt = None,
-        records: RecordsOpt = None,
-        offset: OffsetOpt = 0,
-        candidates: CandidatesOpt = None,
         questions: Annotated[int, typer.Option(help="correct teacher answers to keep")] = 500,
-        num_docs: NumDocsOpt = 10,
-        max_passage_words: WordsOpt = None,
         positions_per_question: Annotated[int, typer.Option(help="K position pairs")] = 4,
         max_new_tokens: Annotated[int, typer.Option(help="chain-of-thought budget")] = 160,
-        epochs: int = 1,
-        max_steps: MaxStepsOpt = None,
-        effective_batch: int = 32,
-        micro_batch: int = 1,
-        lr: float = 1e-4,
-        lora_r: int = 16,
-        lora_alpha: int = 32,
-        full_finetune: FullOpt = False,
-        save_every: SaveEveryOpt = 10,
-        stop_after: StopAfterOpt = None,
-        resume: ResumeOpt = True,
-        seed: int = 42,
-        threads: ThreadsOpt = None,
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "auto",
+        training: dict | None = None,
     ) -> None:
         """R2 (reasoning): cross-entropy on the chain of thought sampled with both gold passages
         last, from other position pairs. Multi-hop questions are composed from pairs of NQ
         questions of the training files (two gold passages, both answers required)."""
         with user_errors():
             _train(
-                train, out, model, exclude, records, offset, candidates, threads, device, dtype,
-                resume, stop_after, variant="r2", num_docs=num_docs,
-                max_passage_words=max_passage_words,
-                questions=questions, positions_per_question=positions_per_question,
-                r2_max_new_tokens=max_new_tokens, epochs=epochs, max_steps=max_steps,
-                effective_batch=effective_batch, micro_batch=micro_batch, lr=lr, lora_r=lora_r,
-                lora_alpha=lora_alpha, full_finetune=full_finetune, save_every=save_every,
-                seed=seed,
-            )  # fmt: skip
+                **training,
+                variant="r2",
+                questions=questions,
+                positions_per_question=positions_per_question,
+                r2_max_new_tokens=max_new_tokens,
+            )

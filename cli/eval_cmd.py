@@ -9,20 +9,15 @@ import typer
 from rich.table import Table
 
 from ragfix.cli.common import (
+    REMOTE_OPTIONS,
     AdapterOpt,
-    ApiBaseOpt,
     BackendOpt,
     BackendOptsOpt,
     CalibrationOpt,
-    ConcurrencyOpt,
-    ContextWindowOpt,
     DeviceOpt,
     DtypeOpt,
-    MaxRetriesOpt,
     ModelOpt,
     RestartOpt,
-    TimeoutOpt,
-    TokenizerOpt,
     TrainWindowOpt,
     backend_options,
     console,
@@ -35,8 +30,7 @@ from ragfix.errors import ConfigError
 def print_run(summary: dict, out: Path, title: str) -> None:
     """The per-position tables of a finished sweep, its flagged cells per position (overflow,
     degenerate gold) and where its files are."""
-    from ragfix.eval.report import print_run_files, print_summary
-    from ragfix.eval.sweep import print_flags
+    from ragfix.eval.sweep_summary import print_flags, print_run_files, print_summary
 
     print_summary(summary, console, title=title)
     print_flags(summary, console)
@@ -47,6 +41,7 @@ def register(app: typer.Typer) -> None:
     """Add ``eval``, ``demo`` and ``models`` to the CLI."""
 
     @app.command("eval")
+    @REMOTE_OPTIONS
     def eval_cmd(
         data: Annotated[
             Path | None,
@@ -116,15 +111,10 @@ def register(app: typer.Typer) -> None:
                 'pip install "ragfix[langchain]" / "ragfix[haystack]")'
             ),
         ] = "llamaindex",
-        api_base: ApiBaseOpt = None,
-        tokenizer: TokenizerOpt = None,
-        context_window: ContextWindowOpt = None,
-        concurrency: ConcurrencyOpt = None,
-        max_retries: MaxRetriesOpt = None,
-        timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
+        remote: dict | None = None,
     ) -> None:
         """Accuracy as the gold passage moves through every position (table, summary.json,
         curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex,
@@ -132,9 +122,7 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             options = {
                 **backend_options(backend_opt, calibration, train_window),
-                **remote_options(
-                    model, api_base, tokenizer, context_window, concurrency, max_retries, timeout
-                ),
+                **remote_options(model, remote),
             }
             if corpus is not None or questions is not None:
                 if corpus is None or questions is None:

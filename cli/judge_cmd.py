@@ -8,18 +8,13 @@ from typing import Annotated
 import typer
 
 from ragfix.cli.common import (
-    ApiBaseOpt,
+    REMOTE_OPTIONS,
     BackendOpt,
     BackendOptsOpt,
-    ConcurrencyOpt,
-    ContextWindowOpt,
     DeviceOpt,
     DtypeOpt,
-    MaxRetriesOpt,
     ModelOpt,
     RestartOpt,
-    TimeoutOpt,
-    TokenizerOpt,
     console,
     parse_options,
     remote_options,
@@ -28,11 +23,13 @@ from ragfix.cli.common import (
 
 
 def _print_result(result, warn_unparsed: bool = True) -> None:
-    """The tables of a judge run, a warning when most generated verdicts were unreadable, and
-    the paths of the run folder's files."""
+    """The tables of a judge run (rendered from its ``summary.json``), a warning when most
+    generated verdicts were unreadable, and the paths of the run folder's files."""
+    import json
+
     from ragfix.judge import print_judge_summary
 
-    print_judge_summary(result.summaries, console)
+    print_judge_summary(json.loads(result.files["summary"].read_text()), console)
     for s in result.summaries.values():
         inv = s["generated"]["invalid_rate"]
         if warn_unparsed and inv is not None and inv > 0.5:
@@ -49,6 +46,7 @@ def register(app: typer.Typer) -> None:
     """Add ``judge`` to the CLI."""
 
     @app.command("judge")
+    @REMOTE_OPTIONS
     def judge_cmd(
         data: Annotated[
             Path,
@@ -96,15 +94,10 @@ def register(app: typer.Typer) -> None:
         skip_invalid: Annotated[
             bool, typer.Option(help="skip and count malformed records instead of stopping")
         ] = False,
-        api_base: ApiBaseOpt = None,
-        tokenizer: TokenizerOpt = None,
-        context_window: ContextWindowOpt = None,
-        concurrency: ConcurrencyOpt = None,
-        max_retries: MaxRetriesOpt = None,
-        timeout: TimeoutOpt = None,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
+        remote: dict | None = None,
     ) -> None:
         """Judge pairs in both orders: position consistency, preference fairness, first-slot
         win rate, agreement with human labels for single-order, swap-aggregated and logit
@@ -123,15 +116,7 @@ def register(app: typer.Typer) -> None:
                 adapter=str(adapter) if adapter else None,
                 backend_options={
                     **parse_options(backend_opt),
-                    **remote_options(
-                        model,
-                        api_base,
-                        tokenizer,
-                        context_window,
-                        concurrency,
-                        max_retries,
-                        timeout,
-                    ),
+                    **remote_options(model, remote),
                 },
                 style=style,
                 limit=limit,

@@ -99,7 +99,8 @@ def register(app: typer.Typer) -> None:
         writes ppl.json (render it with the ppl table kind), ppl.md and ppl.png. --backend-opt
         applies to gali."""
         from ragfix.eval.ppl import parse_windows, run_ppl, write_report
-        from ragfix.eval.report import ppl_tables, print_tables
+        from ragfix.eval.ppl_tables import ppl_tables
+        from ragfix.tables import print_tables
 
         with user_errors():
             if samples is not None and windows is not None:

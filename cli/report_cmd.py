@@ -37,13 +37,8 @@ def register(app: typer.Typer) -> None:
         one: the difference per position, the exact McNemar p-value, and paired bootstrap
         intervals of the mean and gap differences. Other runs are drawn side by side with a note
         naming the differing settings; a run that tuned on the compared records is not paired."""
-        from ragfix.eval.report import (
-            compare_runs,
-            comparison_tables,
-            markdown_tables,
-            print_tables,
-            write_comparison,
-        )
+        from ragfix.eval.compare import compare_runs, comparison_tables, write_comparison
+        from ragfix.tables import markdown_tables, print_tables
 
         with user_errors():
             comparison = compare_runs(runs, plot=out, title=title)
@@ -73,6 +68,8 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             stale = render_files(files, check=check)
         for p in stale:
-            console.print(f"{'out of date' if check else 'rewrote'}: {p}")
+            console.print(
+                f"{'out of date' if check else 'rewrote'}: {p}", soft_wrap=True, highlight=False
+            )
         if check and stale:
             raise typer.Exit(1)

@@ -42,10 +42,10 @@ from ragfix.connectors.jsonl import (
     require,
     skip_or_raise,
 )
-from ragfix.correct import jaccard, shingles
 from ragfix.errors import ConfigError, DataError, RagfixError
 from ragfix.io import atomic_write_json
 from ragfix.metrics import normalize_answer
+from ragfix.pruning import jaccard, shingles
 from ragfix.tasks import CHUNK_TEMPLATE
 
 DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")

@@ -31,6 +31,7 @@ from ragfix.connectors.jsonl import (
     require_bool,
     skip_or_raise,
 )
+from ragfix.connectors.records import parse_records, select_records
 from ragfix.errors import DataError
 from ragfix.metrics import normalize_answer
 from ragfix.types import Passage, QASample
@@ -354,8 +355,21 @@ def load_samples(
     distractor_pool: str | Path | None = None,
     skip_invalid: bool = False,
     skipped: SkipCounter | None = None,
+    records: str | slice | None = None,
 ) -> list[QASample]:
-    """Read a Lost-in-the-Middle QA or KV file (format detected from the first record)."""
+    """Read a Lost-in-the-Middle QA or KV file (format detected from the first record): the
+    samples of the record range ``records`` (``"START:END"`` or a slice,
+    :func:`~ragfix.connectors.records.parse_records`; all records when None), then the first
+    ``limit`` of them.
+
+    Raises:
+        ConfigError: a malformed record range.
+        DataError: a missing file or a malformed record (unless ``skip_invalid``).
+    """
+    rng = parse_records(records) if isinstance(records, str) else records
+    first = None if rng is not None else limit
     if detect_format(path) == "kv":
-        return load_kv(path, num_docs, limit, skip_invalid, skipped)
-    return load_qa(path, num_docs, limit, distractor_pool, skip_invalid, skipped)
+        samples = load_kv(path, num_docs, first, skip_invalid, skipped)
+    else:
+        samples = load_qa(path, num_docs, first, distractor_pool, skip_invalid, skipped)
+    return samples if rng is None else select_records(samples, rng)[:limit]

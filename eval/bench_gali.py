@@ -1,8 +1,8 @@
 """Benchmark of the ``gali`` backend: prefill time and peak memory against vanilla, and the memory
 of one layer's blocked attention against the paper's two-full-matrices form.
 
-Run: ``python -m ragfix.eval.bench_gali --train-window 512`` (prints two tables; ``--out`` also
-writes them as JSON). Lengths are 1x, 2x, 4x the (possibly lowered) trained window ``L``, read
+Run: ``ragfix bench gali --train-window 512`` (prints two tables; ``--json`` keeps the prefill
+table as a result file). Lengths are 1x, 2x, 4x the (possibly lowered) trained window ``L``, read
 from ``--data`` (default: the Paul Graham essays of ``data/``, relative to the working
 directory, as in the README's commands; they are not shipped with the package); each prefill is
 timed once after a short warm-up.
@@ -16,21 +16,18 @@ CUDA. The machine's load makes CPU timings noisy: compare ratios, not seconds.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from ragfix.backends import load_backend
 from ragfix.backends.gali import GaliBackend, _GaliRun, paper_logits
 from ragfix.eval.ppl import read_texts
-from ragfix.eval.report import TableSpec, print_tables, write_benchmark
+from ragfix.tables import TableSpec
 
 #: the default ``--data``, relative to the working directory (the repository root)
 DATA = "data/needle_paul_graham_essays.jsonl.gz"
@@ -84,40 +81,48 @@ def paper_attention(q, k, v, layout, rotary, scaling: float, start: int, generat
     return probs @ repeat_kv(v, groups)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Parse arguments, run the benchmark, print the tables; returns the rows."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--train-window", type=int, default=512)
-    ap.add_argument("--ratios", default="1,2,4")
-    ap.add_argument("--query-block", type=int, default=256)
-    ap.add_argument("--chunk-size", type=int, default=None, help="GALI chunk (default: its own)")
-    ap.add_argument("--local-window", type=int, default=None, help="GALI W (default: its own)")
-    ap.add_argument("--attn-tokens", type=int, default=None, help="default: max ratio x L")
-    ap.add_argument("--attn-chunk", type=int, default=None, help="default: gali's chunk size")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--data", default=DATA, help="JSON Lines of long texts (field 'text')")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = ap.parse_args(argv)
-    console = Console()
+def bench_gali(
+    model: str = "smollm2",
+    train_window: int = 512,
+    ratios: list[float] | None = None,
+    query_block: int = 256,
+    chunk_size: int | None = None,
+    local_window: int | None = None,
+    attn_tokens: int | None = None,
+    attn_chunk: int | None = None,
+    device: str = "cpu",
+    data: str | Path = DATA,
+    progress: Callable[[str], object] = lambda _: None,
+) -> tuple[list[TableSpec], dict]:
+    """Prefill time and peak memory of ``gali`` against vanilla at ``ratios`` (default 1, 2, 4)
+    times the trained window ``train_window``, read from the long texts of ``data`` (JSON Lines,
+    field ``text``); then one layer's attention over the last chunk of ``attn_tokens`` (default:
+    the longest length) in the paper's form and blocked by ``query_block`` and by 32.
+    ``chunk_size`` and ``local_window`` are GALI's (default: its own); ``attn_chunk`` defaults to
+    the chunk size. ``progress`` gets one line per measured length.
 
-    vanilla = load_backend("vanilla", model=args.model, device=args.device)
-    big_l = args.train_window
-    ratios = [float(r) for r in args.ratios.split(",")]
+    Returns:
+        ``(tables, details)``: the prefill table (the one a result file keeps) and the attention
+        table; ``details`` = ``{"measurements": rows (kind ``prefill`` or ``attention``),
+        "options": GALI's resolved options}``.
+    """
+    ratios = [float(r) for r in (ratios or (1, 2, 4))]
+    vanilla = load_backend("vanilla", model=model, device=device)
+    big_l = train_window
     gali = GaliBackend(
         vanilla.model,
         vanilla.tokenizer,
         train_window=big_l,
         target_window=int(max(ratios) * big_l),
-        query_block=args.query_block,
+        query_block=query_block,
         **{
             k: v
-            for k, v in (("chunk_size", args.chunk_size), ("local_window", args.local_window))
+            for k, v in (("chunk_size", chunk_size), ("local_window", local_window))
             if v is not None
         },
     )
     dev = vanilla.device
-    text = read_texts(args.data)[: int(max(ratios) * big_l) * 12]
+    text = read_texts(data)[: int(max(ratios) * big_l) * 12]
     tokens = vanilla.tokenize(text)
     warm = tokens[: big_l + 16]
     with torch.no_grad():
@@ -144,14 +149,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "mem_ratio": m_g / m_v if m_v else float("nan"),
             }
         )
-        console.print(f"prefill {len(ids)} tokens: vanilla {t_v:.2f}s, gali {t_g:.2f}s")
+        progress(f"prefill {len(ids)} tokens: vanilla {t_v:.2f}s, gali {t_g:.2f}s")
 
     # one layer's attention for the last prefill chunk at the longest length
     cfg = vanilla.model.config
     attn = gali.attentions[0]
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
-    total = args.attn_tokens or int(max(ratios) * big_l)
-    chunk = args.attn_chunk or gali.options_resolved["chunk_size"]
+    total = attn_tokens or int(max(ratios) * big_l)
+    chunk = attn_chunk or gali.options_resolved["chunk_size"]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, chunk, d, generator=g).to(dev)
     k = torch.randn(1, kv_heads, total, d, generator=g).to(dev)
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             lambda: paper_attention(q, k, v, run.layout, gali.rotary, attn.scaling, run.start, g),
             dev,
         )
-        for block in (args.query_block, 32):
+        for block in (query_block, 32):
             gali.options = gali.options.model_copy(update={"query_block": block})
             t_b, m_b = measure(lambda: run.attend(attn, q, k, v), dev)
             rows.append(
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     opts = gali.options_resolved
     prefill = TableSpec(
-        f"GALI prefill vs vanilla, {args.model}, L = {big_l}, chunk {opts['chunk_size']}, "
+        f"GALI prefill vs vanilla, {model}, L = {big_l}, chunk {opts['chunk_size']}, "
         f"local window {opts['local_window']}, device {dev}",
         ["tokens", "x L", "vanilla s", "gali s", "time x", "vanilla MiB", "gali MiB"],
         [
@@ -203,24 +208,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "memory: growth of the peak resident set (CPU) or of the allocated CUDA memory."
         ],
     )
-    print_tables([prefill], console)
-    t2 = Table(title=f"One layer's attention, last chunk of {total} tokens ({heads} heads)")
-    for col in ["chunk", "query block", "paper s", "blocked s", "paper MiB", "blocked MiB"]:
-        t2.add_column(col, justify="right")
-    for row in (x for x in rows if x["kind"] == "attention"):
-        t2.add_row(
-            str(row["chunk"]),
-            str(row["query_block"]),
-            f"{row['paper_s']:.3f}",
-            f"{row['blocked_s']:.3f}",
-            f"{row['paper_mib']:.1f}",
-            f"{row['blocked_mib']:.1f}",
-        )
-    console.print(t2)
-    if args.out:
-        write_benchmark(args.out, prefill, measurements=rows, options=opts)
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+    attention = TableSpec(
+        f"One layer's attention, last chunk of {total} tokens ({heads} heads)",
+        ["chunk", "query block", "paper s", "blocked s", "paper MiB", "blocked MiB"],
+        [
+            [
+                str(row["chunk"]),
+                str(row["query_block"]),
+                f"{row['paper_s']:.3f}",
+                f"{row['blocked_s']:.3f}",
+                f"{row['paper_mib']:.1f}",
+                f"{row['blocked_mib']:.1f}",
+            ]
+            for row in rows
+            if row["kind"] == "attention"
+        ],
+    )
+    return [prefill, attention], {"measurements": rows, "options": opts}

@@ -6,26 +6,23 @@ sweep does), then is freed; ``ragfix serve`` is started with the same model (pre
 requests one at a time through the model) and the remote backend (``openai:NAME``) sends the
 same prompts with 1, 2, 4 ... requests in flight. Only one model is loaded at a time. Each mode
 gets one warm-up request first. Prints requests/s, the ratio to local and how many answers equal
-the local ones; writes the figures as JSON.
+the local ones; ``--json`` keeps the figures as a result file.
 
-    python -m ragfix.eval.bench_remote --prompts 16 --num-docs 4
+    ragfix bench remote --prompts 16 --num-docs 4 --json results/remote-throughput.json
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import platform
 import time
-from pathlib import Path
-
-from rich.console import Console
+from collections.abc import Callable
 
 from ragfix.backends import load_backend
 from ragfix.bundled import bundled_path
 from ragfix.connectors.litm import load_samples
-from ragfix.eval.report import TableSpec, print_tables, write_benchmark
 from ragfix.serve import serving
+from ragfix.tables import TableSpec
 from ragfix.tasks import task_prompt
 
 
@@ -77,53 +74,50 @@ def throughput_table(details: dict) -> TableSpec:
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark (arguments as on the command line); returns what it writes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--num-docs", type=int, default=4)
-    ap.add_argument("--concurrency", default="1,2,4")
-    ap.add_argument("--out", type=Path, default=Path("results/remote-throughput.json"))
-    args = ap.parse_args(argv)
-    levels = [int(x) for x in args.concurrency.split(",")]
-    prompts = kv_prompts(args.prompts, args.num_docs)
-    console = Console()
+def bench_remote(
+    model: str = "smollm2",
+    prompts: int = 16,
+    num_docs: int = 4,
+    concurrency: list[int] | None = None,
+    progress: Callable[[str], object] = lambda _: None,
+) -> tuple[TableSpec, dict]:
+    """Requests/s of ``prompts`` KV prompts (``num_docs`` pairs) through the local backend,
+    then through ``ragfix serve`` at each client ``concurrency`` (default 1, 2, 4), with the
+    number of answers equal to the local ones.
 
-    ref, secs, tokens = _local(args.model, prompts)
+    Returns:
+        ``(table, details)``: ``details`` holds the model, data, prompt counts, the machine and
+        ``measurements`` (one row per mode, local first).
+    """
+    levels = list(concurrency or (1, 2, 4))
+    prompt_list = kv_prompts(prompts, num_docs)
+    n_docs = num_docs
+    progress("local backend")
+    ref, secs, tokens = _local(model, prompt_list)
     gc.collect()  # the local model is gone before the server loads its own
     rows = [{"mode": "local", "concurrency": None, "seconds": secs, "same_answers": len(ref)}]
 
-    with serving("--model", args.model, "--device", "cpu") as url:
+    with serving("--model", model, "--device", "cpu") as url:
         for c in levels:
-            remote = load_backend(
-                "vanilla", model=f"openai:{args.model}", api_base=url, concurrency=c
-            )
-            remote.generate(prompts[:1])  # warm-up
-            answers, secs = _timed(lambda r=remote: [g.text for g in r.generate(prompts)])
+            progress(f"ragfix serve, {c} request(s) in flight")
+            remote = load_backend("vanilla", model=f"openai:{model}", api_base=url, concurrency=c)
+            remote.generate(prompt_list[:1])  # warm-up
+            answers, secs = _timed(lambda r=remote: [g.text for g in r.generate(prompt_list)])
             same = sum(a == b for a, b in zip(answers, ref, strict=True))
             rows.append({"mode": "serve", "concurrency": c, "seconds": secs, "same_answers": same})
 
-    base = len(prompts) / rows[0]["seconds"]
+    base = len(prompt_list) / rows[0]["seconds"]
     for r in rows:
-        r["requests_per_s"] = round(len(prompts) / r["seconds"], 4)
+        r["requests_per_s"] = round(len(prompt_list) / r["seconds"], 4)
         r["ratio_to_local"] = round(r["requests_per_s"] / base, 3)
         r["seconds"] = round(r["seconds"], 2)
     details = {
-        "model": args.model,
+        "model": model,
         "data": "kv-sample",
-        "num_docs": args.num_docs,
-        "prompts": len(prompts),
+        "num_docs": n_docs,
+        "prompts": len(prompt_list),
         "prompt_tokens": tokens,
         "machine": f"{platform.machine()}, cpu, 1 math thread per process",
         "measurements": rows,
     }
-    table = throughput_table(details)
-    print_tables([table], console)
-    out = write_benchmark(args.out, table, **details)
-    console.print(f"written: {args.out}")
-    return out
-
-
-if __name__ == "__main__":
-    main()
+    return throughput_table(details), details

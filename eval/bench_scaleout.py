@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ragfix.errors import ConfigError
-from ragfix.eval.report import TableSpec
+from ragfix.tables import TableSpec
 
 #: the ``ragfix eval`` flags of each mode
 MODE_FLAGS = {"naive": ["--no-prefix-reuse", "--batch-size", "1"], "batched": []}

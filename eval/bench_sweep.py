@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ragfix.eval.report import TableSpec
+from ragfix.tables import TableSpec
 
 MODES = {"naive": (False, 1), "prefix reuse": (True, 1), "prefix + batched": (True, None)}
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from ragfix.eval.report import TableSpec
+from ragfix.tables import TableSpec
 
 
 def _spin() -> None:

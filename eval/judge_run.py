@@ -12,7 +12,7 @@ A run folder holds:
 * ``summary.json`` and ``judge.png``: metrics and plot of the pairs of this data
   (:func:`ragfix.judge.summarize`, :func:`ragfix.judge.plot_judges`). The summary is a result
   file (``"kind": "ragfix-judge"``, with ``data``, its ``format`` and ``limit``): copied under
-  ``results/``, it renders as the ``judge`` table kind (:func:`ragfix.eval.report.judge_tables`).
+  ``results/``, it renders as the ``judge`` table kind (:func:`ragfix.judge.report.judge_tables`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic import Field
 from rich.console import Console
 
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.report import JUDGE_KIND, SWAP_JUDGMENTS_FORMAT, progress_bar
+from ragfix.eval.progress import progress_bar
 from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.judge import (
@@ -37,6 +37,7 @@ from ragfix.judge import (
     summarize,
     summarize_swap_judgments,
 )
+from ragfix.judge.report import JUDGE_KIND, SWAP_JUDGMENTS_FORMAT
 from ragfix.types import OVERFLOW, JudgePair
 
 JUDGMENTS_FILE = "judgments.jsonl"
@@ -306,15 +307,8 @@ def run_judge(
     )
     if not restart:
         folder.check()  # other settings: refused before the model is loaded
-    calls = opts.model_dump(mode="json", include=set(opts.call_settings))
     b = load_backend(
-        backend,
-        model=model,
-        adapter=config.adapter,
-        device=device,
-        dtype=dtype,
-        **calls,
-        **config.backend_options,
+        backend, model=model, adapter=config.adapter, device=device, dtype=dtype, validated=opts
     )
     on_gpu = resolve_device(device).type == "cuda"
     judge = PairwiseJudge(

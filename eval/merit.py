@@ -1,8 +1,7 @@
 """Figures of merit of a position curve, and of two runs compared on the same cells.
 
-The protocol of issue 15 ("Show that the correction works"): every comparison reports the mean
-over positions, the worst position and the best-worst gap, each with a 95% interval, and the exact
-McNemar p-value per position.
+Every comparison reports the mean over positions, the worst position and the best-worst gap,
+each with a 95% interval, and the exact McNemar p-value per position.
 
 Intervals:
 

@@ -59,22 +59,21 @@ from ragfix.connectors.corpus import (
 )
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.report import (
-    RunTally,
-    build_summary,
-    print_run_files,
-    print_summary,
-    progress_bar,
-    write_summary,
-)
+from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.run import RunConfig, input_fingerprints
 from ragfix.eval.sweep import (
     OVERFLOW,
     cell_flags,
     parse_positions,
-    print_flags,
     summary_counts,
     sweep_folder,
+)
+from ragfix.eval.sweep_summary import (
+    build_summary,
+    print_flags,
+    print_run_files,
+    print_summary,
+    write_summary,
 )
 from ragfix.integrations import require_extra
 from ragfix.prompts import TaskPrompt
@@ -278,7 +277,9 @@ def run_pipeline_sweep(
             f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
             highlight=False,
         )
-    b = load_backend(backend, model=model, device=device, dtype=dtype, adapter=adapter, **options)
+    b = load_backend(
+        backend, model=model, device=device, dtype=dtype, adapter=adapter, validated=validated
+    )
     folder.bind(b.identity(), restart=restart)
     done = folder.done()
 

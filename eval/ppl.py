@@ -48,13 +48,14 @@ import numpy as np
 import torch
 from scipy.stats import bootstrap
 
-from ragfix.backends import Backend, load_backend, validate_backend
+from ragfix.backends import Backend, BackendOptions, load_backend, validate_backend
 from ragfix.connectors.jsonl import read_jsonl, require
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import Bootstrap, Interval
-from ragfix.eval.report import PPL_KIND, markdown_tables, ppl_tables
+from ragfix.eval.ppl_tables import PPL_KIND, ppl_tables
 from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
 from ragfix.io import atomic_write_json, atomic_write_text
+from ragfix.tables import markdown_tables
 
 #: method name -> (backend, options); train windows and rope factors are filled in per run
 METHODS: dict[str, tuple[str, dict]] = {
@@ -81,11 +82,13 @@ class ReportsQueryPositions(Protocol):
 
 @dataclass(frozen=True)
 class Variant:
-    """One scored method: its label in the results, the backend and its (validated) options."""
+    """One scored method: its label in the results, the backend, its options as given and as
+    validated (:func:`ragfix.backends.validate_backend`; the backend is built from these)."""
 
     label: str
     backend: str
     options: dict
+    validated: BackendOptions | None = None
 
 
 class PplConfig(RunConfig):
@@ -226,8 +229,7 @@ def method_variants(
             if point:
                 label += "[" + ",".join(f"{k}={v}" for k, v in point.items()) + "]"
             full = {**opts, **point}
-            validate_backend(name, **full)
-            variants.append(Variant(label, name, full))
+            variants.append(Variant(label, name, full, validate_backend(name, **full)))
     return variants
 
 
@@ -445,7 +447,11 @@ def run_ppl(
         backend = None
         if i == 0 or tokens is None or any(c not in done for c in ids.values()):
             backend = load_backend(
-                variant.backend, model=model, device=device, dtype=dtype, **variant.options
+                variant.backend,
+                model=model,
+                device=device,
+                dtype=dtype,
+                validated=variant.validated,
             )
         if i == 0 and folder is not None:  # the weights and chat template every variant shares
             ident = backend.identity()

@@ -10,32 +10,30 @@ results/NAME.json``). In the Markdown, a table is a block between two markers::
 
 ``PATH`` is the result file, relative to the Markdown file's folder (``results/kv8.json`` in the
 README, ``../results/kv8.json`` in ``docs/``). ``KIND`` is a table kind of
-:func:`ragfix.eval.report.comparison_tables`: ``curve`` (per-position accuracy with Wilson
+:func:`ragfix.eval.results.result_tables`: ``curve`` (per-position accuracy with Wilson
 intervals; a ``summary.json`` or a comparison), ``merit`` (mean, worst position and gap with 95%
 intervals), ``paired`` (per-position differences, McNemar p, the notes on runs not paired) or
 ``comparison`` (all three); ``merit`` and ``paired`` need a comparison file. ``benchmark`` renders
-a benchmark's file (:func:`ragfix.eval.report.write_benchmark`), ``ppl`` a perplexity result
+a benchmark's file (:func:`ragfix.eval.results.write_benchmark`), ``ppl`` a perplexity result
 (``ragfix eval-ppl``'s ``ppl.json``) and ``judge`` a judge run's ``summary.json`` (``ragfix
-judge``, also ``--from-judgments``: :func:`ragfix.eval.report.judge_tables`), each only its own
+judge``, also ``--from-judgments``: :func:`ragfix.judge.report.judge_tables`), each only its own
 kind of file. Markers inside fenced code blocks are left alone.
 
-Commands (the same function)::
+Commands::
 
     ragfix render README.md docs/*.md            # rewrite the blocks from results/
     ragfix render --check README.md docs/*.md    # exit 1 when a block is out of date
-    python -m ragfix.eval.render [--check] README.md docs/*.md
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from pathlib import Path
 
-from ragfix.errors import DataError, RagfixError
-from ragfix.eval.report import TABLE_KINDS, comparison_tables, load_result, markdown_tables
+from ragfix.errors import DataError
+from ragfix.eval.results import TABLE_KINDS, load_result, result_tables
 from ragfix.io import atomic_write_text
+from ragfix.tables import markdown_tables
 
 _MARKER = re.compile(
     r"<!--\s*(?:results:(?P<kind>[\w-]+)\s+(?P<path>\S+)|(?P<close>/results))\s*-->"
@@ -75,7 +73,7 @@ def render_text(text: str, base: Path, source: Path | None = None) -> str:
                 source, start_line, None, f"unknown table kind {start.group('kind')!r} ({kinds})"
             )
         result = load_result(base / start.group("path"))
-        body = markdown_tables(comparison_tables(result, start.group("kind")))
+        body = markdown_tables(result_tables(result, start.group("kind")))
         out += [text[pos : start.end()], f"\n\n{body}\n\n"]
         pos, opener = m.start(), None
     if opener is not None:
@@ -108,26 +106,3 @@ def render_files(paths: list[str | Path], check: bool = False) -> list[Path]:
             if not check:
                 atomic_write_text(p, new)
     return stale
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ragfix.eval.render [--check] FILE...``: 0 when done (or up to date), 1 when
-    ``--check`` finds a file out of date, 2 on a user error (one line)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ragfix.eval.render", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("files", nargs="+", help="Markdown files")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a file is out of date")
-    args = parser.parse_args(argv)
-    try:
-        stale = render_files(args.files, check=args.check)
-    except RagfixError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for p in stale:
-        print(f"{'out of date' if args.check else 'rewrote'}: {p}")
-    return 1 if args.check and stale else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ and no answer, instead of being truncated by the model (which would delete the g
 one end and fake a curve). Such a sample is left out of the accuracy at *every* position
 (:func:`summary_counts`), so each position's accuracy is over the same questions; the overflow
 cells are counted per position in ``summary.json`` (``flags``) and in the printed table
-(:func:`print_flags`). Gold answers that make the metric loose
+(:func:`ragfix.eval.sweep_summary.print_flags`). Gold answers that make the metric loose
 (:func:`ragfix.metrics.degenerate_gold`) are scored, flagged ``degenerate_gold`` and counted the
 same way.
 
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
-from rich.console import Console
 
 from ragfix.backends.base import Backend
+from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError
-from ragfix.eval.report import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE, TableSpec, print_tables
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
+from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE
 from ragfix.io import JsonlStore
 from ragfix.metrics import degenerate_gold
 from ragfix.tasks import score_answer, task_prompt
@@ -66,7 +66,8 @@ class SweepConfig(RunConfig):
         backend: the backend name.
         backend_options: the options as the user gave them (plus ``adapter`` when one is given).
         distractor_pool: the file distractors were drawn from, or None.
-        records: the record range of the data file (``"0:200"``, see :func:`parse_records`),
+        records: the record range of the data file (``"0:200"``, see
+            :func:`~ragfix.connectors.records.parse_records`),
             or None for the whole file; a rerun with another range is refused.
         identity, inputs: what the run ran on (:class:`~ragfix.eval.run.RunConfig`); ``inputs``
             has ``data`` and, with a pool, ``distractor_pool``.
@@ -134,48 +135,6 @@ def parse_positions(spec: str, num_docs: int) -> list[int]:
         if pos not in out:
             out.append(pos)
     return out
-
-
-def parse_records(spec: str) -> slice:
-    """A record range ``"START:END"`` (0-based, END excluded; either may be left out: ``"200:"``,
-    ``":100"``) as a slice. Record ``i`` is the record on line ``i + 1`` of the file, so a range
-    names the same records whether or not some of them are invalid or skipped (issue 15's
-    protocol: tune on one range, report on a disjoint one).
-
-    Raises:
-        ConfigError: not ``START:END`` with integers ``0 <= START < END``.
-    """
-    start, sep, stop = spec.strip().partition(":")
-    try:
-        a = int(start) if start.strip() else 0
-        b = int(stop) if stop.strip() else None
-    except ValueError:
-        a = b = -1
-    if not sep or a < 0 or (b is not None and b <= a):
-        raise ConfigError(
-            f"--records {spec!r}: expected START:END with 0 <= START < END "
-            "(0-based record indices, END excluded), e.g. 0:200"
-        )
-    return slice(a, b)
-
-
-def select_records(samples: list[QASample], records: slice | None) -> list[QASample]:
-    """The samples read from the records of ``records`` (record ``i`` is on line ``i + 1`` of its
-    file, from ``QASample.source`` = ``"file:line"``), in file order; all when ``None``."""
-    if records is None:
-        return samples
-    lo, hi = records.start or 0, records.stop
-    out = []
-    for s in samples:
-        index = int(s.source.rsplit(":", 1)[1]) - 1
-        if lo <= index and (hi is None or index < hi):
-            out.append(s)
-    return out
-
-
-def format_records(records: slice) -> str:
-    """The canonical text of a record range (``slice(0, 200)`` -> ``"0:200"``)."""
-    return f"{records.start or 0}:{'' if records.stop is None else records.stop}"
 
 
 def cell_id(config: SweepConfig, sample_id: str, position: int) -> str:
@@ -325,7 +284,7 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
         ``extra`` = ``{"cells": all records, "scored_cells": len(scored), "excluded_samples":
         samples left out, "flags": {flag: {position: cells}}, "cell_ids": the ids of all
         records}`` (positions as strings, sorted). ``cell_ids`` tells a report which of a
-        folder's cells the run reported (:func:`ragfix.eval.report.load_run`).
+        folder's cells the run reported (:func:`ragfix.eval.compare.load_run`).
     """
     over = {r["sample_id"] for r in records if OVERFLOW in r.get("flags", ())}
     counts: dict[str, dict[int, int]] = {}
@@ -343,32 +302,6 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
         },
         "cell_ids": [r["cell_id"] for r in records],
     }
-
-
-def flags_table(summary: dict) -> TableSpec | None:
-    """The flagged cells per position of a ``summary.json`` (one column per flag) with the
-    samples left out of the accuracy under it; None when no cell is flagged."""
-    flags = summary.get("flags") or {}
-    if not flags:
-        return None
-    positions = sorted({int(p) for per in flags.values() for p in per})
-    rows = [[str(p), *(str(per.get(str(p), 0)) for per in flags.values())] for p in positions]
-    lines = []
-    if summary.get("excluded_samples"):
-        lines.append(
-            f"{summary['excluded_samples']} sample(s) overflow the context window at some "
-            f"position and are left out of the accuracy at every position "
-            f"({summary.get('scored_cells', 0)} of {summary.get('cells', 0)} cells scored)"
-        )
-    x_axis = summary.get("x_axis", "position")
-    return TableSpec(f"flagged cells per {x_axis}", ["position", *flags], rows, lines)
-
-
-def print_flags(summary: dict, console: Console | None = None) -> None:
-    """Print :func:`flags_table` (nothing when no cell is flagged)."""
-    spec = flags_table(summary)
-    if spec is not None:
-        print_tables([spec], console)
 
 
 def open_store(out: Path, rank: int = 0, world_size: int = 1) -> JsonlStore:

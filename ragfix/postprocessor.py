@@ -22,10 +22,10 @@ Steps, on the nodes in the order they arrive (that order is the retrieval rank; 
 needed): the correction of :mod:`ragfix.correction`, shared with the LangChain and Haystack
 components:
 
-1. correct: drop blank nodes (no word in their text, :func:`ragfix.correct.drop_blank`), drop
-   near-duplicate nodes (:func:`ragfix.correct.drop_near_duplicates`), then fit the nodes to the
+1. correct: drop blank nodes (no word in their text, :func:`ragfix.pruning.drop_blank`), drop
+   near-duplicate nodes (:func:`ragfix.pruning.drop_near_duplicates`), then fit the nodes to the
    backend's token budget, dropping the lowest-ranked whole nodes first
-   (:func:`ragfix.correct.fit_budget`; the best node is never cut: an error, or a warning and no
+   (:func:`ragfix.pruning.fit_budget`; the best node is never cut: an error, or a warning and no
    nodes, instead);
 2. reorder with the chosen strategy (:mod:`ragfix.reorder`).
 
@@ -71,7 +71,7 @@ class RagFixPostprocessor(CorrectionFields, BaseNodePostprocessor):
         pydantic.ValidationError (a ``ValueError``): an unknown setting (a typo is never ignored),
             an unknown strategy or a value out of range.
         ragfix.reorder.ProfileError: a profile of another model or number of documents.
-        ragfix.correct.BudgetError: (when run, ``over_budget="error"``) the best node alone
+        ragfix.pruning.BudgetError: (when run, ``over_budget="error"``) the best node alone
             exceeds the token budget.
     """
 

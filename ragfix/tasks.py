@@ -181,11 +181,6 @@ def get_task(name: str) -> Task:
     return _TASKS[name]
 
 
-def task_names() -> list[str]:
-    """Registered task names, sorted."""
-    return sorted(_TASKS)
-
-
 QA = register_task(
     Task(
         name="qa",
@@ -267,6 +262,5 @@ __all__ = [
     "render_document",
     "render_kv_pair",
     "score_answer",
-    "task_names",
     "task_prompt",
 ]

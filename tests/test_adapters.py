@@ -11,11 +11,11 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 
-from ragfix.adapters import METADATA_FILE, load_adapter
 from ragfix.backends import load_backend
 from ragfix.backends.channel_scaling import ChannelScalingBackend, apply_channel_scaling
 from ragfix.backends.gali import GaliBackend
 from ragfix.errors import AdapterError, ConfigError, IncompatibleMethodsError
+from ragfix.lora import METADATA_FILE, load_adapter
 from ragfix.models import model_identity
 from ragfix.prompts import TaskPrompt
 

@@ -21,8 +21,8 @@ from ragfix.connectors.jsonl import SkipCounter, read_jsonl
 from ragfix.connectors.litm import load_kv, load_qa, load_samples
 from ragfix.connectors.pairwise import load_mtbench, load_pairs, load_swap_judgments
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.report import write_report
 from ragfix.eval.sweep import SweepConfig, open_store, parse_positions, plan_cells
+from ragfix.eval.sweep_summary import write_report
 from ragfix.judge import parse_verdict
 from ragfix.tasks import score_answer
 from ragfix.types import SweepRecord

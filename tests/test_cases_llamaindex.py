@@ -9,10 +9,10 @@ from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.prompts.prompt_utils import get_empty_prompt_txt
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from ragfix.correct import BudgetError, drop_blank, drop_near_duplicates
 from ragfix.errors import ConfigError
 from ragfix.llm import RagFixLLM
 from ragfix.postprocessor import RagFixPostprocessor, text_qa_template
+from ragfix.pruning import BudgetError, drop_blank, drop_near_duplicates
 from ragfix.reorder import STRATEGIES, attention_sort_order
 from ragfix.types import Passage
 

@@ -155,7 +155,7 @@ def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
 
 
 def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(tmp_path):
-    """Issue 15's protocol: ``--records 1:3`` takes records 1 and 2 (lines 2 and 3) of the file,
+    """``--records 1:3`` takes records 1 and 2 (lines 2 and 3) of the file,
     ``--limit 1`` the first of them; the range goes to config.json, and a rerun on another
     range in the same folder is refused."""
     from ragfix.connectors.litm import load_samples
@@ -168,7 +168,7 @@ def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(t
     assert rec["sample_id"] == load_samples(NQ, 3, limit=2)[1].id
     assert json.loads((out / "config.json").read_text())["records"] == "1:3"
     res = runner.invoke(app, [*args, "--records", "3:5", "--out", str(out)])
-    assert res.exit_code == 2 and "records: '1:3' there, '3:5' now" in res.output
+    assert res.exit_code == 2 and 'records: "1:3" there, "3:5" now' in res.output
 
 
 @pytest.mark.parametrize(
@@ -193,9 +193,9 @@ def test_distill_records_select_the_training_records_and_are_recorded(tmp_path):
     malformed range is one line before any model is loaded."""
     from ragfix.cli.distill_cmd import _load
     from ragfix.connectors.litm import load_samples
+    from ragfix.connectors.records import parse_records
     from ragfix.distill import DistillSettings, TeacherReport, adapter_metadata
     from ragfix.distill.loop import TrainResult
-    from ragfix.eval.sweep import parse_records
 
     every = load_samples(NQ, 3)
     got = _load([NQ], 3, 1, 1, None, parse_records("2:5"))

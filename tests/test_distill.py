@@ -13,7 +13,6 @@ import torch
 from conftest import data_file, tiny_model
 from typer.testing import CliRunner
 
-from ragfix.adapters import METADATA_FILE, load_adapter
 from ragfix.connectors.litm import load_samples
 from ragfix.distill import (
     CHECKPOINT_DIR,
@@ -42,6 +41,7 @@ from ragfix.distill import (
     train_loop,
 )
 from ragfix.errors import AdapterError, ConfigError, DataError
+from ragfix.lora import METADATA_FILE, load_adapter
 from ragfix.models import load_model, model_identity
 from ragfix.types import Passage, QASample
 

@@ -14,7 +14,6 @@ from haystack.dataclasses import ChatMessage
 from haystack.document_stores.in_memory import InMemoryDocumentStore
 from pydantic import ValidationError
 
-from ragfix.correct import BudgetError
 from ragfix.errors import ConfigError
 from ragfix.integrations.haystack import (
     RagFixChatGenerator,
@@ -25,6 +24,7 @@ from ragfix.integrations.haystack import (
 )
 from ragfix.postprocessor import text_qa_template
 from ragfix.prompts import TaskPrompt
+from ragfix.pruning import BudgetError
 
 QUESTION = "What is the capital of Germany?"
 

@@ -17,9 +17,9 @@ from conftest import ROOT, tiny_model
 
 import ragfix.io
 import ragfix.models
-from ragfix.adapters import METADATA_FILE, load_adapter
 from ragfix.backends.channel_scaling import ChannelScalingBackend, ChannelScalingCalibration
 from ragfix.errors import AdapterError, ConfigError
+from ragfix.lora import METADATA_FILE, load_adapter
 from ragfix.models import (
     FINGERPRINT_INDEX,
     ModelSpec,
@@ -168,7 +168,9 @@ def test_files_weights_follow_the_checkpoint_folder(tmp_path, cache, hashed, tok
     m1, _ = load_model(str(d), device="cpu")
     w1 = model_identity(m1)["weights"]
     assert w1.startswith("files:") and len(w1) == len("files:") + 16
-    assert hashed == [(d / "model.safetensors").resolve()]  # the weight files only
+    # the weight files and what says how they are read (ragfix.models.is_weight_file) only
+    names = ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(hashed) == [(d / n).resolve() for n in names]
     index = json.loads((cache / FINGERPRINT_INDEX).read_text())
     assert str((d / "model.safetensors").resolve()) in index
     # unchanged folder: the same value, read from the index

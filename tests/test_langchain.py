@@ -18,7 +18,6 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from pydantic import ValidationError
 
-from ragfix.correct import BudgetError
 from ragfix.errors import ConfigError
 from ragfix.integrations.langchain import (
     RagFixChatModel,
@@ -29,6 +28,7 @@ from ragfix.integrations.langchain import (
 )
 from ragfix.postprocessor import text_qa_template
 from ragfix.prompts import TaskPrompt
+from ragfix.pruning import BudgetError
 from ragfix.reorder import ProfileError
 
 QUESTION = "What is the capital of Germany?"

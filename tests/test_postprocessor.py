@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 from ragfix.connectors.corpus import CorpusError, build_corpus, load_documents, load_questions
 from ragfix.connectors.jsonl import SkipCounter
-from ragfix.correct import BudgetError
 from ragfix.errors import ConfigError, DataError
 from ragfix.llm import RagFixLLM
 from ragfix.postprocessor import RagFixPostprocessor
+from ragfix.pruning import BudgetError
 from ragfix.reorder import ProfileError
 
 

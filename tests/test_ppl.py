@@ -28,8 +28,10 @@ from ragfix.eval.ppl import (
     score_window,
     window_stats,
 )
+from ragfix.eval.ppl_tables import ppl_tables
 from ragfix.eval.render import render_files
-from ragfix.eval.report import load_result, ppl_tables, print_tables
+from ragfix.eval.results import load_result
+from ragfix.tables import print_tables
 
 #: one short essay (written for this test), well over the 2 x 64 tokens the run reads
 ESSAY = (

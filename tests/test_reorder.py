@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from ragfix.correct import BudgetError, drop_near_duplicates, fit_budget
 from ragfix.errors import ConfigError
-from ragfix.eval.report import build_summary
+from ragfix.eval.sweep_summary import build_summary
 from ragfix.prompts import TaskPrompt
+from ragfix.pruning import BudgetError, drop_near_duplicates, fit_budget
 from ragfix.reorder import (
     ProfileError,
     attention_sort_order,
@@ -63,7 +63,10 @@ def _summary_file(tmp_path, model="smollm2", num_docs=4, accs=(0.9, 0.4, 0.5, 0.
     records = []
     for pos, acc in enumerate(accs):
         for i in range(10):
-            records.append({"backend": "vanilla", "position": pos, "correct": i < round(acc * 10)})
+            correct = i < round(acc * 10)
+            records.append(
+                {"cell_id": f"{pos}-{i}", "backend": "vanilla", "position": pos, "correct": correct}
+            )
     (tmp_path / "config.json").write_text(json.dumps({"model": model, "num_docs": num_docs}))
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(build_summary(tmp_path, records)))

@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 
 from ragfix.cli.app import app
 from ragfix.errors import DataError, RagfixError
+from ragfix.eval.compare import compare_runs, comparison_tables, record_range
 from ragfix.eval.merit import curve_merit, paired_merit
 from ragfix.eval.render import render_files
-from ragfix.eval.report import compare_runs, comparison_tables, record_range, write_report
+from ragfix.eval.sweep_summary import write_report
 from ragfix.metrics import wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,7 +265,7 @@ def test_render_round_trip_and_check(tmp_path):
         "# KV\n\n<!-- results:merit ../results/kv.json -->\nstale\n<!-- /results -->\n\ntext\n\n"
         "<!-- results:curve ../results/base.json -->\n<!-- /results -->\n" + fenced
     )
-    cli = [sys.executable, "-m", "ragfix.eval.render"]
+    cli = [sys.executable, "-m", "ragfix.cli", "render"]
     check = subprocess.run([*cli, "--check", str(doc)], capture_output=True, text=True)
     assert check.returncode == 1 and f"out of date: {doc}" in check.stdout
     assert runner.invoke(app, ["render", str(doc)]).exit_code == 0
@@ -311,7 +312,8 @@ def test_every_results_block_of_the_readme_and_docs_is_up_to_date():
 
 
 def test_benchmark_result_renders_as_its_table_and_only_as_benchmark(tmp_path):
-    from ragfix.eval.report import TableSpec, write_benchmark
+    from ragfix.eval.results import write_benchmark
+    from ragfix.tables import TableSpec
 
     table = TableSpec("CPU threads", ["busy", "s / cell"], [["0", "1.50"], ["1", "9.00"]], ["ok"])
     write_benchmark(tmp_path / "bench.json", table, cores=2)
@@ -333,7 +335,7 @@ def test_report_on_a_missing_folder_names_that_folder(tmp_path):
 
 
 def test_progress_status_counts_cells_finished_before_a_resume():
-    from ragfix.eval.report import RunTally
+    from ragfix.eval.progress import RunTally
 
     tally = RunTally([{"correct": True, "flags": []}, {"correct": False, "flags": ["overflow"]}])
     assert tally.status() == "acc 1.00"  # the overflowed cell is not scored

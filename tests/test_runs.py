@@ -20,9 +20,9 @@ from conftest import BUNDLED, tiny_folder
 
 from ragfix.errors import ConfigMismatchError, DataError
 from ragfix.eval import run_judge, run_sweep
+from ragfix.eval.compare import compare_runs, load_run, uneven_positions
 from ragfix.eval.pipeline import run_pipeline_sweep
 from ragfix.eval.ppl import run_ppl
-from ragfix.eval.report import compare_runs, load_run, uneven_positions
 
 NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
 

@@ -9,16 +9,16 @@ from typer.testing import CliRunner
 
 from ragfix.cli.app import app
 from ragfix.connectors.litm import load_samples
+from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError
-from ragfix.eval.report import write_report
 from ragfix.eval.sweep import (
     SweepConfig,
     open_store,
     parse_positions,
-    parse_records,
     plan_cells,
     run_cells,
 )
+from ragfix.eval.sweep_summary import write_report
 from ragfix.metrics import mcnemar_exact
 
 NQ = str(BUNDLED / "nq_10docs_sample.jsonl.gz")

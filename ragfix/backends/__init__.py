@@ -4,7 +4,7 @@ A backend is registered under a name with its options model and a factory
 (:func:`register_backend`); the built-in ones live in their own modules and are imported only
 when asked for. Loading validates the options first (before any weights are read), loads the
 model (:func:`ragfix.models.load_model`), applies an adapter if one is given
-(:func:`ragfix.adapters.load_adapter`: every backend takes one) and builds the backend.
+(:func:`ragfix.lora.load_adapter`: every backend takes one) and builds the backend.
 """
 
 from __future__ import annotations
@@ -163,9 +163,12 @@ def load_backend(
     device: str = "auto",
     dtype: str = "auto",
     adapter: str | None = None,
+    *,
+    validated: BackendOptions | None = None,
     **options,
 ) -> Backend:
-    """Load ``model`` with ``adapter`` applied and wrap it in backend ``name``.
+    """Load ``model`` with ``adapter`` applied and wrap it in backend ``name``; the options are
+    validated here, once (the backend is built with the validated object).
 
     Args:
         name: a registered backend (:func:`backend_names`).
@@ -177,6 +180,9 @@ def load_backend(
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU) or a dtype name.
         adapter: a ``ragfix distill`` or peft LoRA folder for this base model; any backend takes
             one (the LoRA is merged into the weights before the method patches the model).
+        validated: the options as :func:`validate_backend` returned them for the same
+            ``name``, ``adapter`` and ``model`` (a caller that checked them before loading);
+            then no ``**options``.
         **options: the backend's options.
 
     Raises:
@@ -189,19 +195,24 @@ def load_backend(
     """
     from ragfix.models import load_model
 
-    opts = validate_backend(name, adapter, model=model, **options)
+    if validated is None:
+        opts = validate_backend(name, adapter, model=model, **options)
+    elif options:
+        raise TypeError("load_backend takes validated= or keyword options, not both")
+    else:
+        opts = validated
     if model.startswith(REMOTE_PREFIX):
         from ragfix.backends.remote import RemoteBackend
 
-        return RemoteBackend(model[len(REMOTE_PREFIX) :], **options)
+        return RemoteBackend(model[len(REMOTE_PREFIX) :], opts)
     cls = backend_spec(name).resolve()
     m, tok = load_model(model, device=device, dtype=dtype, **cls.load_kwargs(opts))
     info = None
     if adapter:
-        from ragfix.adapters import load_adapter
+        from ragfix.lora import load_adapter
 
         m, info = load_adapter(m, adapter)
-    backend = cls(m, tok, adapter=info, **options)
+    backend = cls(m, tok, adapter=info, options=opts)
     backend.name = name
     return backend
 

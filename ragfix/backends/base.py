@@ -48,6 +48,23 @@ class BackendOptions(BaseModel):
     call_settings: ClassVar[frozenset[str]] = frozenset()
 
 
+def validated_options(
+    model: type[BackendOptions], options: BackendOptions | None, kwargs: dict
+) -> BackendOptions:
+    """A backend's options: ``options`` as given when already validated (an instance of
+    ``model``), else ``model(**kwargs)``.
+
+    Raises:
+        pydantic.ValidationError: an unknown or invalid keyword option.
+        TypeError: both ``options`` and ``kwargs``, or ``options`` of another model.
+    """
+    if options is None:
+        return model(**kwargs)
+    if kwargs or not isinstance(options, model):
+        raise TypeError(f"options must be one {model.__name__} and no keyword options")
+    return options
+
+
 @dataclass(frozen=True)
 class Fit:
     """Whether a prompt and its answer budget fit a backend's window: the one verdict every
@@ -330,4 +347,5 @@ __all__ = [
     "answer_rules",
     "answer_text",
     "cut_at_newline",
+    "validated_options",
 ]

@@ -1,8 +1,7 @@
 """The ``gali`` backend: training-free context extension by Greedy Attention Logit Interpolation.
 
 Source: Li et al., "GALI: Greedy Attention Logit Interpolation", arXiv 2502.02659 (Algorithms 1-3,
-eq. 2-3) and its official code (``adlnlp/Gali``, method "dpi"); details in
-``shared/research/seed-methods.md`` section 2.
+eq. 2-3) and its official code (``adlnlp/Gali``, method "dpi").
 
 What it does, for a model trained on a window of ``L`` tokens:
 

@@ -26,6 +26,7 @@ from ragfix.backends.base import (
     Prompt,
     answer_rules,
     answer_text,
+    validated_options,
 )
 from ragfix.errors import RagfixError
 from ragfix.models import model_identity
@@ -97,12 +98,15 @@ class HFBackend(Backend):
         model: a ``transformers`` causal LM in eval mode (as from
             :func:`ragfix.models.load_model`).
         tokenizer: its tokenizer (left padding, with a pad token).
-        adapter: what :func:`ragfix.adapters.load_adapter` applied to ``model`` (recorded in
+        adapter: what :func:`ragfix.lora.load_adapter` applied to ``model`` (recorded in
             :meth:`identity`), or ``None``.
-        **options: the backend's options (:attr:`options_model`).
+        options: the backend's options already validated (an :attr:`options_model`, as
+            :func:`ragfix.backends.load_backend` passes them), or None to validate ``**kwargs``.
+        **kwargs: the backend's options as keywords (when ``options`` is None).
 
     Raises:
         pydantic.ValidationError: an unknown or invalid option.
+        TypeError: both ``options`` and keyword options, or ``options`` of another backend.
     """
 
     name: ClassVar[str] = "vanilla"
@@ -114,11 +118,19 @@ class HFBackend(Backend):
         implementation the method needs). None for most backends."""
         return {}
 
-    def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        adapter: dict | None = None,
+        options: BackendOptions | None = None,
+        **kwargs,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter
-        self.options = self.options_model(**options)
+        self.options = validated_options(self.options_model, options, kwargs)
         self._reuse_cache = None
         self._reuse_ids: list[int] = []
         if not tokenizer.chat_template:
@@ -395,38 +407,19 @@ class HFBackend(Backend):
         """Greedy decoding of ``B`` prompts (in the given order: a sample's sweep cells) with a
         trie-shaped prefill and one batched decode.
 
-        Prefill: each prompt minus its last token runs in turn over one batch-1 KV cache (the
-        one :meth:`_generate_reusing` keeps between calls), cropped back to the longest common
-        token prefix with the tokens it holds (the previous prompt) and extended by the rest, at
-        position IDs ``common .. len - 2``. After each prompt its row of the cache (per layer
-        keys and values ``[1, kv_heads, len - 1, head_dim]``) is copied, right aligned, into a
-        zero-filled batch cache ``[B, kv_heads, W - 1, head_dim]`` (``W``: the longest prompt),
-        so row ``i`` holds its ``len_i - 1`` tokens at slots ``W - len_i .. W - 2`` and zeros
-        before them. Those rows fill the first ``W - 1`` slots of a ``transformers``
-        ``StaticCache`` of ``W + max_new_tokens`` slots, preallocated so that a decoding step
-        writes each row's new key and value in place instead of copying the whole batch cache
-        (``DynamicCache`` concatenates, copying every layer's batch cache at every step).
-        Decode: ``model.generate`` gets the left-padded prompts
-        ``[B, W]``, their attention mask (0 on the padding, whose zero keys and values are never
-        attended to) and that cache of ``W - 1`` filled positions, so it feeds only each row's
-        last token, at position
-        ``len_i - 1`` (the mask's cumsum minus one: the positions the cached rows were computed
-        at), and decodes all rows together, each stopping at its own stop rule. Greedy answers
-        equal :meth:`_generate_ids` up to floating-point differences of the differently shaped
-        matmuls.
+        Prefill: each prompt minus its last token runs over one batch-1 KV cache (kept between
+        calls), cropped to the prefix it shares with the tokens the cache holds and extended by
+        the rest; its row is copied, right aligned, into a ``StaticCache`` of ``B`` rows and
+        ``W + max_new_tokens`` slots (``W``: the longest prompt). Decode: ``model.generate`` on
+        the left-padded prompts ``[B, W]`` and that cache, one batch, each row stopping at its
+        own stop rule. Answers equal :meth:`_generate_ids` up to floating-point differences.
 
-        Tokens prefilled: in the given order each row prefills its tokens after the prefix it
-        shares with the row before (the first row: with what the cache held from the previous
-        call), plus its last token in the decode batch; ``Generation.prefill_tokens`` is that
-        per row. When every prompt's longest common prefix with the earlier ones is its common
-        prefix with the one just before (a sweep's cells in position order, any depth-first
-        order of the token trie), the sum is the number of nodes of the token trie of the
-        prompts minus their last tokens, plus ``B``: each distinct prefix is computed once.
+        ``Generation.prefill_tokens`` of a row: its tokens after the prefix shared with the row
+        before (the first row: with the cache's previous tokens), plus one; over a depth-first
+        order of the prompts' token trie each distinct prefix is computed once.
 
-        Memory: the batch cache is ``B x (W + max_new_tokens)`` tokens of keys and values in
-        every layer (``2 x layers x kv_heads x head_dim x`` the dtype's bytes per token: 45 KiB
-        for SmolLM2-135M in fp32, so 20 rows of 1,500 tokens take 1.3 GiB), staged once per
-        layer, besides one row's prefill cache; ``batch_size`` bounds ``B``.
+        Memory: ``B x (W + max_new_tokens)`` tokens of keys and values in every layer
+        (SmolLM2-135M in fp32: 45 KiB a token), besides one row's prefill cache.
 
         Raises:
             RuntimeError: from transformers, a sliding-window layer cropped after its window was

@@ -44,7 +44,14 @@ from typing import ClassVar
 import torch
 from pydantic import Field, field_validator
 
-from ragfix.backends.base import Backend, BackendOptions, Prompt, answer_rules, answer_text
+from ragfix.backends.base import (
+    Backend,
+    BackendOptions,
+    Prompt,
+    answer_rules,
+    answer_text,
+    validated_options,
+)
 from ragfix.backends.hf import chat_text, template_id
 from ragfix.errors import ConfigError, ModelNotFoundError, RagfixError
 from ragfix.models import REMOTE_PREFIX, load_tokenizer
@@ -65,11 +72,6 @@ _TOO_LONG = re.compile(
     r"input validation error: `inputs` tokens",
     re.IGNORECASE,
 )
-
-
-def is_remote(model: str) -> bool:
-    """Whether ``model`` names a model served over HTTP (``openai:NAME``)."""
-    return model.startswith(REMOTE_PREFIX)
 
 
 class RemoteOptions(BackendOptions):
@@ -126,7 +128,9 @@ class RemoteBackend(Backend):
 
     Args:
         model: the served model's id (``NAME`` of ``openai:NAME``).
-        **options: :class:`RemoteOptions`.
+        options: validated :class:`RemoteOptions` (as :func:`ragfix.backends.load_backend`
+            passes them), or None to validate ``**kwargs``.
+        **kwargs: :class:`RemoteOptions` as keywords (when ``options`` is None).
 
     Raises:
         pydantic.ValidationError: an unknown or invalid option.
@@ -139,10 +143,10 @@ class RemoteBackend(Backend):
     options_model: ClassVar[type[BackendOptions]] = RemoteOptions
     supports_prefix_reuse = False
 
-    def __init__(self, model: str, **options):
+    def __init__(self, model: str, options: RemoteOptions | None = None, **kwargs):
         from openai import OpenAI
 
-        self.options = RemoteOptions(**options)
+        self.options = validated_options(RemoteOptions, options, kwargs)
         self.served = model
         self.tokenizer = load_tokenizer(self.options.tokenizer) if self.options.tokenizer else None
         self.has_tokenizer = self.tokenizer is not None
@@ -473,4 +477,4 @@ def _first_top(logprobs, completions: bool) -> dict[str, float] | None:
     return _merge_top(pairs or [(first.token, first.logprob)])
 
 
-__all__ = ["API_KEY_ENV", "TOP_LOGPROBS", "RemoteBackend", "RemoteOptions", "is_remote"]
+__all__ = ["API_KEY_ENV", "TOP_LOGPROBS", "RemoteBackend", "RemoteOptions"]

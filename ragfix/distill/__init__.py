@@ -2,8 +2,7 @@
 
 Source: Wang et al., "Pos2Distill: Position Bias Distillation", arXiv 2508.15709 (EMNLP 2025),
 sections 3.1-3.3 and appendix C, and its official code (``AMAP-ML/Pos2Distill``:
-``create_datasets.py``, ``kd/loss_design.py``); details in ``shared/research/seed-methods.md``
-section 3.
+``create_datasets.py``, ``kd/loss_design.py``).
 
 The model teaches itself: its answer with the gold passage at the advantaged ("sink") position is
 the target for prompts where the same gold passage sits elsewhere.
@@ -30,7 +29,7 @@ teacher answers, filtering), :mod:`~ragfix.distill.batches` (tokenised rows, ans
 :mod:`~ragfix.distill.checkpoint` (resumable state via ``accelerate``),
 :mod:`~ragfix.distill.artefacts` (the adapter folder) and :mod:`~ragfix.distill.pipeline`
 (:func:`distill`, the whole run). Loading an adapter is a model-loading concern:
-:func:`ragfix.adapters.load_adapter` (every backend takes ``adapter=PATH``).
+:func:`ragfix.lora.load_adapter` (every backend takes ``adapter=PATH``).
 """
 
 from ragfix.distill.artefacts import adapter_metadata, save_adapter

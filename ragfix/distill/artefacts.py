@@ -1,5 +1,5 @@
 """The artefact of a Pos2Distill run: the trained adapter (peft LoRA files, or the full weights)
-and ``ragfix_adapter.json``, in the format :func:`ragfix.adapters.load_adapter` reads."""
+and ``ragfix_adapter.json``, in the format :func:`ragfix.lora.load_adapter` reads."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ragfix.adapters import FORMAT, FULL_WEIGHTS_FILE, METADATA_FILE
 from ragfix.io import atomic_write_json
+from ragfix.lora import FORMAT, FULL_WEIGHTS_FILE, METADATA_FILE
 
 
 def adapter_metadata(
@@ -24,7 +24,7 @@ def adapter_metadata(
     train_files=(),
     train_records: str | None = None,
 ) -> dict:
-    """The metadata of a finished run (:data:`~ragfix.adapters.METADATA_FILE`).
+    """The metadata of a finished run (:data:`~ragfix.lora.METADATA_FILE`).
 
     Args:
         settings: the :class:`~ragfix.distill.settings.DistillSettings`.

@@ -154,7 +154,7 @@ class RagFixRanker:
             :class:`ragfix.correction.Correction`; when built with a loaded backend, else in
             :meth:`warm_up`).
         ragfix.reorder.ProfileError: a profile of another model or number of documents.
-        ragfix.correct.BudgetError: (when run, ``over_budget="error"``) the best document alone
+        ragfix.pruning.BudgetError: (when run, ``over_budget="error"``) the best document alone
             exceeds the token budget.
     """
 

@@ -128,7 +128,7 @@ class RagFixCompressor(CorrectionFields, BaseDocumentCompressor, BaseDocumentTra
         ConfigError: (at construction) see :class:`ragfix.correction.Correction`.
         pydantic.ValidationError: an unknown setting, an unknown strategy or a value out of range.
         ragfix.reorder.ProfileError: a profile of another model or number of documents.
-        ragfix.correct.BudgetError: (when run, ``over_budget="error"``) the best document alone
+        ragfix.pruning.BudgetError: (when run, ``over_budget="error"``) the best document alone
             exceeds the token budget.
     """
 

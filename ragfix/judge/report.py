@@ -1,87 +1,159 @@
-"""Reports of judge metrics: the two rich tables and the PNG (one row per judge)."""
+"""The report of a judge run: its tables (:func:`judge_tables`, the one rendering of a judge
+summary, printed by ``ragfix judge`` and rendered into Markdown by ``ragfix render``) and the PNG
+(one row per judge)."""
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from ragfix.io import atomic_write_bytes
 from ragfix.judge.metrics import VERDICT_KINDS
+from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed, print_tables
+
+#: ``"kind"`` of a judge run's ``summary.json`` (``ragfix judge``, :mod:`ragfix.eval.judge_run`)
+JUDGE_KIND = "ragfix-judge"
 
 
-def _fmt(x: float | None, signed: bool = False) -> str:
-    if x is None:
-        return "—"
-    return f"{x:+.3f}" if signed else f"{x:.3f}"
+#: ``"format"`` of a judge summary computed from other judges' verdicts (``--from-judgments``;
+#: the swap-judgments format of :mod:`ragfix.connectors.pairwise`)
+SWAP_JUDGMENTS_FORMAT = "swap_judgments"
 
 
-def print_judge_summary(summaries: dict[str, dict], console: Console | None = None) -> None:
-    """Two tables for one or more judges (one row per judge, or per judge and verdict kind):
-    position bias (position consistency with its 95% interval, preference fairness, first-slot
-    win rate, tie and invalid rates), a line per judge with pairs that overflow its window, and
-    agreement with the human labels (accuracy, Cohen's kappa) for each verdict kind."""
-    console = console or Console()
-    t = Table(title="position bias (each pair judged in both orders)", title_justify="left")
-    for col in ("judge", "verdicts", "pairs", "consistency [95% CI]", "pref. fairness",
-                "first-slot wins", "ties", "invalid"):  # fmt: skip
-        t.add_column(
-            col, justify="left" if col in ("judge", "verdicts") else "right", overflow="fold"
-        )
-    for name, s in summaries.items():
-        for kind in ("generated", "logit"):
-            m = s.get(kind)
-            if m is None:
-                continue
-            ci = (
-                f"{_fmt(m['position_consistency'])} [{_fmt(m['pc_low'])}, {_fmt(m['pc_high'])}]"
-                if m["position_consistency"] is not None
-                else "—"
-            )
-            t.add_row(
+def _pc(m: dict) -> str:
+    """Position consistency with its counts: ``0.928 (389/419)`` (consistent / both orders read)."""
+    pc = m["position_consistency"]
+    return f"{'n/a' if pc is None else fmt_num(pc)} ({m['consistent_pairs']}/{m['valid_pairs']})"
+
+
+def _rate(x: float | None, signed: bool = False) -> str:
+    return "n/a" if x is None else fmt_signed(x) if signed else fmt_num(x)
+
+
+def _acc_kappa(g: dict | None) -> str:
+    """``accuracy / kappa`` of one verdict kind's agreement (``n/a`` without labels)."""
+    return "n/a" if g is None else f"{fmt_num(g['accuracy'])} / {_rate(g['kappa'], signed=True)}"
+
+
+def judge_tables(result: dict) -> list[TableSpec]:
+    """The tables of a judge run's ``summary.json`` (``ragfix judge``,
+    :mod:`ragfix.eval.judge_run`; ``"kind": "ragfix-judge"``).
+
+    A summary of other judges' verdicts (``ragfix judge --from-judgments``) is one table, one row
+    per judge: position consistency with its counts (consistent / pairs both of whose verdicts
+    were read), preference fairness, first-slot win rate, invalid rate, and accuracy / Cohen's
+    kappa against the human labels of the single-order (original order) and swap-aggregated
+    verdicts.
+
+    A judged run (a model as the judge) is two tables per judge: position bias per verdict source
+    (generated verdicts, per-order argmax of the letter probabilities): consistency with its
+    counts, fairness, first-slot wins, tie and invalid rates, with the mean probability of the
+    verdict letters (and the repetition stability, the run's notes) under it; then agreement with
+    the human labels per verdict kind (n, accuracy with its 95% Wilson interval, kappa, ties,
+    invalid), or a line saying the data has no labels.
+    """
+    data = Path(result["data"]).name
+    limit = result.get("limit")
+    judges = result["judges"]
+    if result.get("format") == SWAP_JUDGMENTS_FORMAT:
+        rows = [
+            [
                 name,
-                "generated" if kind == "generated" else "logit argmax",
-                str(m["pairs"]),
-                ci,
-                _fmt(m["preference_fairness"], signed=True),
-                _fmt(m["first_slot_win_rate"]),
-                _fmt(m["tie_rate"]),
-                _fmt(m["invalid_rate"]),
-            )
-    console.print(t)
-    for name, s in summaries.items():
+                _pc(s["generated"]),
+                _rate(s["generated"]["preference_fairness"], signed=True),
+                _rate(s["generated"]["first_slot_win_rate"]),
+                _rate(s["generated"]["invalid_rate"]),
+                _acc_kappa(s["agreement"].get("single_original")),
+                _acc_kappa(s["agreement"].get("swap_aggregated")),
+            ]
+            for name, s in judges.items()
+        ]
+        headers = [
+            "judge",
+            "PC (consistent/read)",
+            "PF",
+            "first-slot wins",
+            "invalid",
+            "single-order acc / κ",
+            "swap-aggregated acc / κ",
+        ]
+        items = f"first {limit} items" if limit is not None else "all items"
+        line = (
+            f"{data}, {items} of each judge. Single order: the verdict of the order given in the "
+            "file; swap-aggregated: both orders, an inconsistent pair is a tie (MT-bench)."
+        )
+        title = f"Other judges' verdicts in both orders ({items})"
+        return [TableSpec(title, headers, rows, [line])]
+    tables = []
+    for name, s in judges.items():
+        where = f"{data}, first {limit} pairs" if limit is not None else data
+        rows = []
+        for source, label in (("generated", "generated"), ("logit", "logit argmax")):
+            m = s.get(source)
+            if m is not None:
+                rows.append(
+                    [
+                        label,
+                        str(m["pairs"]),
+                        _pc(m),
+                        _rate(m["preference_fairness"], signed=True),
+                        _rate(m["first_slot_win_rate"]),
+                        _rate(m["tie_rate"]),
+                        _rate(m["invalid_rate"]),
+                    ]
+                )
+        headers = [
+            "verdicts",
+            "pairs",
+            "PC (consistent/read)",
+            "PF",
+            "first-slot wins",
+            "ties",
+            "invalid",
+        ]
+        lines = []
         if s.get("overflow_pairs"):
-            console.print(
-                f"{name}: {s['overflow_pairs']} pair(s) overflow the context window: not judged, "
-                "left out of every metric",
-                highlight=False,
+            lines.append(
+                f"{s['overflow_pairs']} pair(s) overflow the context window: not judged, left "
+                "out of every metric."
             )
-    if not any(s["labelled"] for s in summaries.values()):
-        console.print("no human labels in the data: agreement not reported")
-        return
-    a = Table(title="agreement with human labels", title_justify="left")
-    for col in ("judge", "verdict", "n", "accuracy [95% CI]", "kappa", "ties", "invalid"):
-        a.add_column(
-            col, justify="left" if col in ("judge", "verdict") else "right", overflow="fold"
-        )
-    for name, s in summaries.items():
-        for kind in VERDICT_KINDS:
-            g = s["agreement"].get(kind)
-            if g is None:
-                continue
-            a.add_row(
-                name,
+        if s.get("letter_mass") is not None:
+            lines.append(f"Mean p(A) + p(B) at the verdict position: {fmt_num(s['letter_mass'])}.")
+        if s.get("repetition_stability") is not None:
+            lines.append(f"Repetition stability: {fmt_num(s['repetition_stability'])}.")
+        lines += list(result.get("notes", []))
+        tables.append(TableSpec(f"{name} as judge: position bias ({where})", headers, rows, lines))
+        agree = [
+            [
                 kind,
                 str(g["n"]),
-                f"{g['accuracy']:.3f} [{g['acc_low']:.3f}, {g['acc_high']:.3f}]",
-                _fmt(g["kappa"], signed=True),
+                fmt_num(g["accuracy"]),
+                fmt_ci({"low": g["acc_low"], "high": g["acc_high"]}),
+                _rate(g["kappa"], signed=True),
                 str(g["ties"]),
                 str(g["invalid"]),
-            )
-    console.print(a)
-    for kind, (_, desc) in VERDICT_KINDS.items():
-        console.print(f"  {kind}: {desc}", highlight=False)
+            ]
+            for kind, g in s["agreement"].items()
+            if g is not None
+        ]
+        title = f"{name} as judge: agreement with human labels ({where})"
+        if agree:
+            headers = ["verdict", "n", "accuracy", "95% CI", "κ", "ties", "invalid"]
+            tables.append(TableSpec(title, headers, agree))
+        else:
+            tables.append(TableSpec(title, lines=["No human labels in the data."]))
+    return tables
+
+
+def print_judge_summary(result: dict, console: Console | None = None) -> None:
+    """Print :func:`judge_tables` of a judge summary, then what each verdict kind is."""
+    console = console or Console()
+    print_tables(judge_tables(result), console)
+    if result.get("format") != SWAP_JUDGMENTS_FORMAT:
+        for kind, (_, desc) in VERDICT_KINDS.items():
+            console.print(f"  {kind}: {desc}", highlight=False)
 
 
 def _plot_consistency(ax, summaries: dict[str, dict]) -> None:

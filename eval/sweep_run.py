@@ -22,8 +22,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
-from ragfix.eval.report import RunTally, progress_bar, write_report
+from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.run import RunFolder, input_fingerprints
 from ragfix.eval.shard import (
     assign_groups,
@@ -37,13 +38,12 @@ from ragfix.eval.sweep import (
     SweepConfig,
     open_store,
     parse_positions,
-    parse_records,
     plan_cells,
     run_cells,
-    select_records,
     summary_counts,
     sweep_folder,
 )
+from ragfix.eval.sweep_summary import write_report
 from ragfix.io import atomic_write_text
 from ragfix.tasks import get_task
 from ragfix.types import SweepRecord
@@ -294,7 +294,7 @@ def run_sweep(
         positions: ``all``, ``first,middle,last`` or ``0,4,9`` (0-based gold positions).
         records: a record range of the file, ``"START:END"`` (0-based, END excluded; record
             ``i`` is on line ``i + 1``), applied before ``limit``; written to ``config.json``
-            (a tune range and a disjoint test range, issue 15's protocol). The whole file is
+            (choices made on one range are reported on a disjoint one). The whole file is
             read (and must be valid, or ``skip_invalid``) so distractors never depend on it.
         limit: use the first ``limit`` samples (of the range).
         batch_size: cells per batch (default: a remote model's concurrency, else 16 on CUDA or
@@ -366,13 +366,9 @@ def run_sweep(
     )
     pos = parse_positions(positions, num_docs)
     skipped = SkipCounter()
-    samples = load_samples(
-        path, num_docs, None if rng else limit, distractor_pool, skip_invalid, skipped
-    )
-    if rng is not None:
-        samples = select_records(samples, rng)[:limit]
-        if not samples:
-            raise DataError(path, None, None, f"no usable record in --records {records}")
+    samples = load_samples(path, num_docs, limit, distractor_pool, skip_invalid, skipped, rng)
+    if rng is not None and not samples:
+        raise DataError(path, None, None, f"no usable record in --records {records}")
     if skipped.count and console is not None:
         console.print(
             f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
@@ -393,7 +389,7 @@ def run_sweep(
         device=device,
         dtype=dtype,
         adapter=str(adapter) if adapter else None,
-        **options,
+        validated=validated,
     )
     loaded = load_backend(**load_kwargs)  # also for a finished folder: what it ran on is checked
     _check_budget(loaded, config)

@@ -1,4 +1,4 @@
-"""Adapters as a load option of every backend: a LoRA (or full fine-tuning) artefact applied to
+"""LoRA adapters as a load option of every backend: a LoRA (or full fine-tuning) artefact applied to
 the base weights before a method's patches.
 
 An adapter folder is either one written by ``ragfix distill`` (Pos2Distill, arXiv 2508.15709:

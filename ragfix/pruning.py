@@ -1,4 +1,4 @@
-"""Corrections before reordering: drop blank passages, drop near-duplicate passages, fit the rest
+"""Pruning before reordering: drop blank passages, drop near-duplicate passages, fit the rest
 to a token budget.
 
 All work on texts in retrieval order (index = rank, 0 = best) and return the indices to keep,

@@ -1,0 +1,498 @@
+"""The comparison of several sweep folders (``ragfix report``).
+
+Every curve gets its figures of merit (mean, worst position, best-worst gap, with 95% intervals;
+:mod:`ragfix.eval.merit`). Runs are *paired* (the difference per position, the exact McNemar
+p-value, paired bootstrap intervals) only when their ``config.json`` agree on every field of
+:data:`CELL_FIELDS` (data, task, number of passages, record range and prompt layout), so that a
+cell key (sample, position) means the same prompt in both; runs that differ only in model,
+backend or adapter are paired. Other runs are drawn side by side (one plot panel per group of
+comparable runs) with a one-line note naming the differing fields (``num_docs 4 vs 8``). A run
+that tuned on the records it is compared on (``tuned_on`` in its ``config.json``) is never paired
+either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragfix.connectors.records import parse_records
+from ragfix.errors import ConfigError, DataError, RagfixError
+from ragfix.eval.merit import (
+    ALPHA,
+    N_RESAMPLES,
+    SEED,
+    Bootstrap,
+    Cells,
+    curve_merit,
+    paired_merit,
+    significance,
+)
+from ragfix.eval.plot import plot_curves
+from ragfix.eval.sweep import open_store, summary_counts
+from ragfix.eval.sweep_summary import (
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    cells_by_curve,
+    curve_label,
+    curve_table,
+    read_summary,
+)
+from ragfix.io import CONFIG_FILE, atomic_write_json
+from ragfix.metrics import continues_context
+from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed
+
+#: the ``kind`` of a comparison file written by ``ragfix report --json``
+COMPARISON_KIND = "ragfix-comparison"
+
+
+#: ``config.json`` fields that decide what a cell (sample, position) is: the data and the
+#: content of every input file (``inputs``), the task, the passages per prompt, the record range
+#: and the prompt layout (distractors; a pipeline's corpus, questions, retriever, chunking and
+#: framework). Runs are paired only when they agree on all of them (a field absent from both
+#: agrees).
+CELL_FIELDS = (
+    "data",
+    "inputs",
+    "task",
+    "num_docs",
+    "records",
+    "distractor_pool",
+    "corpus",
+    "questions",
+    "retriever",
+    "chunk_size",
+    "framework",
+)
+
+
+#: fields holding file paths, compared by file name (runs made on another machine still pair;
+#: their contents are compared by ``inputs``)
+PATH_FIELDS = ("data", "distractor_pool", "corpus", "questions")
+
+
+@dataclass
+class Run:
+    """A finished run folder read for a comparison.
+
+    Attributes:
+        name: its label in tables (the folder name; the path as given when names repeat).
+        folder: the run folder.
+        config: its ``config.json`` (``{}`` when it has none).
+        summary: its ``summary.json``.
+        curves: ``{curve label: {(sample_id, position): correct}}``, of the scored cells only
+            (:func:`ragfix.eval.sweep.summary_counts`: no sample with an overflow cell).
+        continued: ``{curve label: answers that continue the context}``
+            (:func:`ragfix.metrics.continues_context`), over the same cells.
+    """
+
+    name: str
+    folder: Path
+    config: dict
+    summary: dict
+    curves: dict[str, Cells]
+    continued: dict[str, int]
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    """Read a run folder (or a file inside one): its config, summary and the cells its run
+    reported (the ``cell_ids`` of its ``summary.json``; a folder may hold more cells, e.g. of a
+    run with a larger ``--limit`` before, or of an interrupted extension).
+
+    Raises:
+        DataError: no such folder, no ``summary.json``, a summary written before summaries
+            listed their cells, an unreadable ``config.json`` / ``summary.json``, a malformed
+            ``records`` / ``tuned_on`` in it, a reported cell missing from the results, or no
+            scored cell.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(path, None, None, "no such run folder")
+    folder = path if path.is_dir() else path.parent
+    summary = read_summary(folder)
+    config_path = folder / CONFIG_FILE
+    config = summary.get("config") or {}
+    if config_path.exists():
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as e:
+            raise DataError(
+                config_path, None, None, f"unreadable run configuration ({e})"
+            ) from None
+    ids = summary.get("cell_ids")
+    if not isinstance(ids, list):
+        raise DataError(
+            folder / SUMMARY_FILE,
+            None,
+            "cell_ids",
+            "written by an earlier ragfix that did not list the run's cells: rerun its "
+            "`ragfix eval` command with --restart",
+        )
+    stored = open_store(folder).load()
+    missing = [i for i in ids if i not in stored]
+    if missing:
+        raise DataError(
+            folder / RESULTS_FILE,
+            None,
+            None,
+            f"{len(missing)} of the {len(ids)} cells its summary reports are not in the results "
+            f"(first: {missing[0]}): rerun its `ragfix eval` command",
+        )
+    records, _ = summary_counts([stored[i] for i in ids])
+    curves = cells_by_curve(records)
+    continued = dict.fromkeys(curves, 0)
+    for r in records:
+        continued[curve_label(r)] += continues_context(r.get("answer", ""))
+    run = Run(name or folder.name, folder, config, summary, curves, continued)
+    if not run.curves:
+        raise DataError(folder, None, None, "no scored cell in this run (nothing to compare)")
+    record_range(config.get("records"), config_path)
+    tuned_ranges(run)
+    return run
+
+
+def uneven_positions(cells: Cells) -> str | None:
+    """A one-line note when the positions of a curve cover different samples (``n`` per
+    position differs, or the same ``n`` of other samples), so its points are not comparable;
+    None when every position has the same samples."""
+    by_pos: dict[int, set[str]] = {}
+    for sample, pos in cells:
+        by_pos.setdefault(pos, set()).add(sample)
+    if len({frozenset(s) for s in by_pos.values()}) <= 1:
+        return None
+    counts = ", ".join(f"{p}: {len(s)}" for p, s in sorted(by_pos.items()))
+    return f"its positions cover different samples (samples per position {counts})"
+
+
+def _file_key(value):
+    """A path setting cut to its file name."""
+    return Path(value).name if isinstance(value, str) else value
+
+
+def _setting(name: str, config: dict):
+    value = config.get(name)
+    if name == "records":  # canonical; the whole file is "all" (checked by load_run)
+        start, stop = record_range(value)
+        if stop == math.inf:
+            return "all" if start == 0 else f"{start}:"
+        return f"{start}:{stop}"
+    return _file_key(value) if name in PATH_FIELDS else value
+
+
+def config_differences(a: dict, b: dict) -> list[str]:
+    """The :data:`CELL_FIELDS` on which two run configurations differ, as ``"num_docs 4 vs 8"``
+    (paths as file names, an absent field as ``none``); ``[]`` when their cells are the same."""
+    out = []
+    for name in CELL_FIELDS:
+        x, y = _setting(name, a), _setting(name, b)
+        if x != y:
+            out.append(f"{name} {'none' if x is None else x} vs {'none' if y is None else y}")
+    return out
+
+
+def record_range(value, where: Path | None = None, field_name: str = "records") -> tuple:
+    """A record range of a ``config.json`` (``"A:B"``, parsed by
+    :func:`ragfix.connectors.records.parse_records`) as ``(start, stop)``; ``None``, ``""`` or
+    ``"all"`` is every record ``(0, inf)``, and so is an open end.
+
+    Raises:
+        DataError: not a record range (names ``where`` and the field).
+    """
+    if value is None or str(value).strip() in ("", "all"):
+        return 0, math.inf
+    try:
+        rng = parse_records(str(value))
+    except ConfigError:
+        raise DataError(where, None, field_name, f"{value!r} is not a record range 'A:B'") from None
+    return rng.start or 0, math.inf if rng.stop is None else rng.stop
+
+
+def tuned_ranges(run: Run) -> list[tuple[str, tuple, str]]:
+    """The record ranges ``run`` made choices on, from ``tuned_on`` in its ``config.json``:
+    a list (or one) of ``{"data": FILE, "records": "A:B"}`` or of ``"A:B"`` (the run's own data
+    file). Returns ``(file name, (start, stop), "A:B")`` triples.
+
+    Raises:
+        DataError: an entry of another form, or a malformed range.
+    """
+    raw = run.config.get("tuned_on")
+    if raw is None:
+        return []
+    where = run.folder / CONFIG_FILE
+    out = []
+    for item in raw if isinstance(raw, list) else [raw]:
+        if isinstance(item, str):
+            data, records = run.config.get("data"), item
+        elif isinstance(item, dict) and "records" in item:
+            data, records = item.get("data", run.config.get("data")), item["records"]
+        else:
+            raise DataError(
+                where,
+                None,
+                "tuned_on",
+                f"{item!r}: expected 'A:B' or {{'data': ..., 'records': 'A:B'}}",
+            )
+        out.append((_file_key(data), record_range(records, where, "tuned_on"), str(records)))
+    return out
+
+
+def tuned_conflict(tuner: Run, compared: Run) -> str | None:
+    """A one-line reason when ``tuner`` made its choices on records of the data ``compared``
+    is measured on (same file name, overlapping ranges); None when they are disjoint."""
+    data = _setting("data", compared.config)
+    used = record_range(compared.config.get("records"), compared.folder / CONFIG_FILE)
+    shown = compared.config.get("records") or "all"
+    for file, (start, stop), text in tuned_ranges(tuner):
+        if file == data and max(start, used[0]) < min(stop, used[1]):
+            return f"{tuner.name} tuned on records {text} of {file}, which are compared ({shown})"
+    return None
+
+
+def _label(run: Run, curve: str) -> str:
+    return f"{run.name}:{curve}"
+
+
+def compare_runs(
+    paths: list[str | Path],
+    *,
+    plot: str | Path | None = None,
+    title: str | None = None,
+    resamples: int = N_RESAMPLES,
+    seed: int = SEED,
+) -> dict:
+    """Compare run folders: figures of merit of every curve, and paired comparisons where the
+    cells are the same.
+
+    Runs are grouped by :func:`config_differences` (a run joins the first group whose first run
+    has the same cells); in each group every curve is paired with the group's first curve, unless
+    one of the two runs tuned on the compared records (:func:`tuned_conflict`) or they share no
+    cell. Every curve not paired gets a one-line note saying why.
+
+    Args:
+        paths: run folders (or files in them); the first one's first curve is the baseline.
+        plot: draw every curve into this PNG, one panel per group of runs with the same cells.
+        title: the plot's title.
+        resamples, seed: bootstrap settings (:mod:`ragfix.eval.merit`).
+
+    Returns:
+        The comparison (the JSON ``ragfix report --json`` writes): ``kind``, ``bootstrap``,
+        ``alpha``, ``runs`` (name, path, config, x axis and every curve's
+        :class:`~ragfix.eval.merit.CurveMerit`), ``groups`` (run names), ``paired`` (``baseline``
+        and ``other`` labels plus a :class:`~ragfix.eval.merit.PairedMerit`) and ``notes``.
+
+    Raises:
+        DataError: a folder without a readable summary, or a malformed ``tuned_on`` / ``records``.
+    """
+    names = [Path(p).name if Path(p).is_dir() else Path(p).parent.name for p in paths]
+    runs = [
+        load_run(p, n if names.count(n) == 1 else str(p)) for p, n in zip(paths, names, strict=True)
+    ]
+    groups: list[list[Run]] = []
+    notes: list[str] = []
+    for run in runs:
+        for curve, cells in run.curves.items():
+            uneven = uneven_positions(cells)
+            if uneven:
+                notes.append(f"{_label(run, curve)}: {uneven}")
+        group = next((g for g in groups if _same_cells(g[0], run)), None)
+        if group is not None:
+            group.append(run)
+            continue
+        if groups:
+            first = groups[0][0]
+            why = "; ".join(_differences(first, run))
+            notes.append(f"{run.name} not paired with {first.name}: {why}")
+        groups.append([run])
+    paired = []
+    for group in groups:
+        base_run = group[0]
+        base_curve, base_cells = next(iter(base_run.curves.items()))
+        base = _label(base_run, base_curve)
+        for run in group:
+            for curve, cells in run.curves.items():
+                other = _label(run, curve)
+                if other == base:
+                    continue
+                why = tuned_conflict(run, base_run) or tuned_conflict(base_run, run)
+                if why is None:
+                    try:
+                        merit = paired_merit(base_cells, cells, resamples=resamples, seed=seed)
+                    except RagfixError:
+                        why = "no (sample, position) cell in common"
+                    else:
+                        paired.append({"baseline": base, "other": other, **merit.model_dump()})
+                if why is not None:
+                    notes.append(f"{other} not paired with {base}: {why}")
+    if plot is not None:
+        plot_curves(
+            [(r.name, r.summary) for r in runs],
+            Path(plot),
+            title,
+            [[r.name for r in g] for g in groups],
+        )
+    return {
+        "kind": COMPARISON_KIND,
+        "bootstrap": Bootstrap(resamples=resamples, seed=seed).model_dump(),
+        "alpha": ALPHA,
+        "runs": [
+            {
+                "name": r.name,
+                "path": str(r.folder),
+                "config": r.config,
+                "x_axis": r.summary.get("x_axis", "prompt position"),
+                "curves": {
+                    c: curve_merit(cells, resamples=resamples, seed=seed).model_dump()
+                    for c, cells in r.curves.items()
+                },
+                "continued": r.continued,
+            }
+            for r in runs
+        ],
+        "groups": [[r.name for r in g] for g in groups],
+        "paired": paired,
+        "notes": notes,
+    }
+
+
+def _differences(a: Run, b: Run) -> list[str]:
+    missing = [r.name for r in (a, b) if not r.config]
+    if missing:
+        return [f"no {CONFIG_FILE} in {', '.join(missing)}"]
+    return config_differences(a.config, b.config)
+
+
+def _same_cells(a: Run, b: Run) -> bool:
+    return a is b or not _differences(a, b)
+
+
+def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableSpec]:
+    """The tables of a comparison (:func:`compare_runs`) or of a ``summary.json`` wrapped as a
+    one-run comparison (:func:`ragfix.eval.results.load_result`).
+
+    Args:
+        kind: ``curve`` (per-position table of every curve), ``merit`` (figures of merit of every
+            curve), ``paired`` (per-position differences and McNemar p of every pair, then the
+            notes on runs not paired), ``comparison`` (all three).
+
+    Raises:
+        DataError: ``merit`` or ``paired`` asked of a ``summary.json`` (they need the cells: use
+            ``ragfix report RUN --json FILE``).
+    """
+    if kind in ("merit", "paired") and comparison.get("kind") != COMPARISON_KIND:
+        raise DataError(
+            comparison.get("source"),
+            None,
+            None,
+            f"{kind} tables need a comparison file (`ragfix report RUN... --json FILE`)",
+        )
+    tables: list[TableSpec] = []
+    if kind in ("curve", "comparison"):
+        for run in comparison["runs"]:
+            several = len(comparison["runs"]) > 1 or comparison.get("kind") == COMPARISON_KIND
+            for c, curve in run["curves"].items():
+                tables.append(
+                    curve_table(f"{run['name']}:{c}" if several else c, curve, run["x_axis"])
+                )
+    if kind in ("merit", "comparison"):
+        tables.append(_merit_table(comparison))
+    if kind in ("paired", "comparison"):
+        tables += [_paired_table(p, comparison) for p in comparison["paired"]]
+        if comparison["notes"]:
+            tables.append(TableSpec("not paired", lines=list(comparison["notes"])))
+    return tables
+
+
+def _merit_table(comparison: dict) -> TableSpec:
+    boot = comparison["bootstrap"]
+    rows = []
+    for run in comparison["runs"]:
+        for c, m in run["curves"].items():
+            rows.append(
+                [
+                    f"{run['name']}:{c}",
+                    str(m["samples"]),
+                    str(m["cells"]),
+                    fmt_num(m["mean"]),
+                    fmt_ci(m["mean_ci"]),
+                    f"{fmt_num(m['worst'])} @ {m['worst_position']}",
+                    fmt_ci(m["worst_ci"]),
+                    f"{fmt_num(m['best'])} @ {m['best_position']}",
+                    fmt_num(m["gap"]),
+                    fmt_ci(m["gap_ci"]),
+                ]
+            )
+    headers = [
+        "curve",
+        "samples",
+        "cells",
+        "mean",
+        "95% CI",
+        "worst @ pos",
+        "95% CI",
+        "best @ pos",
+        "gap",
+        "95% CI",
+    ]
+    line = (
+        f"95% intervals: Wilson at the worst position; {boot['method']} bootstrap over samples "
+        f"({boot['resamples']} resamples, seed {boot['seed']}) for mean and gap."
+    )
+    lines = [line]
+    counts = [
+        f"{run['name']}:{c} {run['continued'][c]} of {m['cells']}"
+        for run in comparison["runs"]
+        if "continued" in run  # comparison files written before the count existed lack it
+        for c, m in run["curves"].items()
+    ]
+    if any(run.get("config", {}).get("task") == "qa" for run in comparison["runs"]) and counts:
+        lines.append(
+            "Answers that continue the document list instead of answering "
+            f"(`Document [...`): {'; '.join(counts)}."
+        )
+    return TableSpec("figures of merit", headers, rows, lines)
+
+
+def _paired_table(pair: dict, comparison: dict) -> TableSpec:
+    base, other = pair["baseline"], pair["other"]
+    rows = [
+        [
+            str(p["position"]),
+            str(p["n"]),
+            fmt_num(p["baseline"]),
+            fmt_num(p["other"]),
+            fmt_signed(p["diff"]),
+            str(p["only_other"]),
+            str(p["only_baseline"]),
+            f"{p['p_value']:.3g}",
+            significance(p["p_value"]),
+        ]
+        for p in pair["positions"]
+    ]
+    headers = [
+        "position",
+        "n",
+        base,
+        other,
+        "difference",
+        f"right only in {other}",
+        f"right only in {base}",
+        "McNemar p",
+        f"at {comparison['alpha']}",
+    ]
+    line = (
+        f"{other} vs {base}: {pair['cells']} cells ({pair['samples']} samples), mean difference "
+        f"{fmt_signed(pair['mean_diff'])} {fmt_ci(pair['mean_diff_ci'], True)}, gap difference "
+        f"{fmt_signed(pair['gap_diff'])} {fmt_ci(pair['gap_diff_ci'], True)}, right only in "
+        f"{other} {pair['only_other']}, only in {base} {pair['only_baseline']}, McNemar p = "
+        f"{pair['p_value']:.3g} ({significance(pair['p_value'])} at {comparison['alpha']})"
+    )
+    return TableSpec(
+        f"{other} paired with {base} (same samples and positions)", headers, rows, [line]
+    )
+
+
+def write_comparison(path: str | Path, comparison: dict) -> None:
+    """Write a comparison (:func:`compare_runs`) as indented JSON, atomically."""
+    atomic_write_json(path, comparison)

@@ -1,0 +1,58 @@
+"""What a long run shows while it works: the progress bar and a sweep's running accuracy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from ragfix.types import OVERFLOW
+
+
+class RunTally:
+    """The running accuracy a sweep's progress bar shows, over the run's scored cells: the cells
+    finished before a resume count too, so a resumed run shows the whole run's accuracy.
+
+    Args:
+        done: records already stored (dicts with ``correct`` and ``flags``).
+    """
+
+    def __init__(self, done: Iterable[dict] = ()) -> None:
+        self.right = self.scored = 0
+        for r in done:
+            self.add(bool(r["correct"]), r.get("flags", ()))
+
+    def add(self, correct: bool, flags: Iterable[str]) -> str:
+        """Count one cell (an overflowed one is not scored); return :meth:`status`."""
+        if OVERFLOW not in flags:
+            self.scored += 1
+            self.right += correct
+        return self.status()
+
+    def status(self) -> str:
+        """``"acc 0.42"``, or ``"no scored cell yet"``."""
+        return f"acc {self.right / self.scored:.2f}" if self.scored else "no scored cell yet"
+
+
+def progress_bar(console: Console | None = None, disable: bool = False) -> Progress:
+    """The progress bar every long ragfix run shows: description, bar, done/total, a status
+    field (``status=`` in ``add_task``/``update``), elapsed and remaining time. ``disable`` hides
+    it (non-zero ranks of a multi-process run)."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=disable,
+    )

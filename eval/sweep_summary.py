@@ -1,0 +1,193 @@
+"""A sweep's summary: ``summary.json`` (one accuracy curve per backend / strategy), its tables
+and where its files are.
+
+A sweep folder holds ``results*.jsonl`` (one record per cell), ``config.json``, ``summary.json``
+(:func:`build_summary`) and ``curve.png`` (:func:`ragfix.eval.plot.plot_curves`). A curve is
+labelled by its backend, plus ``/strategy`` for a reorder strategy or a pipeline sweep
+(:func:`curve_label`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from ragfix.errors import DataError
+from ragfix.eval.plot import plot_curves
+from ragfix.io import atomic_write_json
+from ragfix.metrics import CurveSummary, position_curve
+from ragfix.tables import TableSpec, fmt_ci, fmt_num, print_tables
+
+RESULTS_FILE = "results.jsonl"
+
+
+SUMMARY_FILE = "summary.json"
+
+
+PLOT_FILE = "curve.png"
+
+
+def curves_from_records(records: list[dict]) -> dict[str, CurveSummary]:
+    """One :class:`CurveSummary` per ``backend`` / ``strategy`` label (``"vanilla"``, or
+    ``"vanilla/lost-in-the-middle"`` when a reorder strategy is set)."""
+    groups: dict[str, list[tuple[int, bool]]] = {}
+    for r in records:
+        groups.setdefault(curve_label(r), []).append((int(r["position"]), bool(r["correct"])))
+    return {label: position_curve(pairs) for label, pairs in sorted(groups.items())}
+
+
+def through_pipeline(record: dict) -> bool:
+    """Whether a record comes from a pipeline sweep (its ``extra`` says whether the gold chunk
+    had to be added to the retrieved ones); its ``position`` is then a retrieval rank."""
+    return "gold_added" in record.get("extra", {})
+
+
+def curve_label(record: dict) -> str:
+    """The curve a record belongs to: its backend, plus ``/strategy`` for a record of a pipeline
+    sweep (``/none`` included: no reordering is a strategy there) or any reorder strategy."""
+    strategy = record.get("strategy", "none")
+    if strategy == "none" and not through_pipeline(record):
+        return record["backend"]
+    return f"{record['backend']}/{strategy}"
+
+
+def cells_by_curve(records: list[dict]) -> dict[str, dict[tuple[str, int], bool]]:
+    """``{curve label: {(sample_id, position): correct}}``, for paired comparisons."""
+    out: dict[str, dict[tuple[str, int], bool]] = {}
+    for r in records:
+        out.setdefault(curve_label(r), {})[(r["sample_id"], int(r["position"]))] = bool(
+            r["correct"]
+        )
+    return dict(sorted(out.items()))
+
+
+def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> dict:
+    """The ``summary.json`` content: the run's config, cell counts, curves and the ids of the
+    cells it reports (``cell_ids``: those of ``records`` unless ``extra`` gives them, e.g. with
+    the overflowed cells that were counted but not scored).
+
+    ``x_axis`` is ``"prompt position"`` for raw sweeps and ``"retrieval rank"`` when a reorder
+    strategy was applied.
+    """
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    curves = curves_from_records(records)
+    ranked = any(r.get("strategy", "none") != "none" or through_pipeline(r) for r in records)
+    return {
+        "config": config,
+        "model": config.get("model"),
+        "num_docs": config.get("num_docs"),
+        "task": config.get("task"),
+        "x_axis": "retrieval rank" if ranked else "prompt position",
+        "cells": len(records),
+        "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in records),
+        "seconds": round(sum(r.get("seconds", 0.0) for r in records), 2),
+        "curves": {k: v.model_dump() for k, v in curves.items()},
+        "cell_ids": [r["cell_id"] for r in records],
+        **(extra or {}),
+    }
+
+
+def read_summary(folder: Path) -> dict:
+    """The ``summary.json`` of a run folder.
+
+    Raises:
+        DataError: no summary there, or not readable JSON.
+    """
+    path = Path(folder) / SUMMARY_FILE
+    if not path.exists():
+        raise DataError(
+            path, None, None, f"no summary (run `ragfix eval ... --out {folder}` first)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(path, None, None, f"not a ragfix summary ({e})") from None
+
+
+def print_run_files(out: Path, console: Console) -> None:
+    """Where a finished sweep's files are, one per line and never cut by the terminal's width
+    (a path must paste back whole)."""
+    for name, file in (("results", RESULTS_FILE), ("summary", SUMMARY_FILE), ("plot", PLOT_FILE)):
+        console.print(f"{name}: {out / file}", soft_wrap=True, highlight=False)
+
+
+def write_report(out: Path, records: list[dict], extra: dict | None = None) -> dict:
+    """Write ``summary.json`` and ``curve.png`` of ``records`` into ``out`` (atomically); return
+    the summary (:func:`build_summary`)."""
+    summary = build_summary(out, records, extra)
+    write_summary(out, summary)
+    return summary
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """Write a built summary as ``summary.json`` (atomically) and its ``curve.png``."""
+    atomic_write_json(out / SUMMARY_FILE, summary)
+    plot_curves([(out.name, summary)], out / PLOT_FILE)
+
+
+def curve_table(label: str, curve: dict, x_axis: str = "position") -> TableSpec:
+    """Per-position table of one curve (position, n, accuracy, 95% Wilson interval) with the
+    curve's mean, worst, best and gap under it.
+
+    Args:
+        label: the curve's name.
+        curve: a :class:`~ragfix.metrics.CurveSummary` or
+            :class:`~ragfix.eval.merit.CurveMerit` as a dict.
+        x_axis: what the positions are (``prompt position`` or ``retrieval rank``).
+    """
+    rows = [
+        [str(s["position"]), str(s["n"]), fmt_num(s["accuracy"]), fmt_ci(s)]
+        for s in curve["positions"]
+    ]
+    line = (
+        f"{label}: mean {fmt_num(curve['mean'])} | worst {fmt_num(curve['worst'])} @ "
+        f"{curve['worst_position']} | best {fmt_num(curve['best'])} @ {curve['best_position']} | "
+        f"gap {fmt_num(curve['gap'])}"
+    )
+    return TableSpec(f"{label} — {x_axis}", ["position", "n", "accuracy", "95% CI"], rows, [line])
+
+
+def print_summary(summary: dict, console: Console | None = None, title: str = "") -> None:
+    """Per-position table (position, n, accuracy, 95% Wilson interval) and each curve's mean,
+    worst, best and gap."""
+    print_tables(summary_tables(summary, title), console)
+
+
+def summary_tables(summary: dict, title: str = "") -> list[TableSpec]:
+    """The tables :func:`print_summary` prints, one per curve of a ``summary.json``."""
+    x_axis = summary.get("x_axis", "position")
+    tables = []
+    for label, c in summary["curves"].items():
+        spec = curve_table(label, c, x_axis)
+        spec.title = f"{title or label} — {x_axis}"
+        tables.append(spec)
+    return tables
+
+
+def flags_table(summary: dict) -> TableSpec | None:
+    """The flagged cells per position of a ``summary.json`` (one column per flag) with the
+    samples left out of the accuracy under it; None when no cell is flagged."""
+    flags = summary.get("flags") or {}
+    if not flags:
+        return None
+    positions = sorted({int(p) for per in flags.values() for p in per})
+    rows = [[str(p), *(str(per.get(str(p), 0)) for per in flags.values())] for p in positions]
+    lines = []
+    if summary.get("excluded_samples"):
+        lines.append(
+            f"{summary['excluded_samples']} sample(s) overflow the context window at some "
+            f"position and are left out of the accuracy at every position "
+            f"({summary.get('scored_cells', 0)} of {summary.get('cells', 0)} cells scored)"
+        )
+    x_axis = summary.get("x_axis", "position")
+    return TableSpec(f"flagged cells per {x_axis}", ["position", *flags], rows, lines)
+
+
+def print_flags(summary: dict, console: Console | None = None) -> None:
+    """Print :func:`flags_table` (nothing when no cell is flagged)."""
+    spec = flags_table(summary)
+    if spec is not None:
+        print_tables([spec], console)

@@ -1,0 +1,181 @@
+"""The import graph of the installed package: the library never imports the evaluation or the
+CLI, and no two modules import each other, directly or round a longer loop.
+
+Every ``.py`` file of every package listed in ``pyproject.toml`` is read where the installed
+package has it (``importlib.util.find_spec``: ``ragfix.eval`` lives in ``eval/``), and every
+``import`` / ``from ... import`` in it counts, at module level or inside a function, plus the
+module names a module hands to ``importlib.import_module`` as string literals (the lazy names of
+``ragfix/__init__.py``, the backend registry, the CLI's command modules).
+
+An edge goes to the module named: ``from ragfix.eval.sweep import x`` is an edge to
+``ragfix.eval.sweep``, ``from ragfix.judge import summarize`` one to ``ragfix.judge`` (its
+``__init__``), ``from ragfix.eval import sweep`` one to ``ragfix.eval.sweep``. Python also runs a
+package's ``__init__`` before any of its submodules; that implicit step is not an edge, so a
+package ``__init__`` that re-exports its submodules (the package's façade) is not a cycle with
+each of them. A submodule importing its own package's ``__init__`` is an edge, and a cycle when
+that ``__init__`` imports it back.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")
+
+REPO = Path(__file__).resolve().parents[1]
+#: the packages above the library: nothing in the library imports them
+UPPER = ("ragfix.eval", "ragfix.cli")
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """``{module name: (file, is a package __init__)}`` of every package in pyproject."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = config["tool"]["setuptools"]["packages"]
+    out = {}
+    for pkg in packages:
+        spec = importlib.util.find_spec(pkg)
+        assert spec is not None and spec.submodule_search_locations, f"{pkg} is not installed"
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        for sub in folder.iterdir():
+            if (sub / "__init__.py").is_file():
+                assert f"{pkg}.{sub.name}" in packages, f"{pkg}.{sub.name} is not in pyproject"
+        for file in sorted(folder.glob("*.py")):
+            name = pkg if file.stem == "__init__" else f"{pkg}.{file.stem}"
+            out[name] = (file, file.stem == "__init__")
+    return out
+
+
+def _imports(name: str, file: Path, is_package: bool, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports (see the module docstring)."""
+    tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
+    here = name if is_package else name.rpartition(".")[0]
+    named: set[str] = set()
+    dynamic = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            named.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = here.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            for a in node.names:
+                full = f"{module}.{a.name}"
+                named.add(full if full in known else module)
+        elif isinstance(node, ast.Attribute) and node.attr == "import_module":
+            dynamic = True
+    if dynamic:
+        named.update(
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in known
+        )
+    out = set()
+    for target in named:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.add(target)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {m: _imports(m, f, pkg, known) for m, (f, pkg) in mods.items()}
+
+
+def _upper(module: str) -> bool:
+    return any(module == u or module.startswith(u + ".") for u in UPPER)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                scc = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    scc.append(w)
+                    if w == v:
+                        break
+                if len(scc) > 1:
+                    found.append(sorted(scc))
+    return found
+
+
+def _loop(graph: dict[str, set[str]], scc: list[str]) -> str:
+    """One closed path through a cycle's modules, for the failure message."""
+    members = set(scc)
+    path = [scc[0]]
+    while True:
+        nxt = sorted(graph[path[-1]] & members)
+        back = [n for n in nxt if n in path]
+        if back:
+            return " -> ".join([*path[path.index(back[0]) :], back[0]])
+        path.append(next(n for n in nxt if n not in path))
+
+
+def test_the_walk_sees_every_package():
+    graph = _graph()
+    for pkg in ("ragfix", "ragfix.backends", "ragfix.eval", "ragfix.cli", "ragfix.connectors"):
+        assert pkg in graph
+    assert "ragfix.eval.sweep" in graph["ragfix.eval.compare"]
+    assert "ragfix.cli.eval_cmd" in graph["ragfix.cli.app"]  # a dynamic import counts
+
+
+def test_the_library_never_imports_eval_or_cli():
+    graph = _graph()
+    upward = sorted(
+        f"{m} -> {t}" for m, targets in graph.items() if not _upper(m) for t in targets if _upper(t)
+    )
+    assert not upward, "library modules import ragfix.eval / ragfix.cli:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    cycles = [_loop(graph, scc) for scc in _cycles(graph)]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_edge():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _loop(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
+    assert _upper("ragfix.eval.sweep") and _upper("ragfix.cli") and not _upper("ragfix.evaluate")
