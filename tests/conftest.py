@@ -3,6 +3,8 @@ mechanism tests, and the data and case folders."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 from pathlib import Path
 
@@ -95,6 +97,18 @@ def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "eager", **overri
     cfg = tiny_config(arch, **overrides)
     cfg._attn_implementation = attn
     return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def essays(chars: int) -> str:
+    """Paul Graham essays (the repository's needle data) joined until ``chars`` characters
+    (about 4.5 characters a SmolLM2 token)."""
+    out = []
+    with gzip.open(data_file("needle_paul_graham_essays.jsonl.gz"), "rt") as f:
+        for line in f:
+            out.append(json.loads(line)["text"])
+            if sum(map(len, out)) >= chars:
+                break
+    return "\n\n".join(out)
 
 
 def tiny_folder(folder, seed: int = 0, window: int = 2048):

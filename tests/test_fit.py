@@ -5,11 +5,9 @@ OpenAI-compatible server (the sweep and the judge have their own tests)."""
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 
 import pytest
-from conftest import data_file
+from conftest import essays
 
 from ragfix.answering import Answerer, AnswerSettings
 from ragfix.backends import Fit
@@ -19,18 +17,6 @@ from ragfix.prompts import TaskPrompt
 from ragfix.types import CUT_TO_WINDOW, OVERFLOW
 
 QUESTION = "What is the capital of France? Answer in one word."
-
-
-def essays(chars: int) -> str:
-    """Paul Graham essays from the repository's needle data, joined until ``chars`` characters
-    (about 4.5 characters a SmolLM2 token)."""
-    out = []
-    with gzip.open(data_file("needle_paul_graham_essays.jsonl.gz"), "rt") as f:
-        for line in f:
-            out.append(json.loads(line)["text"])
-            if sum(map(len, out)) >= chars:
-                break
-    return "\n\n".join(out)
 
 
 def _model_count(smol, prompt: TaskPrompt) -> int:

@@ -10,7 +10,7 @@ import json
 import math
 
 import pytest
-from conftest import data_file
+from conftest import data_file, essays
 from sklearn.metrics import cohen_kappa_score
 
 from ragfix.connectors.pairwise import (
@@ -405,17 +405,6 @@ def test_truncated_judge_scores_letters_on_the_cut_prompt(smol):
         assert abs(o.p_a - float(lf[ta].exp())) > 1e-3
 
 
-def _essays(chars: int) -> str:
-    """Paul Graham essays (the repository's needle data) joined until ``chars`` characters."""
-    out = []
-    with gzip.open(data_file("needle_paul_graham_essays.jsonl.gz"), "rt") as f:
-        for line in f:
-            out.append(json.loads(line)["text"])
-            if sum(map(len, out)) >= chars:
-                break
-    return "\n\n".join(out)
-
-
 def test_judge_flags_a_pair_over_the_window_and_judges_the_others_as_before(smol, judged):
     judge, ref, _ = judged
     # a pair whose judge prompt is longer than SmolLM2's 8192-token window (answer B: essays)
@@ -423,7 +412,7 @@ def test_judge_flags_a_pair_over_the_window_and_judges_the_others_as_before(smol
         pair_id="long",
         question="Which answer summarises the essays better?",
         answer_a="They are about startups.",
-        answer_b=_essays(45_000),
+        answer_b=essays(45_000),
         label="A",
     )
     prompts = [
@@ -528,7 +517,7 @@ def test_llamaindex_evaluator_reports_a_pair_over_the_window_as_invalid(judged):
     from ragfix.judge import RagfixPairwiseEvaluator
 
     ev = RagfixPairwiseEvaluator(judged[0])
-    out = ev.evaluate(query="Which is better?", response="Short.", second_response=_essays(45_000))
+    out = ev.evaluate(query="Which is better?", response="Short.", second_response=essays(45_000))
     assert out.invalid_result and out.score is None and out.passing is None
     assert out.invalid_reason == (
         "the judge prompt plus its answer budget exceeds the context window"

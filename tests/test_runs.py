@@ -163,6 +163,25 @@ def test_a_folder_from_before_identity_binding_is_refused_in_one_line(tmp_path, 
     assert len(fresh) == 2
 
 
+def test_the_cli_refuses_in_one_line_and_restarts_with_the_flag(tmp_path, model_dir):
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+
+    out = tmp_path / "run"
+    args = ["eval", str(NQ), "--model", str(model_dir), "--num-docs", "2", "--limit", "1",
+            "--workers", "1", "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert CliRunner().invoke(app, args).exit_code == 0
+    tiny_folder(model_dir, seed=4)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2
+    [line] = [x for x in res.output.splitlines() if x.startswith("error:")]
+    assert "identity.model.weights" in line and "--restart" in line
+    res = CliRunner().invoke(app, [*args, "--restart"])
+    assert res.exit_code == 0, res.output
+    assert len(_lines(out / "results.jsonl")) == 2
+
+
 def test_report_counts_exactly_the_cells_its_run_reports(tmp_path, model_dir):
     out = tmp_path / "run"
     _sweep(out, model_dir, limit=2)

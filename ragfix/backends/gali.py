@@ -31,7 +31,6 @@ Implementation notes (differences from the official code, same maths):
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,7 @@ from pydantic import Field
 
 from ragfix.backends.base import BackendOptions, Prompt
 from ragfix.backends.hf import HFBackend, greedy_steps
-from ragfix.backends.patching import patch_attention
+from ragfix.backends.patching import project_qkv, routed
 from ragfix.errors import ConfigError
 from ragfix.types import Generation
 
@@ -277,14 +276,7 @@ def _gali_attention_forward(attn, run: _GaliRun, hidden_states, *args, **kwargs)
     """Replacement ``forward`` of a Llama/Mistral/Qwen2/Qwen3 attention module during a GALI
     run: projects q/k/v (with Qwen3's q/k norms), caches the pre-RoPE keys and values in ``run``
     and attends with interpolated logits. Returns ``(output [B, c, hidden], None)``."""
-    bsz, c, _ = hidden_states.shape
-    shape = (bsz, c, -1, attn.head_dim)
-    q = attn.q_proj(hidden_states).view(shape)
-    k = attn.k_proj(hidden_states).view(shape)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
+    q, k, v = project_qkv(attn, hidden_states)
     i = attn.layer_idx
     if i in run.keys:
         k = torch.cat([run.keys[i], k], dim=2)
@@ -394,20 +386,14 @@ class GaliBackend(HFBackend):
         return ident
 
     # ------------------------------------------------------------------ the GALI loop
-    @contextmanager
-    def _patched(self, run: _GaliRun) -> Iterator[None]:
-        """Route every attention module through GALI for the duration of ``run`` (one
-        :func:`~ragfix.backends.patching.patch_attention` handle, removed on exit).
+    def _patched(self, run: _GaliRun):
+        """Route every attention module through GALI for the duration of ``run``
+        (:func:`~ragfix.backends.patching.routed`).
 
         Raises:
             IncompatibleMethodsError: another method already patches the attention.
         """
-
-        def forward(attn, *args, **kwargs):
-            return _gali_attention_forward(attn, run, *args, **kwargs)
-
-        with patch_attention("gali", self.attentions, forward):
-            yield
+        return routed("gali", self.attentions, _gali_attention_forward, run)
 
     def _prefill(self, run: _GaliRun, ids: torch.Tensor, logits_to_keep: int) -> Iterator:
         """Feed ``ids`` ``[B, n]`` chunk by chunk; yield each chunk's logits."""

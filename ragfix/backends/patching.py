@@ -11,7 +11,8 @@ the rotary embedding (RoPE scaling) compose with these patches.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from ragfix.errors import IncompatibleMethodsError
 
@@ -71,6 +72,44 @@ def patch_attention(owner: str, modules: Sequence, forward: Callable) -> Attenti
         m.forward = types.MethodType(forward, m)
         setattr(m, OWNER_ATTR, owner)
     return AttentionPatch(owner, list(modules))
+
+
+@contextmanager
+def routed(owner: str, modules: Sequence, forward: Callable, run) -> Iterator[None]:
+    """Route every module through ``forward(module, run, *args, **kwargs)`` while the block runs
+    (one :func:`patch_attention` handle, removed on exit): how a method with per-call state
+    (``run``: its cache, positions, tables) takes over the attention.
+
+    Raises:
+        IncompatibleMethodsError: a module already carries a patch.
+    """
+
+    def bound(attn, *args, **kwargs):
+        return forward(attn, run, *args, **kwargs)
+
+    with patch_attention(owner, modules, bound):
+        yield
+
+
+def project_qkv(attn, hidden_states):
+    """The pre-RoPE queries, keys and values of a Llama/Mistral/Qwen2/Qwen3 attention module
+    (Qwen3's q/k norms applied), for a method that computes the attention itself.
+
+    Args:
+        attn: the attention module.
+        hidden_states: ``[B, c, hidden]``.
+
+    Returns:
+        ``q [B, H, c, d]``, ``k [B, Hkv, c, d]``, ``v [B, Hkv, c, d]``.
+    """
+    bsz, c, _ = hidden_states.shape
+    shape = (bsz, c, -1, attn.head_dim)
+    q = attn.q_proj(hidden_states).view(shape)
+    k = attn.k_proj(hidden_states).view(shape)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    v = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
+    return q.transpose(1, 2), k.transpose(1, 2), v
 
 
 def attention_modules(model) -> list:

@@ -39,14 +39,13 @@ method already patches, in one line.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
 from ragfix.backends.base import BackendOptions
-from ragfix.backends.patching import attention_modules, patch_attention
+from ragfix.backends.patching import attention_modules, project_qkv, routed
 from ragfix.backends.set_based import (
     OUTSIDE,
     PAD,
@@ -236,14 +235,7 @@ def _pine_attention_forward(attn, run: _PineRun, hidden_states, *args, **kwargs)
     """Replacement ``forward`` of a Llama/Mistral/Qwen2/Qwen3 attention module during a PINE run:
     projects q/k/v (Qwen3's q/k norms applied) and attends as PINE does over ``run``'s cache
     (which the step's keys and values join). Returns ``(output [B, c, hidden], None)``."""
-    bsz, c, _ = hidden_states.shape
-    shape = (bsz, c, -1, attn.head_dim)
-    q = attn.q_proj(hidden_states).view(shape)
-    k = attn.k_proj(hidden_states).view(shape)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
+    q, k, v = project_qkv(attn, hidden_states)
     return attn.o_proj(run.attend(attn, q, k, v)), None
 
 
@@ -263,19 +255,14 @@ class PineBackend(PassageSetBackend):
         self.attentions = attention_modules(model)
         self.rotary = model.get_decoder().rotary_emb
 
-    @contextmanager
-    def _patched(self, run: _PineRun) -> Iterator[None]:
-        """Route every attention module through PINE while ``run`` steps.
+    def _patched(self, run: _PineRun):
+        """Route every attention module through PINE while ``run`` steps
+        (:func:`~ragfix.backends.patching.routed`).
 
         Raises:
             IncompatibleMethodsError: another method already patches the attention.
         """
-
-        def forward(attn, *args, **kwargs):
-            return _pine_attention_forward(attn, run, *args, **kwargs)
-
-        with patch_attention("pine", self.attentions, forward):
-            yield
+        return routed("pine", self.attentions, _pine_attention_forward, run)
 
     @torch.no_grad()
     def _run(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
