@@ -46,8 +46,8 @@ def teacher_rows(
     what it had not.
 
     Args:
-        model_key: what identifies the teacher model (``model_identity(model)["fingerprint"]``);
-            generations of another model are never reused.
+        model_key: what identifies the teacher's weights (the content fingerprint
+            ``model_identity(model)["weights"]``); generations of other weights are never reused.
 
     Returns:
         ``(kept, rows, report)`` as :func:`~ragfix.distill.data.build_rows`.
@@ -199,7 +199,7 @@ def distill(
         resume,
         acc.is_main_process,
         log,
-        model_key=base_identity["fingerprint"],
+        model_key=base_identity["weights"],
     )
     dropped = {k: v for k, v in report.model_dump().items() if k not in ("tried", "kept") and v}
     why = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in dropped.items()) or "none"
