@@ -197,22 +197,6 @@ def _judge_missing(
         judge.judge_pairs(todo, tick)
 
 
-def _judge_todo(
-    folder: RunFolder,
-    judge: PairwiseJudge,
-    todo: list[JudgePair],
-    finished: list[dict],
-    console: Console | None,
-) -> None:
-    """Judge ``todo`` and store each judgment in ``folder`` (``config.json`` just before the
-    first one)."""
-
-    def on_result(res: PairJudgment) -> None:
-        folder.append(res.model_dump(mode="json"))
-
-    _judge_missing(judge, todo, finished, on_result, console, folder.config.backend)
-
-
 def run_judge(
     data: str | Path,
     out: str | Path,
@@ -326,7 +310,11 @@ def run_judge(
         console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
     if todo:
         finished = [done[p.pair_id] for p in pairs if p.pair_id in done]
-        _judge_todo(folder, judge, todo, finished, console)
+
+        def store(res: PairJudgment) -> None:  # config.json just before the first judgment
+            folder.append(res.model_dump(mode="json"))
+
+        _judge_missing(judge, todo, finished, store, console, backend)
     records = folder.done()
     name = f"{model} · {backend}"
     mine = [records[p.pair_id] for p in pairs if p.pair_id in records]

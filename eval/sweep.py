@@ -36,7 +36,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ragfix.backends.base import Backend
+from ragfix.backends.base import Backend, Fit
 from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
@@ -233,36 +233,37 @@ def run_cells(
     for c in cells:
         fit = backend.fit(_prompt(c))  # size unknown without a tokenizer: checked afterwards
         if fit.runs:
-            runnable.append((c, [fit.flag] if fit.flag else []))
+            runnable.append((c, fit))
         else:
             n = fit.prompt_tokens
             gen = Generation(text="", prompt_tokens=n, new_tokens=0, prefill_tokens=0, seconds=0)
             on_record(_record(c, backend, gen, [OVERFLOW]))
     if prefix_reuse and backend.supports_prefix_reuse:
-        by_sample: dict[str, list[tuple[Cell, list[str]]]] = {}
-        for c, flags in runnable:
-            by_sample.setdefault(c.sample.id, []).append((c, flags))
+        by_sample: dict[str, list[tuple[Cell, Fit]]] = {}
+        for c, fit in runnable:
+            by_sample.setdefault(c.sample.id, []).append((c, fit))
         for group in by_sample.values():
             group = sorted(group, key=lambda x: -x[0].position)
             for start in range(0, len(group), batch_size):
                 chunk = group[start : start + batch_size]
                 prompts = [_prompt(c) for c, _ in chunk]
                 gens = backend.generate(prompts, batch_size=batch_size, prefix_reuse=True)
-                for (c, flags), gen in zip(chunk, gens, strict=True):
-                    on_record(_checked(c, backend, gen, flags))
+                for (c, fit), gen in zip(chunk, gens, strict=True):
+                    on_record(_checked(c, backend, gen, fit))
         return
     for start in range(0, len(runnable), batch_size):
         chunk = runnable[start : start + batch_size]
         gens = backend.generate([_prompt(c) for c, _ in chunk], batch_size=batch_size)
-        for (c, flags), gen in zip(chunk, gens, strict=True):
-            on_record(_checked(c, backend, gen, flags))
+        for (c, fit), gen in zip(chunk, gens, strict=True):
+            on_record(_checked(c, backend, gen, fit))
 
 
-def _checked(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:
-    """The record of a cell that ran: flagged ``overflow`` (answer dropped, not scored) when
-    the server refused its prompt or, for a backend that could not count it beforehand, when
-    the backend's verdict on the prompt tokens the server counted is ``overflow``."""
-    fit = backend.fit(_prompt(cell))
+def _checked(cell: Cell, backend: Backend, gen: Generation, fit: Fit) -> SweepRecord:
+    """The record of a cell that ran, with ``fit`` the backend's verdict taken before it ran:
+    its flag (``cut_to_window``), and ``overflow`` (answer dropped, not scored) when the server
+    refused the prompt or, for a backend that could not count it beforehand, when the verdict
+    on the prompt tokens the server counted is ``overflow``."""
+    flags = [fit.flag] if fit.flag else []
     if fit.prompt_tokens is None and fit.counted(gen.prompt_tokens).flag == OVERFLOW:
         flags = [*flags, OVERFLOW]
     if OVERFLOW in flags or OVERFLOW in gen.flags:

@@ -119,13 +119,12 @@ def passage_set(backend: HFBackend, prompt: Prompt) -> PassageSet:
 @dataclass(frozen=True)
 class SetBatch:
     """A left-padded batch of passage sets: ``ids``, ``positions`` (position IDs) and ``blocks``
-    (passage index, :data:`OUTSIDE` or :data:`PAD`), each ``[B, T]`` (int64, CPU), and the
-    padding tokens of each row (on the left)."""
+    (passage index, :data:`OUTSIDE` or :data:`PAD`), each ``[B, T]`` (int64, CPU), padded on
+    the left."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     blocks: torch.Tensor
-    pads: list[int]
 
 
 def padded_batch(
@@ -151,7 +150,6 @@ def padded_batch(
         ids=torch.tensor([[pad_id] * n + r[0] for n, r in zip(pads, rows, strict=True)]),
         positions=torch.tensor([[0] * n + r[1] for n, r in zip(pads, rows, strict=True)]),
         blocks=torch.tensor([[PAD] * n + r[2] for n, r in zip(pads, rows, strict=True)]),
-        pads=pads,
     )
 
 
@@ -324,20 +322,26 @@ class SetBasedBackend(PassageSetBackend):
             attention_mask=set_mask(batch.blocks.to(dev), dtype),
             use_cache=True,
         )
-        pads = batch.pads
-        state = {"cache": out.past_key_values, "pos": batch.positions[:, -1].to(dev)}
+        # decoding: a new token sees every key but the padding, its mask grows by one each step
+        hidden = (batch.blocks == PAD).to(dev)[:, None, None]  # [B, 1, 1, T]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill(
+            hidden, torch.finfo(dtype).min
+        )
+        state = {
+            "cache": out.past_key_values,
+            "pos": batch.positions[:, -1].to(dev),
+            "mask": mask,
+        }
 
         @torch.no_grad()
         def step(nxt: torch.Tensor) -> torch.Tensor:
             state["pos"] = state["pos"] + 1
-            keys = state["cache"].get_seq_length() + 1
-            mask = torch.zeros(len(sets), 1, 1, keys, dtype=dtype, device=dev)
-            for row, n in enumerate(pads):
-                mask[row, ..., :n] = torch.finfo(dtype).min
+            seen = torch.zeros(len(sets), 1, 1, 1, dtype=dtype, device=dev)
+            state["mask"] = torch.cat([state["mask"], seen], dim=-1)
             res = self.model(
                 input_ids=nxt,
                 position_ids=state["pos"][:, None],
-                attention_mask=mask,
+                attention_mask=state["mask"],
                 past_key_values=state["cache"],
                 use_cache=True,
             )
