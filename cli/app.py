@@ -29,6 +29,7 @@ COMMAND_MODULES = [
     "ragfix.cli.ppl_cmd",
     "ragfix.cli.judge_cmd",
     "ragfix.cli.bench_cmd",
+    "ragfix.cli.tune_cmd",
     "ragfix.cli.serve_cmd",
 ]
 

@@ -9,7 +9,11 @@ its passages are (:attr:`TaskPrompt.passages`), so a backend that reads the pass
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+#: the content-free query of in-context re-ranking (Chen et al., arXiv 2410.02642, Sec. 3.2)
+CONTENT_FREE_QUERY = "N/A"
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,14 @@ class TaskPrompt:
             passages (a framework's or a client's text).
         passage_separator: what the template puts between two passages (``"\n"`` for QA);
             a backend that reads the passages as a set gives every passage this ending.
+        no_query: the same prompt with the content-free query of in-context re-ranking
+            (:data:`CONTENT_FREE_QUERY` in place of the question; Chen et al., arXiv 2410.02642,
+            Sec. 3.2): the same passages at the same spans, for a backend that subtracts the
+            attention a content-free query pays them; ``None`` when not built.
+        no_content: the same template with every passage content-free (empty title and
+            text) and the content-free query: it depends only on the template and the number of
+            passages, so a per-slot attention bias measured on it can be cached (Found in the
+            Middle, Hsieh et al., arXiv 2406.16008, Sec. 4); ``None`` when not built.
 
     Raises:
         ValueError: spans out of ``user``, empty, overlapping or out of order.
@@ -38,6 +50,8 @@ class TaskPrompt:
     stop_at_newline: bool = True
     passages: tuple[tuple[int, int], ...] = ()
     passage_separator: str = ""
+    no_query: TaskPrompt | None = None
+    no_content: TaskPrompt | None = None
 
     def __post_init__(self) -> None:
         end = 0
@@ -53,5 +67,34 @@ class TaskPrompt:
         """The passages as rendered, in prompt order (``user[start:end]`` of each span)."""
         return [self.user[a:b] for a, b in self.passages]
 
+    def reordered(self, order: Sequence[int]) -> TaskPrompt:
+        """The prompt with its passages in ``order`` (``order[j]`` = the index of the passage
+        put at position ``j``): each passage moves with its label, the text between passages
+        stays where it is, the spans are those of the new text; :attr:`no_query` is reordered
+        the same way, :attr:`no_content` (content-free) is kept.
 
-__all__ = ["TaskPrompt"]
+        Raises:
+            ValueError: ``order`` is not a permutation of the passages' indices.
+        """
+        n = len(self.passages)
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"order {list(order)} is not a permutation of range({n})")
+        texts = self.passage_texts()
+        gaps = [
+            self.user[a[1] : b[0]] for a, b in zip(self.passages, self.passages[1:], strict=False)
+        ]
+        user, spans = self.user[: self.passages[0][0]] if n else self.user, []
+        for j, i in enumerate(order):
+            spans.append((len(user), len(user) + len(texts[i])))
+            user += texts[i] + (gaps[j] if j < n - 1 else "")
+        if n:
+            user += self.user[self.passages[-1][1] :]
+        return replace(
+            self,
+            user=user,
+            passages=tuple(spans),
+            no_query=None if self.no_query is None else self.no_query.reordered(order),
+        )
+
+
+__all__ = ["CONTENT_FREE_QUERY", "TaskPrompt"]

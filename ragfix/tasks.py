@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ragfix.errors import ConfigError
 from ragfix.metrics import best_subspan_em, kv_match
-from ragfix.prompts import TaskPrompt
+from ragfix.prompts import CONTENT_FREE_QUERY, TaskPrompt
 from ragfix.types import Passage, QASample
 
 QA_INSTRUCTION = (
@@ -114,7 +114,19 @@ class Task:
     def prompt(self, question: str, passages: Sequence[Passage] | str) -> TaskPrompt:
         """The :class:`TaskPrompt` of ``question`` with ``passages`` in the given order; given
         as passages (not a ready context string) it knows their spans
-        (:attr:`TaskPrompt.passages`) and the separator."""
+        (:attr:`TaskPrompt.passages`), the separator and its content-free forms
+        (:attr:`TaskPrompt.no_query`, :attr:`TaskPrompt.no_content`)."""
+        core = self._prompt(question, passages)
+        if not core.passages:
+            return core
+        blank = [Passage(title="", text="") for _ in passages]
+        return replace(
+            core,
+            no_query=self._prompt(CONTENT_FREE_QUERY, passages),
+            no_content=self._prompt(CONTENT_FREE_QUERY, blank),
+        )
+
+    def _prompt(self, question: str, passages: Sequence[Passage] | str) -> TaskPrompt:
         user = self.user_turn(question, passages)
         spans: tuple[tuple[int, int], ...] = ()
         if not isinstance(passages, str) and passages:

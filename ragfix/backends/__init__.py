@@ -98,6 +98,11 @@ register_backend(
     summary="PINE: passages read order-invariantly, positions by importance (arXiv 2407.01100)",
 )
 register_backend(
+    "attention-sort",
+    "ragfix.backends.attention_sort:AttentionSortBackend",
+    summary="passages sorted by (calibrated) query attention, most attended last (2410.02642)",
+)
+register_backend(
     "pos2distill",
     "ragfix.backends.hf:HFBackend",
     requires_adapter=True,

@@ -1,0 +1,64 @@
+"""``ragfix tune``: choose a training-free method's defaults on a tune range of records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ragfix.cli.common import DeviceOpt, DtypeOpt, ModelOpt, console, user_errors
+
+tune = typer.Typer(
+    help="Choose a method's defaults on a tune range (disjoint from your test range)."
+)
+
+
+@tune.command("attention-sort")
+def attention_sort_cmd(
+    data: Annotated[
+        str, typer.Argument(help="Lost-in-the-Middle QA or KV file, or a bundled sample")
+    ],
+    records: Annotated[
+        str, typer.Option(help="the tune range START:END of the data file (0-based, END excluded)")
+    ] = "0:30",
+    num_docs: Annotated[int, typer.Option(help="documents (or KV pairs) per prompt")] = 8,
+    positions: Annotated[str, typer.Option(help="all | first,middle,last | 0,4,9")] = "all",
+    model: ModelOpt = "smollm2",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    json_out: Annotated[
+        Path | None,
+        typer.Option("--json", help="keep the table as a result file (results/NAME.json)"),
+    ] = None,
+) -> None:
+    """How often each attention-sort variant (layers x calibrate) scores the gold passage
+    highest, per gold position: the default is the variant with the best worst position."""
+    from ragfix.backends import load_backend
+    from ragfix.bundled import resolve_data
+    from ragfix.connectors.litm import load_samples
+    from ragfix.eval.progress import progress_bar
+    from ragfix.eval.results import write_benchmark
+    from ragfix.eval.sort_tune import tune_attention_sort
+    from ragfix.eval.sweep import parse_positions
+    from ragfix.tables import print_tables
+
+    with user_errors():
+        pos = parse_positions(positions, num_docs)
+        samples = load_samples(resolve_data(data), num_docs, records=records)
+        backend = load_backend("vanilla", model=model, device=device, dtype=dtype)
+        with progress_bar(console) as bar:
+            task = bar.add_task("tune attention-sort", total=len(samples) * len(pos), status="")
+            table, details = tune_attention_sort(
+                backend, samples, pos, lambda done, total: bar.update(task, completed=done)
+            )
+        details |= {"data": str(data), "records": records, "num_docs": num_docs}
+    print_tables([table], console)
+    if json_out is not None:
+        write_benchmark(json_out, table, **details)
+        console.print(f"result file: {json_out}", highlight=False, soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``tune`` command group to ``app``."""
+    app.add_typer(tune, name="tune")

@@ -1,0 +1,230 @@
+"""Attention sorting of a task prompt's passages, calibrated or not, before the model answers.
+
+The ``attention-sort`` backend reads a task prompt once, scores each passage by the attention
+the text after the passages (the question, the end of the user turn, the assistant prefix) pays
+it, moves the passages so that the most attended one is last, next to the question, and answers
+the reordered prompt with the model's own attention. A passage moves with its label.
+
+* Sorting by attention: Peysakhovich & Lerer, "Attention Sorting Combats Recency Bias In Long
+  Context Language Models" (arXiv 2310.01427, Sec. 3): ascending by attention, a few rounds.
+* Readers and calibration: Chen et al., "Attention in Large Language Models Yields Efficient
+  Zero-Shot Re-Rankers" (in-context re-ranking, ICR; arXiv 2410.02642, Sec. 3): the attention
+  comes from the query's tokens (not the last token only), and with ``calibrate`` the attention
+  the same passages get from the content-free query ``N/A`` (:attr:`TaskPrompt.no_query`) is
+  subtracted, removing what a passage receives for where it stands rather than what it says.
+* Layers: Hsieh et al., "Found in the Middle" (arXiv 2406.16008, Sec. 4) calibrate the upper
+  half of the layers; ``layers="upper"`` averages the scores there, ``"all"`` over every layer.
+
+Score of passage ``d`` in layer ``l`` (:func:`passage_attention`): the attention probability the
+readers give ``d``'s tokens, summed over the tokens, averaged over heads and readers (a mean,
+so that the question and the content-free query, of other lengths, are comparable).
+
+Refuses a prompt without passage spans (a framework's or a client's text) in one line. Prefix
+reuse is exact (the reordered prompt is read with vanilla attention), and an adapter composes.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.hf import HFBackend, chat_text
+from ragfix.errors import RagfixError
+from ragfix.prompts import TaskPrompt
+
+#: sorted prompts kept per backend (the sweep's fit check and its generation read the same one)
+_SORTED_CACHE = 256
+
+
+class AttentionSortOptions(BackendOptions):
+    """Options of the ``attention-sort`` backend.
+
+    Attributes:
+        layers: the layers whose scores are averaged: ``upper`` (the upper half, ``L // 2`` on)
+            or ``all``.
+        calibrate: subtract the attention the content-free query pays the same passages (ICR).
+        rounds: sorting rounds (each reads the prompt as the previous round left it).
+    """
+
+    layers: Literal["upper", "all"] = "upper"
+    calibrate: bool = False
+    rounds: int = Field(default=1, ge=1)
+
+
+def _spans_required(backend: HFBackend, prompt: Prompt) -> TaskPrompt:
+    if not isinstance(prompt, TaskPrompt) or not prompt.passages:
+        raise RagfixError(
+            f"backend {backend.name!r} sorts a prompt's passages and this prompt does not say "
+            "where they are (a plain text, or a prompt built without passages): use a task "
+            "prompt (ragfix eval, ragfix judge) or another backend"
+        )
+    return prompt
+
+
+@torch.no_grad()
+def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
+    """Per layer, the attention each passage of ``prompt`` receives from the readers.
+
+    The readers are the tokens after the last passage (a token belongs to the piece of text its
+    first character is in). The text before them is prefilled with the model's own attention
+    kernel; the readers run with eager attention to read their weights.
+
+    Returns:
+        float32 ``[layers, n]`` on the CPU: the attention probability the readers pay each
+        passage's tokens, summed over the tokens, averaged over heads and readers (0..1).
+
+    Raises:
+        RagfixError: a prompt without passage spans, a tokenizer without offsets, or a model
+            whose attention returns no weights.
+    """
+    from transformers import DynamicCache
+
+    prompt = _spans_required(backend, prompt)
+    text = chat_text(backend.tokenizer, prompt)
+    offset = text.find(prompt.user)
+    enc = backend.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if "offset_mapping" not in enc:
+        raise RagfixError(f"{backend.model_name}: attention-sort needs a fast tokenizer (offsets)")
+    ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
+    spans = [(offset + a, offset + b) for a, b in prompt.passages]
+    member = torch.zeros(len(ids), len(spans))
+    for t, c in enumerate(starts):
+        for j, (a, b) in enumerate(spans):
+            if a <= c < b:
+                member[t, j] = 1.0
+    first = next((t for t, c in enumerate(starts) if c >= spans[-1][1]), len(ids))
+    if first == len(ids) or first == 0:
+        raise RagfixError("attention-sort needs text after the passages (the question) to read")
+    model, dev = backend.model, backend.device
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([ids[:first]], device=dev), cache=cache)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model(
+            input_ids=torch.tensor([ids[first:]], device=dev),
+            cache=cache,
+            output_attentions=True,
+        )
+    finally:
+        model.set_attn_implementation(before)
+    if not out.attentions or out.attentions[0] is None:
+        raise RagfixError(f"backend {backend.name!r} exposes no attention weights")
+    att = torch.stack([a[0].float().cpu() for a in out.attentions])  # [L, H, R, T]
+    return (att @ member).mean(dim=(1, 2))
+
+
+def combine_scores(
+    att: torch.Tensor, att_free: torch.Tensor | None, options: AttentionSortOptions
+) -> torch.Tensor:
+    """The score per passage under ``options`` from the readings ``[layers, n]`` of a prompt
+    (``att``) and of its content-free-query form (``att_free``, read only with ``calibrate``):
+    ``att - att_free`` with ``calibrate``, averaged over the selected layers; ``[n]``."""
+    x = att - att_free if options.calibrate else att
+    first = x.shape[0] // 2 if options.layers == "upper" else 0
+    return x[first:].mean(dim=0)
+
+
+def passage_scores(backend: HFBackend, prompt: TaskPrompt, options: AttentionSortOptions):
+    """One score per passage of ``prompt`` under ``options`` (higher = more attended,
+    :func:`combine_scores` of the :func:`passage_attention` of ``prompt`` and, with
+    ``calibrate``, of :attr:`TaskPrompt.no_query`).
+
+    Raises:
+        RagfixError: as :func:`passage_attention`; ``calibrate`` on a prompt without
+            :attr:`TaskPrompt.no_query`.
+    """
+    att, free = passage_attention(backend, prompt), None
+    if options.calibrate:
+        if prompt.no_query is None:
+            raise RagfixError(
+                "attention-sort calibrate=true needs the prompt's content-free query form "
+                "(TaskPrompt.no_query, built by the task prompts of ragfix.tasks)"
+            )
+        free = passage_attention(backend, prompt.no_query)
+    return combine_scores(att, free, options)
+
+
+def sort_passages(
+    backend: HFBackend, prompt: TaskPrompt, options: AttentionSortOptions
+) -> tuple[list[int], list[list[float]]]:
+    """Attention sorting of ``prompt``'s passages (see the module docstring).
+
+    Returns:
+        ``(order, history)``: ``order[j]`` is the index (in ``prompt``) of the passage put at
+        position ``j`` (ascending score, stable: the most attended last); ``history`` holds
+        each round's score per passage index (``rounds`` lists). One passage: no model call.
+
+    Raises:
+        RagfixError: as :func:`passage_scores`.
+    """
+    prompt = _spans_required(backend, prompt)
+    order = list(range(len(prompt.passages)))
+    history: list[list[float]] = []
+    if len(order) < 2:
+        return order, history
+    for _ in range(options.rounds):
+        scores = passage_scores(backend, prompt.reordered(order), options).tolist()
+        by_index = [0.0] * len(order)
+        for pos, i in enumerate(order):
+            by_index[i] = scores[pos]
+        history.append(by_index)
+        order = sorted(order, key=lambda i: by_index[i])
+    return order, history
+
+
+class AttentionSortBackend(HFBackend):
+    """The ``attention-sort`` backend: each task prompt's passages sorted by (calibrated)
+    attention, then answered with the model's own attention (see the module docstring).
+
+    Args:
+        model, tokenizer, adapter: as for :class:`~ragfix.backends.hf.HFBackend`.
+        **options: :class:`AttentionSortOptions`.
+
+    Raises:
+        RagfixError: (when answering) a prompt without passage spans.
+    """
+
+    name: ClassVar[str] = "attention-sort"
+    options_model: ClassVar[type[BackendOptions]] = AttentionSortOptions
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sorted: dict[TaskPrompt, TaskPrompt] = {}
+
+    def sorted_prompt(self, prompt: Prompt) -> TaskPrompt:
+        """``prompt`` with its passages in attention-sorted order (memoised per prompt).
+
+        Raises:
+            RagfixError: a prompt without passage spans.
+        """
+        prompt = _spans_required(self, prompt)
+        if prompt not in self._sorted:
+            if len(self._sorted) >= _SORTED_CACHE:
+                self._sorted.pop(next(iter(self._sorted)))
+            order, _ = sort_passages(self, prompt, self.options)
+            self._sorted[prompt] = prompt.reordered(order)
+        return self._sorted[prompt]
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        """The text the model reads: the sorted prompt (:meth:`sorted_prompt`) in the chat
+        template. Every way of answering (generate, next_token_logprobs, loglikelihood,
+        stream, fit) reads the prompt through here.
+
+        Raises:
+            RagfixError: a prompt without passage spans.
+        """
+        return chat_text(self.tokenizer, self.sorted_prompt(prompt))
+
+
+__all__ = [
+    "AttentionSortBackend",
+    "AttentionSortOptions",
+    "combine_scores",
+    "passage_attention",
+    "passage_scores",
+    "sort_passages",
+]
