@@ -1,0 +1,145 @@
+"""The ``attention-sort`` backend: passage attention against a by-hand computation (one full
+eager pass, no cache split) on tiny seeded models; the calibrated score; the sorted prompt on
+real KV data read by the real SmolLM2; answers that are vanilla's on the sorted prompt;
+reordering a task prompt; refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import BUNDLED, tiny_model
+
+from ragfix.backends.attention_sort import (
+    AttentionSortBackend,
+    AttentionSortOptions,
+    passage_attention,
+    passage_scores,
+    sort_passages,
+)
+from ragfix.backends.hf import chat_text
+from ragfix.connectors.litm import load_samples
+from ragfix.errors import RagfixError
+from ragfix.prompts import TaskPrompt
+from ragfix.tasks import get_task, task_prompt
+from ragfix.types import Passage
+
+KV = BUNDLED / "kv_16pairs_sample.jsonl.gz"
+DOCS = [
+    Passage(title="Cats", text="Cats sleep a lot."),
+    Passage(title="Berlin", text="Berlin is the capital of Germany."),
+    Passage(title="Nile", text="The Nile is a river."),
+]
+
+
+def test_reordered_moves_each_passage_with_its_label():
+    p = get_task("qa").prompt("What is the capital of Germany?", DOCS)
+    r = p.reordered([2, 0, 1])
+    head = p.user[: p.passages[0][0]]
+    assert r.user == (
+        head + "Document [3](Title: Nile) The Nile is a river.\n"
+        "Document [1](Title: Cats) Cats sleep a lot.\n"
+        "Document [2](Title: Berlin) Berlin is the capital of Germany."
+        "\n\nQuestion: What is the capital of Germany?\nAnswer:"
+    )
+    assert r.passage_texts() == [p.passage_texts()[i] for i in (2, 0, 1)]
+    assert r.no_query.passage_texts() == [p.no_query.passage_texts()[i] for i in (2, 0, 1)]
+    assert "Question: N/A" in r.no_query.user and r.no_content == p.no_content
+    assert p.reordered([0, 1, 2]) == p
+    with pytest.raises(ValueError, match="not a permutation"):
+        p.reordered([0, 0, 1])
+
+
+def test_content_free_forms_keep_the_template():
+    p = get_task("kv").prompt(
+        "k1", [Passage(title="k0", text="v0"), Passage(title="k1", text="v1")]
+    )
+    assert p.no_query.user == p.user.replace('Key: "k1"', 'Key: "N/A"')
+    assert p.no_query.passages == p.passages
+    assert p.no_query.assistant_prefix == 'The value of key "N/A" is "'
+    assert p.no_content.passage_texts() == ['"": ""', '"": ""']
+
+
+def _by_hand(model, tokenizer, prompt: TaskPrompt) -> torch.Tensor:
+    """One eager pass over the whole text with every attention weight returned; per layer the
+    mean over heads and reader tokens of the attention summed over each passage's tokens."""
+    text = chat_text(tokenizer, prompt)
+    offset = text.find(prompt.user)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [a for a, _ in enc["offset_mapping"]]
+    spans = [(offset + a, offset + b) for a, b in prompt.passages]
+    readers = [t for t, c in enumerate(starts) if c >= spans[-1][1]]
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([enc["input_ids"]]), output_attentions=True)
+    rows = []
+    for layer in out.attentions:
+        per = []
+        for a, b in spans:
+            cols = [t for t, c in enumerate(starts) if a <= c < b]
+            total = 0.0
+            for h in range(layer.shape[1]):
+                for r in readers:
+                    total += float(layer[0, h, r, cols].sum())
+            per.append(total / (layer.shape[1] * len(readers)))
+        rows.append(per)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_passage_attention_equals_a_by_hand_computation(smol, arch):
+    model = tiny_model(arch, seed=4, vocab_size=len(smol.tokenizer), num_hidden_layers=3)
+    backend = AttentionSortBackend(model, smol.tokenizer)
+    prompt = get_task("qa").prompt("Which river?", DOCS)
+    got = passage_attention(backend, prompt)
+    want = _by_hand(model, smol.tokenizer, prompt)
+    assert got.shape == (3, 3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert bool((got > 0).all()) and bool((got.sum(-1) < 1).all())
+    # calibrated, upper layers: the reading minus the content-free query's, layers 1..2
+    cal = passage_scores(backend, prompt, AttentionSortOptions(calibrate=True))
+    free = _by_hand(model, smol.tokenizer, prompt.no_query)
+    torch.testing.assert_close(cal, (want - free)[1:].mean(0), atol=1e-5, rtol=1e-4)
+
+
+def test_the_gold_pair_goes_last_on_real_kv(smol):
+    """Real KV records, the real SmolLM2: the default (upper layers, one round) puts the gold
+    pair last from every position of 4 pairs, and the answer is vanilla's on that order."""
+    backend = AttentionSortBackend(smol.model, smol.tokenizer)
+    for sample in load_samples(KV, 4, 2):
+        gold = task_prompt(sample, [sample.gold]).passage_texts()[0]
+        for pos in range(4):
+            prompt = task_prompt(sample, sample.passages_with_gold_at(pos))
+            order, history = sort_passages(backend, prompt, backend.options)
+            assert order[-1] == pos and len(history) == 1
+            assert backend.sorted_prompt(prompt).passage_texts()[-1] == gold
+    sorted_prompt = backend.sorted_prompt(prompt)
+    assert backend.encode(prompt) == smol.encode(sorted_prompt)
+    assert smol.model.config._attn_implementation == "sdpa"
+    got = backend.generate([prompt])[0]
+    want = smol.generate([sorted_prompt])[0]
+    assert got.text == want.text and sample.answers[0] in got.text
+
+
+def test_rounds_read_the_order_the_previous_round_left(smol):
+    backend = AttentionSortBackend(smol.model, smol.tokenizer, rounds=2)
+    prompt = get_task("qa").prompt("What is the capital of Germany?", DOCS)
+    order, history = sort_passages(backend, prompt, backend.options)
+    assert len(history) == 2 and sorted(order) == [0, 1, 2]
+    first = sorted(range(3), key=lambda i: history[0][i])
+    again = passage_scores(backend, prompt.reordered(first), backend.options).tolist()
+    assert [again[first.index(i)] for i in range(3)] == pytest.approx(history[1], rel=1e-5)
+    assert order == sorted(range(3), key=lambda i: history[1][i])
+
+
+def test_refusals(smol):
+    backend = AttentionSortBackend(smol.model, smol.tokenizer, calibrate=True)
+    for prompt in ("a plain text", TaskPrompt(user="no passages")):
+        with pytest.raises(RagfixError, match="does not say where they are") as err:
+            backend.generate([prompt])
+        assert "\n" not in str(err.value)
+    bare = get_task("qa")._prompt("Which river?", DOCS)  # spans, no content-free forms
+    with pytest.raises(RagfixError, match="content-free query"):
+        backend.encode(bare)
+    with pytest.raises(ValueError):
+        AttentionSortOptions(rounds=0)
+    one = get_task("qa").prompt("Which river?", DOCS[:1])
+    assert sort_passages(backend, one, backend.options) == ([0], [])
