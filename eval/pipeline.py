@@ -58,6 +58,7 @@ from ragfix.connectors.corpus import (
     resolve_demo,
 )
 from ragfix.connectors.jsonl import SkipCounter
+from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.run import RunConfig, input_fingerprints
@@ -77,9 +78,12 @@ from ragfix.eval.sweep_summary import (
 )
 from ragfix.integrations import require_extra
 from ragfix.prompts import TaskPrompt
-from ragfix.reorder import check_strategy, load_profile
+from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
 from ragfix.tasks import get_task, join_chunks
 from ragfix.types import SweepRecord
+
+#: the layers the attention strategies average in a pipeline sweep (the correction default)
+ATTENTION_LAYERS = CorrectionSettings.model_fields["attention_layers"].default
 
 
 def _fixed_retriever_class():
@@ -211,7 +215,9 @@ def run_pipeline_sweep(
         console: where progress and notes go (``None``: quiet); the tables are the caller's
             (:func:`print_pipeline_run`).
         chunk_size: chunk size in embedder tokens.
-        attention_rounds: rounds of ``attention-sort``.
+        attention_rounds: rounds of the attention strategies (``attention-sort``,
+            ``attention-sort-calibrated``; their layers are the default,
+            :data:`ATTENTION_LAYERS`, which is part of their cell ids).
         framework: ``llamaindex``, ``langchain`` or ``haystack`` (the last two need their extra):
             the pipeline the cells run through; part of the run's config and cell ids. The same
             cell gives the same prompt in each (``prompt_sha1`` in the records).
@@ -285,8 +291,8 @@ def run_pipeline_sweep(
 
     def cid(q, r, s):
         extra = {"profile": accuracies} if s == "bias-profile" else {}
-        if s == "attention-sort":
-            extra = {"attention_rounds": attention_rounds}
+        if s in ATTENTION_STRATEGIES:
+            extra = {"attention_rounds": attention_rounds, "attention_layers": ATTENTION_LAYERS}
         return pipeline_cell_id(folder.config, q.id, r, s, extra)
 
     cells = [(q, r, s, cid(q, r, s)) for q in qs for r in ranks for s in strategies]
@@ -328,7 +334,11 @@ def run_pipeline_sweep(
         "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
         "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
         "context_cut_cells": sum(1 for r in mine if r.get("extra", {}).get("context_cut")),
-        "strategy_settings": {"profile": accuracies, "attention_rounds": attention_rounds},
+        "strategy_settings": {
+            "profile": accuracies,
+            "attention_rounds": attention_rounds,
+            "attention_layers": ATTENTION_LAYERS,
+        },
     }
     scored, counts = summary_counts(mine)
     summary = build_summary(out, scored, {**extra, **counts})
@@ -431,7 +441,7 @@ class _Engines:
             self.fit[cell[3]] = self.fits(q.question, cands)
             if not self.fit[cell[3]].runs:
                 key = (q.id, -1, [n.node.node_id for n in cands])
-            elif s == "attention-sort":
+            elif s in ATTENTION_STRATEGIES:
                 key = (q.id, 1, [n.node.node_id for n in cands])
             else:
                 key = (q.id, 0, self._order(s, cands))

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ragfix.errors import ConfigError
 from ragfix.pruning import BudgetError, drop_blank, drop_near_duplicates, fit_budget
 from ragfix.reorder import (
+    ATTENTION_STRATEGIES,
     STRATEGIES,
     ProfileError,
     attention_sort_order,
@@ -63,7 +64,9 @@ class CorrectionFields(BaseModel):
         reserve_tokens: tokens kept for the template, the question and the answer.
         over_budget: when the best document alone exceeds the budget: ``error`` raises
             :class:`~ragfix.pruning.BudgetError`, ``warn`` warns and passes nothing on.
-        attention_rounds: sorting rounds of ``attention-sort``.
+        attention_rounds: sorting rounds of the attention strategies.
+        attention_layers: the layers whose attention they average: ``upper`` (the upper half)
+            or ``all`` (:class:`~ragfix.backends.attention_sort.AttentionSortOptions`).
     """
 
     strategy: str = Field(default="lost-in-the-middle", description=", ".join(STRATEGIES))
@@ -74,7 +77,8 @@ class CorrectionFields(BaseModel):
     token_budget: int | None = Field(default=None, gt=0)
     reserve_tokens: int = Field(default=512, ge=0)
     over_budget: Literal["error", "warn"] = Field(default="error")
-    attention_rounds: int = Field(default=2, ge=1)
+    attention_rounds: int = Field(default=1, ge=1)
+    attention_layers: Literal["upper", "all"] = Field(default="upper")
 
     @field_validator("strategy")
     @classmethod
@@ -145,8 +149,8 @@ class Correction:
                 raise ConfigError("strategy 'bias-profile' needs profile= (summary.json path)")
             model = backend.model_name if backend is not None else None
             self.accuracies = load_profile(s.profile, model, s.num_docs, s.profile_curve)
-        if s.strategy == "attention-sort" and backend is None:
-            raise ConfigError("strategy 'attention-sort' needs backend= (it reads the attention)")
+        if s.strategy in ATTENTION_STRATEGIES and backend is None:
+            raise ConfigError(f"strategy {s.strategy!r} needs backend= (it reads the attention)")
         if backend is None:
             if s.token_budget is not None:
                 raise ConfigError("token_budget needs backend= to count tokens")
@@ -217,10 +221,15 @@ class Correction:
                 fit = []
             report["dropped_budget"] = ids(keep[len(fit) :])
             keep = [keep[j] for j in fit]
-        if s.strategy == "attention-sort":
+        if s.strategy in ATTENTION_STRATEGIES:
             passages = [Passage(title=candidates[i].title, text=candidates[i].bare) for i in keep]
             order, attention = attention_sort_order(
-                self.backend, query or "", passages, s.attention_rounds
+                self.backend,
+                query or "",
+                passages,
+                s.attention_rounds,
+                layers=s.attention_layers,
+                calibrate=s.strategy == "attention-sort-calibrated",
             )
             report["attention"] = attention
         else:

@@ -12,13 +12,13 @@ passage placed at prompt position ``j``.
 * ``reverse``: the best passage last, next to the question.
 * ``bias-profile``: measured, not assumed. Given a position curve of this model (accuracy per
   prompt position from ``ragfix eval``), rank ``r`` goes to the ``r``-th most accurate position.
-* ``attention-sort``: the model reads the context once; the passages are sorted by the attention
-  the final prompt token pays them, ascending, so the most attended passage ends up last, next to
-  the question; repeated for a few rounds (Peysakhovich & Lerer, "Attention Sorting Combats Recency
-  Bias In Long Context Language Models", arXiv 2310.01427, Sec. 3). Which layers and heads to
-  average is not specified in the paper; we average all layers and heads and sum over each
-  passage's tokens (:meth:`ragfix.backends.Backend.span_attention`). The prompt is the task
-  record's (:mod:`ragfix.tasks`), cut into pieces by :func:`prompt_pieces`.
+* ``attention-sort``: the model reads the task's prompt (:mod:`ragfix.tasks`) once; the passages
+  are sorted by the attention the text after them (the question) pays them, ascending, so the
+  most attended passage ends up last, next to the question (Peysakhovich & Lerer, arXiv
+  2310.01427, Sec. 3); the scores of the upper half of the layers by default. The same scorer as
+  the ``attention-sort`` backend (:mod:`ragfix.backends.attention_sort`).
+* ``attention-sort-calibrated``: the same, minus the attention the content-free query ``N/A``
+  pays the same passages (in-context re-ranking, Chen et al., arXiv 2410.02642, Sec. 3.2).
 """
 
 from __future__ import annotations
@@ -35,7 +35,16 @@ from ragfix.types import Passage
 if TYPE_CHECKING:
     from ragfix.backends.base import Backend
 
-STRATEGIES = ("none", "lost-in-the-middle", "reverse", "bias-profile", "attention-sort")
+STRATEGIES = (
+    "none",
+    "lost-in-the-middle",
+    "reverse",
+    "bias-profile",
+    "attention-sort",
+    "attention-sort-calibrated",
+)
+#: the strategies that read the passages with a model
+ATTENTION_STRATEGIES = ("attention-sort", "attention-sort-calibrated")
 
 
 class ProfileError(ConfigError):
@@ -163,12 +172,12 @@ def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) 
     one, whatever the strategy and profile: there is nothing to place).
 
     Raises:
-        ConfigError: unknown strategy, ``attention-sort`` (needs a model), ``bias-profile``
+        ConfigError: unknown strategy, an attention strategy (needs a model), ``bias-profile``
             without a profile.
         ProfileError: a profile of another length (``n >= 2``).
     """
     check_strategy(strategy)
-    if n <= 1 and strategy != "attention-sort":
+    if n <= 1 and strategy not in ATTENTION_STRATEGIES:
         return none_order(n)
     if strategy == "none":
         return none_order(n)
@@ -185,60 +194,43 @@ def static_order(strategy: str, n: int, profile: Sequence[float] | None = None) 
                 f"measure a profile with {n} documents"
             )
         return bias_profile_order(profile)
-    raise ConfigError("attention-sort reads the passages with a model: use attention_sort_order")
-
-
-#: where :func:`prompt_pieces` cuts the prompt (a string no tokenizer merges with its neighbours)
-_MARKER = "\x00DOCS\x00"
-
-
-def prompt_pieces(
-    backend: Backend, question: str, passages: Sequence[Passage], task: str = "qa"
-) -> list[str]:
-    """The prompt of ``task`` (chat-wrapped by ``backend.format_prompt``) cut into
-    ``[head, passage_1, ..., passage_n, tail]`` so each passage's tokens can be located;
-    ``"".join(pieces)`` is exactly the prompt the sweep sends (the task record's template, each
-    passage carrying the separator that follows it).
-
-    Raises:
-        ConfigError: unknown task.
-    """
-    t = get_task(task)
-    head, tail = backend.format_prompt(t.prompt(question, _MARKER)).split(_MARKER)
-    return [head, *t.passage_texts(passages), tail]
+    raise ConfigError(f"{strategy} reads the passages with a model: use attention_sort_order")
 
 
 def attention_sort_order(
     backend: Backend,
     question: str,
     passages: Sequence[Passage],
-    rounds: int = 2,
+    rounds: int = 1,
     task: str = "qa",
+    layers: str = "upper",
+    calibrate: bool = False,
 ) -> tuple[list[int], list[list[float]]]:
-    """Attention sorting (Peysakhovich & Lerer 2023, arXiv 2310.01427, Sec. 3).
-
-    Each round builds the task's prompt with the current order (:func:`prompt_pieces`), reads the
-    attention the final prompt token pays each passage (:meth:`Backend.span_attention`, averaged
-    over layers and heads, summed over each passage's tokens) and sorts the passages by it,
-    ascending (stable), so the most attended passage is last.
+    """Attention sorting of ``passages`` in ``task``'s prompt for ``question``
+    (:func:`ragfix.backends.attention_sort.sort_passages`: the attention of the text after the
+    passages, ``layers`` ``upper`` or ``all``, minus the content-free query's with
+    ``calibrate``; ascending, stable, so the most attended passage is last).
 
     Args:
-        backend: the backend that reads the prompt (it must expose attention weights).
+        backend: the backend that reads the prompt (a local model).
         question: the question.
         passages: the passages in retrieval order (index = rank).
         rounds: sorting rounds (>= 1).
         task: the task whose prompt is read (a :mod:`ragfix.tasks` name).
+        layers, calibrate: see :class:`~ragfix.backends.attention_sort.AttentionSortOptions`.
 
     Returns:
         ``(order, attention)``: ``order[position] = rank``; ``attention`` holds each round's
-        attention per rank (``rounds`` lists of ``n`` floats; no rounds, and no model call, for
+        score per rank (``rounds`` lists of ``n`` floats; no rounds, and no model call, for
         fewer than two passages).
 
     Raises:
         ConfigError: ``rounds < 1``, an empty question (the passages are never sorted by the
-            attention of an empty ``Question:``) or an unknown task.
-        RagfixError: the backend exposes no attention weights.
+            attention of an empty ``Question:``), an unknown ``layers`` or task.
+        RagfixError: the backend exposes no attention weights (a remote model).
     """
+    from ragfix.backends.attention_sort import AttentionSortOptions, sort_passages
+
     if rounds < 1:
         raise ConfigError("attention-sort needs at least one round")
     if not question or not question.strip():
@@ -246,17 +238,9 @@ def attention_sort_order(
             "attention-sort needs the query: it sorts the passages by the attention the question "
             "pays them (pass query_str= or query_bundle= to postprocess_nodes)"
         )
-    order = none_order(len(passages))
-    history: list[list[float]] = []
+    if layers not in ("upper", "all"):
+        raise ConfigError(f"attention-sort layers must be 'upper' or 'all', not {layers!r}")
     if len(passages) < 2:
-        return order, history
-    for _ in range(rounds):
-        pieces = prompt_pieces(backend, question, [passages[r] for r in order], task)
-        mass = backend.span_attention(pieces)[1:-1]
-        by_rank = [0.0] * len(passages)
-        for pos, rank in enumerate(order):
-            by_rank[rank] = mass[pos]
-        history.append(by_rank)
-        new = sorted(range(len(order)), key=lambda j: mass[j])
-        order = [order[j] for j in new]
-    return order, history
+        return none_order(len(passages)), []
+    options = AttentionSortOptions(rounds=rounds, layers=layers, calibrate=calibrate)
+    return sort_passages(backend, get_task(task).prompt(question, passages), options)

@@ -159,8 +159,10 @@ def test_case25_attention_sort_without_a_query_is_refused(smol, monkeypatch):
         backend=smol,
     )
     reads: list = []
-    real = smol.span_attention
-    monkeypatch.setattr(smol, "span_attention", lambda pieces: reads.append(pieces) or real(pieces))
+    import ragfix.backends.attention_sort as scorer
+
+    real = scorer.passage_attention
+    monkeypatch.setattr(scorer, "passage_attention", lambda b, p: reads.append(p) or real(b, p))
     for kwargs in ({}, {"query_str": ""}, {"query_str": "   "}):
         with pytest.raises(ConfigError, match="attention-sort needs the query") as err:
             post.postprocess_nodes(_case25_nodes(), **kwargs)
@@ -168,7 +170,7 @@ def test_case25_attention_sort_without_a_query_is_refused(smol, monkeypatch):
     assert reads == []  # never sorted against an empty "Question: "
     out = post.postprocess_nodes(_case25_nodes(), query_str=QUESTION25)
     assert sorted(n.node.node_id for n in out) == ["n1", "n2", "n3", "n4"]
-    assert len(reads) == 1 and QUESTION25 in reads[0][-1]
+    assert len(reads) == 1 and QUESTION25 in reads[0].user
     passages = [Passage(title=t, text=x) for t, x in CASE25]
     with pytest.raises(ConfigError, match="needs the query"):
         attention_sort_order(smol, "", passages, rounds=1)

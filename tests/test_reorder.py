@@ -8,7 +8,6 @@ import pytest
 
 from ragfix.errors import ConfigError
 from ragfix.eval.sweep_summary import build_summary
-from ragfix.prompts import TaskPrompt
 from ragfix.pruning import BudgetError, drop_near_duplicates, fit_budget
 from ragfix.reorder import (
     ProfileError,
@@ -16,12 +15,11 @@ from ragfix.reorder import (
     bias_profile_order,
     load_profile,
     lost_in_the_middle_order,
-    prompt_pieces,
     reverse_order,
     static_order,
 )
 from ragfix.tasks import get_task
-from ragfix.types import Passage, QASample
+from ragfix.types import Passage
 
 
 @pytest.mark.parametrize(
@@ -127,55 +125,30 @@ PASSAGES = [
 ]
 
 
-def test_prompt_pieces_locate_each_document(smol):
-    q = "What is the capital of Germany?"
-    pieces = prompt_pieces(smol, q, PASSAGES)
-    assert "".join(pieces) == smol.format_prompt(
-        TaskPrompt(
-            user="Write a high-quality answer for the given question using only the provided "
-            "search results (some of which might be irrelevant).\n\n"
-            "Document [1](Title: Cats) Cats are small furry animals that sleep a lot.\n"
-            "Document [2](Title: Berlin) Berlin is the capital of Germany.\n"
-            "Document [3](Title: Rivers) The Nile is a long river in Africa."
-            "\n\nQuestion: What is the capital of Germany?\nAnswer:"
-        )
-    )
-    assert pieces[2] == "Document [2](Title: Berlin) Berlin is the capital of Germany.\n"
-    assert pieces[-1].startswith("\n\nQuestion: What is the capital of Germany?\nAnswer:")
-    # the same text the sweep sends for that order (one template, in the task record)
-    sample = QASample(
-        id="s",
-        question=q,
-        answers=["Berlin"],
-        gold=PASSAGES[1],
-        distractors=[PASSAGES[0], PASSAGES[2]],
-    )
-    sweep = get_task("qa").prompt(q, sample.passages_with_gold_at(1))
-    assert smol.format_prompt(sweep) == "".join(pieces)
-    # KV: the JSON object cut into its pairs, the assistant prefix in the tail
-    kv = prompt_pieces(
-        smol, "k2", [Passage(title="k1", text="v1"), Passage(title="k2", text="v2")], task="kv"
-    )
-    assert kv[1:3] == ['"k1": "v1",\n ', '"k2": "v2"']
-    assert kv[-1].endswith('The value of key "k2" is "')
+def test_attention_sort_reads_the_task_prompt(smol):
+    """The strategy sorts the sweep's own prompt for that order with the backend's scorer."""
+    from ragfix.backends.attention_sort import AttentionSortOptions, passage_scores
 
-
-def test_attention_sort_sorts_by_last_token_attention(smol):
     q = "What is the capital of Germany?"
     order, history = attention_sort_order(smol, q, PASSAGES, rounds=2)
     assert sorted(order) == [0, 1, 2] and len(history) == 2
+    prompt = get_task("qa").prompt(q, PASSAGES)
+    first = passage_scores(smol, prompt, AttentionSortOptions()).tolist()
+    assert first == pytest.approx(history[0], rel=1e-5)
     for round_mass in history:
         assert all(0 < m < 1 for m in round_mass) and sum(round_mass) < 1
-    # the first round reads the retrieval order; recompute its attention independently
-    mass = smol.span_attention(prompt_pieces(smol, q, PASSAGES))
-    assert mass[1:-1] == pytest.approx(history[0], rel=1e-4)
-    assert sum(mass) == pytest.approx(1.0, abs=1e-4)  # head + passages + tail: all of it
-    # the second round read the first round's order; the final order sorts its attention ascending
+    # the second round read the first round's order; the final order sorts its scores ascending
     second = history[1]
     assert [second[r] for r in order] == sorted(second)
     assert smol.model.config._attn_implementation == "sdpa"  # restored after reading attention
+    # calibrated: minus the content-free query's attention to the same passages
+    _, cal = attention_sort_order(smol, q, PASSAGES, rounds=1, calibrate=True)
+    free = passage_scores(smol, prompt.no_query, AttentionSortOptions()).tolist()
+    assert cal[0] == pytest.approx([a - b for a, b in zip(first, free, strict=True)], abs=1e-6)
     with pytest.raises(ConfigError, match="at least one round"):
         attention_sort_order(smol, q, PASSAGES, rounds=0)
+    with pytest.raises(ConfigError, match="'upper' or 'all'"):
+        attention_sort_order(smol, q, PASSAGES, layers="lower")
 
 
 @pytest.mark.parametrize("strategy", ["none", "reverse", "lost-in-the-middle", "bias-profile"])
@@ -189,6 +162,8 @@ def test_no_or_one_passage_needs_no_placement(strategy):
 
 
 def test_attention_sort_of_one_passage_reads_nothing(smol, monkeypatch):
-    monkeypatch.setattr(smol, "span_attention", lambda pieces: pytest.fail("model read"))
+    import ragfix.backends.attention_sort as scorer
+
+    monkeypatch.setattr(scorer, "passage_attention", lambda *a: pytest.fail("model read"))
     assert attention_sort_order(smol, "Where is Berlin?", PASSAGES[:1]) == ([0], [])
     assert attention_sort_order(smol, "Where is Berlin?", []) == ([], [])

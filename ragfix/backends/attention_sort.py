@@ -77,11 +77,17 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
         passage's tokens, summed over the tokens, averaged over heads and readers (0..1).
 
     Raises:
-        RagfixError: a prompt without passage spans, a tokenizer without offsets, or a model
-            whose attention returns no weights.
+        RagfixError: a backend without local weights (a remote model), a prompt without
+            passage spans, a tokenizer without offsets, or a model whose attention returns no
+            weights.
     """
     from transformers import DynamicCache
 
+    if not isinstance(backend, HFBackend):
+        raise RagfixError(
+            f"backend {backend.name!r} exposes no attention weights; attention-sort needs a "
+            "local model"
+        )
     prompt = _spans_required(backend, prompt)
     text = chat_text(backend.tokenizer, prompt)
     offset = text.find(prompt.user)

@@ -23,7 +23,6 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 from ragfix.types import CUT_TO_WINDOW, OVERFLOW, Generation
 
@@ -282,18 +281,6 @@ class Backend(ABC):
                 raise ValueError("loglikelihood needs a non-empty continuation")
             out.append(float(self.token_logprobs(ctx + cont)[-len(cont) :].sum()))
         return out
-
-    def span_attention(self, pieces: Sequence[str]) -> list[float]:
-        """Attention mass the final token of ``"".join(pieces)`` gives each piece (0..1 each),
-        averaged over layers and heads; used by attention sorting.
-
-        Raises:
-            RagfixError: the backend cannot expose attention weights (the default).
-        """
-        raise RagfixError(
-            f"backend {self.name!r} exposes no attention weights; "
-            "attention-sort needs a local model"
-        )
 
 
 def answer_rules(

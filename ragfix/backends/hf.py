@@ -28,7 +28,6 @@ from ragfix.backends.base import (
     answer_text,
     validated_options,
 )
-from ragfix.errors import RagfixError
 from ragfix.models import model_identity
 from ragfix.types import Generation
 
@@ -538,47 +537,6 @@ class HFBackend(Backend):
         if len(ids) < 2:
             raise ValueError("token_logprobs needs at least two tokens")
         return self._token_logprobs_ids(list(ids))
-
-    # ------------------------------------------------------------------ attention
-    @torch.no_grad()
-    def span_attention(self, pieces: Sequence[str]) -> list[float]:
-        """Attention mass the final token of ``"".join(pieces)`` gives each piece, averaged
-        over layers and heads (for attention sorting, Peysakhovich & Lerer 2023, Sec. 3).
-
-        The text minus its last token is prefilled with the model's own attention kernel; the
-        last token runs with eager attention to read its weights ``[layers, heads, 1, T]``.
-
-        Returns:
-            one float per piece: the summed attention probability over its tokens (0..1).
-
-        Raises:
-            RagfixError: the model's (patched) attention returns no weights.
-        """
-        from transformers import DynamicCache
-
-        ids: list[int] = []
-        spans = []
-        for piece in pieces:
-            toks = self.tokenize(piece)
-            spans.append((len(ids), len(ids) + len(toks)))
-            ids.extend(toks)
-        model = self.model
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([ids[:-1]], device=self.device), cache=cache)
-        before = model.config._attn_implementation
-        model.set_attn_implementation("eager")
-        try:
-            out = model(
-                input_ids=torch.tensor([ids[-1:]], device=self.device),
-                cache=cache,
-                output_attentions=True,
-            )
-        finally:
-            model.set_attn_implementation(before)
-        if not out.attentions or out.attentions[0] is None:
-            raise RagfixError(f"backend {self.name!r} exposes no attention weights")
-        att = torch.stack([a[0, :, -1, :].float() for a in out.attentions]).mean(dim=(0, 1)).cpu()
-        return [float(att[s:e].sum()) for s, e in spans]
 
 
 def batch_groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[int]]:
