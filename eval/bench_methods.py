@@ -27,7 +27,7 @@ Per prompt and backend, in wall seconds (CUDA synchronised):
 
 A row is one backend at one number of passages: the median over the prompts of both times, the
 largest peak, and the mean of ``len(backend.encode(prompt))`` (a backend's own layout of the
-prompt may differ in length from vanilla's). ``x vanilla``: the ratio to vanilla at the same
+prompt may differ in length from vanilla's). ``×vanilla``: the ratio to vanilla at the same
 number of passages. CPU timings beside other jobs are noisy: compare the ratios, not seconds.
 """
 
