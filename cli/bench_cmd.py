@@ -136,6 +136,39 @@ def gali_cmd(
     _show(tables, details, json_out)
 
 
+@bench.command("methods")
+def methods_cmd(
+    backends: Annotated[
+        str, typer.Option(help="backends, comma separated (vanilla, the baseline, always runs)")
+    ] = "vanilla,set-based,pine",
+    num_docs: Annotated[str, typer.Option(help="passages per prompt, comma separated")] = "10,20",
+    limit: Annotated[int, typer.Option(help="prompts (median over them)")] = 3,
+    model: Annotated[str, typer.Option(help="model")] = "smollm2",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda ...")] = "auto",
+    data: Annotated[str, typer.Option(help="KV or QA file, kv-sample, nq-sample")] = (
+        "data/litm_kv_retrieval_140_keys.jsonl.gz"
+    ),
+    json_out: JsonOpt = None,
+) -> None:
+    """Prefill time, 8-token generation time and prefill peak memory of each backend against
+    vanilla on the same prompts, gold passage in the middle (run with
+    MALLOC_MMAP_THRESHOLD_=65536 on the CPU)."""
+    from ragfix.cli.common import parse_numbers
+    from ragfix.eval.bench_methods import bench_methods
+
+    with user_errors(), console.status("benchmark") as status:
+        table, details = bench_methods(
+            [b.strip() for b in backends.split(",") if b.strip()],
+            parse_numbers(num_docs, "--num-docs", int),
+            limit,
+            model,
+            device,
+            data,
+            status.update,
+        )
+    _show(table, details, json_out)
+
+
 @bench.command("channel-scaling")
 def channel_scaling_cmd(
     model: Annotated[str, typer.Option(help="model")] = "smollm2",

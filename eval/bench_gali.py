@@ -11,13 +11,12 @@ Peak memory is the growth of the process's peak resident set (``VmHWM`` of
 ``/proc/self/status``, reset through ``/proc/self/clear_refs``) over its size before the call on
 the CPU (run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go back to the system
 and each peak is measured from a clean state), and ``torch.cuda.max_memory_allocated`` growth on
-CUDA. The machine's load makes CPU timings noisy: compare ratios, not seconds.
+CUDA (:func:`ragfix.eval.bench_memory.measure`). The machine's load makes CPU timings noisy:
+compare ratios, not seconds.
 """
 
 from __future__ import annotations
 
-import gc
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,38 +25,12 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from ragfix.backends import load_backend
 from ragfix.backends.gali import GaliBackend, _GaliRun, paper_logits
+from ragfix.eval.bench_memory import measure
 from ragfix.eval.ppl import read_texts
 from ragfix.tables import TableSpec
 
 #: the default ``--data``, relative to the working directory (the repository root)
 DATA = "data/needle_paul_graham_essays.jsonl.gz"
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def measure(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
-    """Run ``fn`` once; return ``(seconds, peak extra memory in MiB)``."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
-        before = _status_kb("VmRSS") * 1024
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = _status_kb("VmHWM") * 1024
-    return time.perf_counter() - start, max(0, peak - before) / 2**20
 
 
 def paper_attention(q, k, v, layout, rotary, scaling: float, start: int, generator):

@@ -23,34 +23,15 @@ the README by ``ragfix render``).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
 import torch
 
+from ragfix.eval.bench_memory import peak_mib, reset_peak
 from ragfix.tables import TableSpec
 
 MODES = {"naive": (False, 1), "prefix reuse": (True, 1), "prefix + batched": (True, None)}
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        with contextlib.suppress(OSError):  # Linux: reset the peak resident set size (VmHWM)
-            Path("/proc/self/clear_refs").write_text("5")
-
-
-def _peak_mib(device: torch.device) -> float | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    kib = next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM")), None)
-    return None if kib is None else kib / 1024
 
 
 def _recording(backend, into: dict[str, list[int] | None]):
@@ -125,7 +106,7 @@ def bench_sweep(
                 task_prompt(s, s.passages_with_gold_at(c.position))
             )
         for mode, (reuse, size) in MODES.items():
-            _reset_peak(dev)
+            reset_peak(dev)
             t = time.perf_counter()
             run_cells(
                 backends[mode],
@@ -135,7 +116,7 @@ def bench_sweep(
                 batch_size=size or len(cells),
             )
             wall[mode] += time.perf_counter() - t
-            mib = _peak_mib(dev)
+            mib = peak_mib(dev)
             if mib is not None:
                 peak[mode] = max(peak[mode] or 0.0, mib)
             if on_progress is not None:

@@ -1,0 +1,236 @@
+"""Benchmark of method backends against vanilla: prefill time, short-generation time and peak
+memory of the prefill, on the same prompts in one run.
+
+Run: ``ragfix bench methods --backends vanilla,set-based,pine --num-docs 10,20 --limit 3``
+(prints one table; ``--json results/NAME.json`` keeps it as a result file, rendered by
+``ragfix render``). Any registered backend that loads without options can be named
+(:func:`ragfix.backends.backend_names`); vanilla, the baseline of the ratios, is always measured
+(first) whether named or not.
+
+Prompts: the first ``--limit`` records of ``--data`` (default: the Lost-in-the-Middle KV
+retrieval file with 140 keys of ``data/``, relative to the working directory, as in the README's
+commands; it is not shipped with the package; a QA file such as
+``data/derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz`` or a bundled sample name works too), cut
+to each ``--num-docs`` passages with the gold passage in the middle (0-based position
+``(num_docs - 1) // 2``), as task prompts that carry their passage spans.
+
+Every backend is loaded once and warmed up with one prefill and one generation of the first
+prompt; then the backends take turns prompt by prompt, so that they see the same machine load.
+Per prompt and backend, in wall seconds (CUDA synchronised):
+
+* prefill: ``backend.next_token_logprobs([prompt])``, one forward pass over the whole prompt;
+* generate: ``backend.generate([prompt], max_new_tokens=8)``, a prefill and up to 8 greedy
+  tokens (the prompt's stop rule applies; the generated counts are in the details);
+* peak MiB: growth of memory during the prefill over the memory in use before it
+  (:func:`ragfix.eval.bench_memory.measure`): the resident set on the CPU (run with
+  ``MALLOC_MMAP_THRESHOLD_=65536``), allocated memory on CUDA.
+
+A row is one backend at one number of passages: the median over the prompts of both times, the
+largest peak, and the mean of ``len(backend.encode(prompt))`` (a backend's own layout of the
+prompt may differ in length from vanilla's). ``×vanilla``: the ratio to vanilla at the same
+number of passages. CPU timings beside other jobs are noisy: compare the ratios, not seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ragfix.tables import TableSpec
+
+#: the default ``--data``, relative to the working directory (the repository root)
+DATA = "data/litm_kv_retrieval_140_keys.jsonl.gz"
+#: the default ``--backends``
+BACKENDS = ("vanilla", "set-based", "pine")
+#: the default ``--num-docs``
+NUM_DOCS = (10, 20)
+#: the generation's token budget
+NEW_TOKENS = 8
+
+
+def middle(num_docs: int) -> int:
+    """The 0-based middle position of ``num_docs`` passages, where the gold passage goes."""
+    return (num_docs - 1) // 2
+
+
+def check_backends(names: list[str], model: str = "smollm2") -> list[str]:
+    """The backends to measure: ``"vanilla"`` first, then ``names`` in order, each once; checked
+    against the registry (and their adapter and remote-model rules) without loading anything.
+
+    Raises:
+        ConfigError: an unknown name (one line listing the known ones), an adapter backend, or
+            a method backend asked of a remote model.
+        pydantic.ValidationError: a backend whose options have no defaults.
+    """
+    from ragfix.backends import backend_names, validate_backend
+    from ragfix.errors import ConfigError
+
+    known = backend_names()
+    for name in names:
+        if name not in known:
+            raise ConfigError(
+                f"--backends: unknown backend {name!r}; choose from: {', '.join(known)}"
+            )
+    chosen = list(dict.fromkeys(["vanilla", *names]))
+    for name in chosen:
+        validate_backend(name, model=model)
+    return chosen
+
+
+def _ratio(x: float | None, base: float | None) -> float | None:
+    return None if x is None or not base else x / base
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else f"{x:{spec}}"
+
+
+def _measure_prompt(backend, prompt, device: torch.device) -> dict:
+    """One prompt on one backend: its token count, the prefill's seconds and peak MiB, the
+    generation's seconds and new tokens."""
+    from ragfix.eval.bench_memory import measure
+
+    prefill_s, prefill_mib = measure(lambda: backend.next_token_logprobs([prompt]), device)
+    gens = []
+    generate_s, _ = measure(
+        lambda: gens.extend(backend.generate([prompt], max_new_tokens=NEW_TOKENS)), device
+    )
+    return {
+        "prompt_tokens": len(backend.encode(prompt)),
+        "prefill_s": prefill_s,
+        "generate_s": generate_s,
+        "generated_tokens": gens[0].new_tokens,
+        "prefill_mib": prefill_mib,
+    }
+
+
+def bench_methods(
+    backends: list[str] | None = None,
+    num_docs: list[int] | None = None,
+    limit: int = 3,
+    model: str = "smollm2",
+    device: str = "auto",
+    data: str | Path = DATA,
+    progress: Callable[[str], object] = lambda _: None,
+) -> tuple[TableSpec, dict]:
+    """Prefill seconds, generation seconds and prefill peak MiB of ``backends`` (default
+    :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
+    :data:`NUM_DOCS`), on the first ``limit`` prompts of ``data`` (a Lost-in-the-Middle KV or QA
+    file, or a bundled sample name), gold passage in the :func:`middle`. ``model`` and ``device``
+    are :func:`ragfix.backends.load_backend`'s. ``progress`` gets one line per prompt and number
+    of passages.
+
+    Returns:
+        ``(table, details)``: one row per (number of passages, backend), in that order;
+        ``details`` = ``{"data", "model", "device", "threads", "limit", "new_tokens",
+        "measurements"}``, a measurement per row with its per-prompt figures (``prompt_tokens``,
+        ``prefill_s``, ``generate_s``, ``generated_tokens``, ``prefill_mib``: lists in prompt
+        order), the row's figures (``prompt_tokens_mean``, ``prefill_s_median``,
+        ``generate_s_median``, ``peak_mib``) and their ratios to vanilla (``prefill_x``,
+        ``generate_x``, ``peak_x``; ``None`` where a figure is unknown or vanilla's is 0).
+
+    Raises:
+        ConfigError: an unknown backend, one that needs an adapter, or ``limit`` below 1 (before
+            anything is read or loaded).
+        pydantic.ValidationError: a backend whose options have no defaults (likewise).
+        DataError: a missing or malformed data file, or too few passages for ``num_docs``.
+        ModelNotFoundError: the model cannot be found.
+    """
+    from ragfix.backends import load_backend
+    from ragfix.bundled import resolve_data
+    from ragfix.connectors.litm import load_samples
+    from ragfix.errors import ConfigError
+    from ragfix.models import resolve_device
+    from ragfix.tasks import task_prompt
+
+    names = check_backends(list(backends or BACKENDS), model)
+    if limit < 1:
+        raise ConfigError(f"--limit {limit}: must be at least 1")
+    counts = list(num_docs or NUM_DOCS)
+    path = resolve_data(data)
+    prompts = {
+        n: [
+            task_prompt(s, s.passages_with_gold_at(middle(n))) for s in load_samples(path, n, limit)
+        ]
+        for n in counts
+    }
+    loaded = {}
+    for name in names:
+        progress(f"loading {name}")
+        loaded[name] = load_backend(name, model=model, device=device)
+    dev = resolve_device(device)
+    first_prompts = prompts[counts[0]]
+    first = first_prompts[0]
+    for name, b in loaded.items():
+        progress(f"warm-up: {name}")
+        b.next_token_logprobs([first])
+        b.generate([first], max_new_tokens=NEW_TOKENS)
+
+    keys = ("prompt_tokens", "prefill_s", "generate_s", "generated_tokens", "prefill_mib")
+    rows = []
+    for n in counts:
+        cells = {name: {k: [] for k in keys} for name in names}
+        for i, prompt in enumerate(prompts[n]):
+            for name, b in loaded.items():
+                for k, v in _measure_prompt(b, prompt, dev).items():
+                    cells[name][k].append(v)
+            progress(f"{n} passages: prompt {i + 1}/{len(prompts[n])} done")
+        for name in names:
+            c = cells[name]
+            mibs = c["prefill_mib"]
+            rows.append(
+                {
+                    "backend": name,
+                    "num_docs": n,
+                    **c,
+                    "prompt_tokens_mean": statistics.mean(c["prompt_tokens"]),
+                    "prefill_s_median": statistics.median(c["prefill_s"]),
+                    "generate_s_median": statistics.median(c["generate_s"]),
+                    "peak_mib": None if None in mibs else max(mibs),
+                }
+            )
+        base = next(r for r in rows if r["num_docs"] == n and r["backend"] == "vanilla")
+        for r in rows[-len(names) :]:
+            r["prefill_x"] = _ratio(r["prefill_s_median"], base["prefill_s_median"])
+            r["generate_x"] = _ratio(r["generate_s_median"], base["generate_s_median"])
+            r["peak_x"] = _ratio(r["peak_mib"], base["peak_mib"])
+
+    table = TableSpec(
+        f"methods vs vanilla · {model} · {path.name} · gold at the middle · {dev} "
+        f"· {torch.get_num_threads()} threads",
+        ["backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s"]
+        + ["×vanilla", "peak MiB", "×vanilla"],
+        [
+            [
+                r["backend"],
+                str(r["num_docs"]),
+                f"{r['prompt_tokens_mean']:,.0f}",
+                f"{r['prefill_s_median']:.3f}",
+                _fmt(r["prefill_x"], ".2f"),
+                f"{r['generate_s_median']:.3f}",
+                _fmt(r["generate_x"], ".2f"),
+                _fmt(r["peak_mib"], ",.1f"),
+                _fmt(r["peak_x"], ".2f"),
+            ]
+            for r in rows
+        ],
+        [
+            f"Median of {len(first_prompts)} prompt(s) after a warm-up; prefill: "
+            f"next_token_logprobs, one forward pass; generate: up to {NEW_TOKENS} new tokens; "
+            "peak: largest growth of the resident set (CPU) or of allocated CUDA memory during "
+            "the prefill; ×vanilla: ratio to vanilla at the same number of passages."
+        ],
+    )
+    details = {
+        "data": str(path),
+        "model": model,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "limit": limit,
+        "new_tokens": NEW_TOKENS,
+        "measurements": rows,
+    }
+    return table, details

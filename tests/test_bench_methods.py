@@ -1,0 +1,83 @@
+"""``ragfix bench methods``: the benchmark run for real on the embedded model (every row, the
+ratios' baseline, the token counts), and the backend names checked before anything is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import data_file
+from typer.testing import CliRunner
+
+from ragfix.cli.app import app
+from ragfix.errors import ConfigError
+
+KV = "litm_kv_retrieval_140_keys.jsonl.gz"
+
+
+def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
+    from ragfix.backends.set_based import SetBasedBackend
+    from ragfix.connectors.litm import load_samples
+    from ragfix.eval.bench_methods import bench_methods
+    from ragfix.eval.results import write_benchmark
+    from ragfix.tasks import task_prompt
+
+    path = data_file(KV)
+    table, details = bench_methods(
+        ["vanilla", "set-based"], [4], limit=1, model="smollm2", device="cpu", data=path
+    )
+    rows = details["measurements"]
+    assert [(r["backend"], r["num_docs"]) for r in rows] == [("vanilla", 4), ("set-based", 4)]
+    assert [row[:2] for row in table.rows] == [["vanilla", "4"], ["set-based", "4"]]
+    assert table.headers == [
+        "backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s",
+        "×vanilla", "peak MiB", "×vanilla",
+    ]  # fmt: skip
+    vanilla, set_based = rows
+    assert vanilla["prefill_x"] == vanilla["generate_x"] == 1.0
+    assert vanilla["peak_x"] == (1.0 if vanilla["peak_mib"] else None)
+    assert table.rows[0][4] == table.rows[0][6] == "1.00"
+    # the prompt of record 0 with the gold pair in the middle of 4 (0-based position 1), as
+    # each backend encodes it
+    [sample] = load_samples(path, 4, limit=1)
+    prompt = task_prompt(sample, sample.passages_with_gold_at(1))
+    assert vanilla["prompt_tokens"] == [len(smol.encode(prompt))]
+    set_ids = SetBasedBackend(smol.model, smol.tokenizer).encode(prompt)
+    assert set_based["prompt_tokens"] == [len(set_ids)]
+    for r in rows:
+        assert len(r["prefill_s"]) == len(r["generate_s"]) == len(r["prefill_mib"]) == 1
+        assert r["prefill_s_median"] > 0 and r["generate_s_median"] > 0
+        assert 1 <= r["generated_tokens"][0] <= details["new_tokens"] == 8
+        assert r["peak_mib"] is not None and r["peak_mib"] >= 0  # Linux: /proc/self/status
+    assert set_based["prefill_x"] == set_based["prefill_s_median"] / vanilla["prefill_s_median"]
+    # the result file keeps the table and the raw figures
+    out = write_benchmark(tmp_path / "bench.json", table, **details)
+    assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(out))
+
+
+def test_backends_are_checked_before_anything_is_read_an_unknown_one_in_one_line(
+    monkeypatch, tmp_path
+):
+    import ragfix.backends
+    import ragfix.connectors.litm
+    from ragfix.eval.bench_methods import bench_methods, check_backends
+
+    # vanilla, the ratios' baseline, is measured first whether named or not; each name once
+    assert check_backends(["set-based", "vanilla", "set-based"]) == ["vanilla", "set-based"]
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing is read or loaded before the backends are checked")
+
+    monkeypatch.setattr(ragfix.backends, "load_backend", never)
+    monkeypatch.setattr(ragfix.connectors.litm, "load_samples", never)
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ConfigError) as e:
+        bench_methods(["set-based", "no-such"], [4], limit=1, device="cpu", data=missing)
+    assert str(e.value).startswith("--backends: unknown backend 'no-such'; choose from: ")
+    assert "set-based" in str(e.value) and "\n" not in str(e.value)
+
+    args = ["bench", "methods", "--backends", "vanilla,no-such", "--data", str(missing)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2
+    [line] = res.output.strip().splitlines()
+    assert line.startswith("error: --backends: unknown backend 'no-such'; choose from: ")
