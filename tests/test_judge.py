@@ -310,6 +310,8 @@ def test_real_judge_both_orders_and_logit_symmetry(judged):
     same = res[2]
     assert same.flags == ["identical_answers"]
     assert same.swap_verdict == "tie" and same.logit_verdict == "tie" and same.consistent
+    # the two judged pairs shared one batch: its time split evenly; the tie asked no model
+    assert res[0].seconds > 0 and res[0].seconds == res[1].seconds and same.seconds is None
 
 
 def test_summary_of_real_judgments(judged):
@@ -320,6 +322,7 @@ def test_summary_of_real_judgments(judged):
     assert s["agreement"]["logit_calibrated"]["n"] == 3
     assert 0 < s["letter_mass"] <= 1
     assert 1 / 3 <= s["repetition_stability"] <= 1
+    assert s["seconds_per_pair"] == pytest.approx(res[0].seconds)  # the mean of the judged two
     for kind in ("generated", "logit"):
         assert s[kind]["pairs"] == 3
 

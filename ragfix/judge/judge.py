@@ -10,6 +10,7 @@ MT-bench pairwise judging with position swap: Zheng et al. 2023, section 3.4.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -273,7 +274,9 @@ class PairwiseJudge:
         per_step = max(1, self.batch_size // 2)
         for start in range(0, len(order), per_step):
             chunk = order[start : start + per_step]
+            began = time.perf_counter()
             gens = iter(self._generate([tp for i in chunk for tp in prompts[i]]))
+            share = (time.perf_counter() - began) / len(chunk)
             for i in chunk:
                 both = (next(gens), next(gens))
                 if any(_refused(f, g) for f, g in zip(fits[i], both, strict=True)):
@@ -281,7 +284,9 @@ class PairwiseJudge:
                     continue
                 cut = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
                 original, swapped = (self._order(g) for g in both)
-                done(i, combine(pairs[i], original, swapped, self.tie_margin, cut))
+                res = combine(pairs[i], original, swapped, self.tie_margin, cut)
+                res.seconds = share
+                done(i, res)
         return [results[i] for i in range(len(pairs))]
 
     def judge(

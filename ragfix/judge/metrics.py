@@ -177,9 +177,11 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         ``{"pairs": all records, "overflow_pairs", "labelled": records with a label, "flags":
         {flag: records}, "generated": order_metrics, "logit": order_metrics of the per-order
         argmax of p(A) vs p(B) or None, "agreement": {kind: agreement or None},
-        "repetition_stability", "letter_mass"}``, the metrics over the judged pairs (their
-        ``pairs`` / ``n`` count those). ``letter_mass`` is the mean next-token probability on
-        ``A`` plus ``B`` (how much the judge is answering in the format at all).
+        "repetition_stability", "letter_mass", "seconds_per_pair"}``, the metrics over the
+        judged pairs (their ``pairs`` / ``n`` count those). ``letter_mass`` is the mean
+        next-token probability on ``A`` plus ``B`` (how much the judge is answering in the
+        format at all); ``seconds_per_pair`` the mean model wall time of a pair's two orders
+        over the pairs that record it (None when none does).
     """
     every = records
     records = [r for r in every if OVERFLOW not in r.get("flags", [])]
@@ -208,6 +210,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         if has_logit
         else []
     )
+    secs = [r["seconds"] for r in records if r.get("seconds") is not None]
     return {
         "pairs": len(every),
         "overflow_pairs": len(every) - len(records),
@@ -218,6 +221,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         "agreement": agree,
         "repetition_stability": repetition_stability(s for s in samples if s),
         "letter_mass": sum(mass) / len(mass) if mass else None,
+        "seconds_per_pair": sum(secs) / len(secs) if secs else None,
     }
 
 

@@ -123,6 +123,11 @@ def judge_tables(result: dict) -> list[TableSpec]:
             lines.append(f"Mean p(A) + p(B) at the verdict position: {fmt_num(s['letter_mass'])}.")
         if s.get("repetition_stability") is not None:
             lines.append(f"Repetition stability: {fmt_num(s['repetition_stability'])}.")
+        if s.get("seconds_per_pair") is not None:
+            lines.append(
+                f"Model wall time per pair: {s['seconds_per_pair']:.2f} s for both orders (two "
+                "passes: a one-order verdict costs half)."
+            )
         lines += list(result.get("notes", []))
         tables.append(TableSpec(f"{name} as judge: position bias ({where})", headers, rows, lines))
         agree = [

@@ -216,6 +216,9 @@ class PairJudgment(BaseModel):
         consistent: both orders valid and the same answer verdict.
         swap_verdict: :func:`swap_aggregate` of the two.
         logit_verdict, logit_p_a: :func:`logit_verdict` (None for the ``explain`` style).
+        seconds: wall seconds the model spent on this pair's two orders (its batch's time
+            shared evenly among the batch's pairs); None when the model was not asked (identical
+            answers, overflow) or for records written before it was kept.
     """
 
     pair_id: str
@@ -230,6 +233,7 @@ class PairJudgment(BaseModel):
     logit_verdict: Verdict | None = None
     logit_p_a: float | None = None
     source: str = ""
+    seconds: float | None = None
 
 
 def combine(
