@@ -39,8 +39,9 @@ prompt (the paper's "dummy document" in every slot at once, rather than one dumm
 passage no reader attends to at all (every probability underflows to 0, or no token starts
 inside it) is left out of the softmax and keeps nothing, so ``M`` is kept exactly.
 
-Batched with left padding, decoding over the run's own cache of rotated keys and values; rows
-before the first reader of a batch run through ``scaled_dot_product_attention``. Llama, Mistral,
+Batched with left padding, decoding over the run's own cache of rotated keys and values; the
+layers left alone, and in a calibrated layer the rows before the batch's first reader, run
+through ``scaled_dot_product_attention``, the rest with explicit probabilities. Llama, Mistral,
 Qwen2 and Qwen3 attention modules (Qwen3's q/k norms applied before RoPE); the model's rotary
 embedding as it is (a RoPE variant composes), an adapter composes (merged into the weights
 before). Refuses, in one line: a prompt without passage spans or without its content-free form,
