@@ -103,6 +103,11 @@ register_backend(
     summary="passages sorted by (calibrated) query attention, most attended last (2410.02642)",
 )
 register_backend(
+    "calibrated-attention",
+    "ragfix.backends.calibrated_attention:CalibratedAttentionBackend",
+    summary="Found in the Middle: passage attention minus its content-free bias (2406.16008)",
+)
+register_backend(
     "pos2distill",
     "ragfix.backends.hf:HFBackend",
     requires_adapter=True,

@@ -32,6 +32,7 @@ from pydantic import Field
 
 from ragfix.backends.base import BackendOptions, Prompt
 from ragfix.backends.hf import HFBackend, chat_text
+from ragfix.backends.set_based import OUTSIDE
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 
@@ -64,6 +65,37 @@ def _spans_required(backend: HFBackend, prompt: Prompt) -> TaskPrompt:
     return prompt
 
 
+def passage_tokens(backend: HFBackend, prompt: TaskPrompt) -> tuple[list[int], list[int], int]:
+    """The tokens ``backend`` reads for ``prompt`` (:func:`~ragfix.backends.hf.chat_text`,
+    tokenized as :meth:`~ragfix.backends.hf.HFBackend.encode` does) and where its passages are.
+
+    A token belongs to the piece of text its first character is in (the fast tokenizer's
+    offsets against :attr:`TaskPrompt.passages`).
+
+    Returns:
+        ``(ids, blocks, first)``: the token ids; per token the index of its passage or
+        :data:`~ragfix.backends.set_based.OUTSIDE`; the index of the first token after the last
+        passage (``len(ids)`` when none).
+
+    Raises:
+        RagfixError: a tokenizer without offsets (not a fast tokenizer).
+    """
+    text = chat_text(backend.tokenizer, prompt)
+    offset = text.find(prompt.user)
+    enc = backend.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if "offset_mapping" not in enc:
+        raise RagfixError(
+            f"{backend.model_name}: finding a prompt's passages among its tokens needs a fast "
+            "tokenizer (offsets)"
+        )
+    ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
+    spans = [(offset + a, offset + b) for a, b in prompt.passages]
+    blocks = [next((j for j, (a, b) in enumerate(spans) if a <= c < b), OUTSIDE) for c in starts]
+    end = spans[-1][1] if spans else 0
+    first = next((t for t, c in enumerate(starts) if c >= end), len(ids))
+    return ids, blocks, first
+
+
 @torch.no_grad()
 def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
     """Per layer, the attention each passage of ``prompt`` receives from the readers.
@@ -89,19 +121,11 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
             "local model"
         )
     prompt = _spans_required(backend, prompt)
-    text = chat_text(backend.tokenizer, prompt)
-    offset = text.find(prompt.user)
-    enc = backend.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if "offset_mapping" not in enc:
-        raise RagfixError(f"{backend.model_name}: attention-sort needs a fast tokenizer (offsets)")
-    ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
-    spans = [(offset + a, offset + b) for a, b in prompt.passages]
-    member = torch.zeros(len(ids), len(spans))
-    for t, c in enumerate(starts):
-        for j, (a, b) in enumerate(spans):
-            if a <= c < b:
-                member[t, j] = 1.0
-    first = next((t for t, c in enumerate(starts) if c >= spans[-1][1]), len(ids))
+    ids, blocks, first = passage_tokens(backend, prompt)
+    member = torch.zeros(len(ids), len(prompt.passages))
+    for t, j in enumerate(blocks):
+        if j != OUTSIDE:
+            member[t, j] = 1.0
     if first == len(ids) or first == 0:
         raise RagfixError("attention-sort needs text after the passages (the question) to read")
     model, dev = backend.model, backend.device
@@ -232,5 +256,6 @@ __all__ = [
     "combine_scores",
     "passage_attention",
     "passage_scores",
+    "passage_tokens",
     "sort_passages",
 ]

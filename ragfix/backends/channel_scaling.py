@@ -35,7 +35,12 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from ragfix.backends.base import BackendOptions
 from ragfix.backends.hf import HFBackend
-from ragfix.backends.patching import AttentionPatch, attention_modules, patch_attention
+from ragfix.backends.patching import (
+    AttentionPatch,
+    apply_rotary,
+    attention_modules,
+    patch_attention,
+)
 from ragfix.errors import ConfigError, DataError
 from ragfix.io import atomic_write_json
 from ragfix.models import content_fingerprint, model_identity, weights_differ
@@ -146,11 +151,6 @@ def _rank1(lin: torch.Tensor, h: torch.Tensor, proj, channel: int, factor: float
     return lin + ((factor - 1.0) * h[..., channel : channel + 1]) * proj.weight[:, channel]
 
 
-def _rope(attn):
-    """The ``apply_rotary_pos_emb`` of the attention module's model family."""
-    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
-
-
 def scaled_keys(attn, h: torch.Tensor, position_embeddings, channel: int, factor: float):
     """Rotated keys of ``attn`` computed from ``h`` with channel ``channel`` scaled by ``factor``.
 
@@ -164,7 +164,7 @@ def scaled_keys(attn, h: torch.Tensor, position_embeddings, channel: int, factor
     """
     k = _heads(attn, _rank1(attn.k_proj(h), h, attn.k_proj, channel, factor), _norm(attn, "k"))
     cos, sin = position_embeddings
-    return _rope(attn)(k, k, cos, sin)[1]
+    return apply_rotary(attn)(k, k, cos, sin)[1]
 
 
 def _norm(attn, which: str):
@@ -216,7 +216,7 @@ def _scaled_forward(
     bsz, t, _ = hidden_states.shape
     r = min(state.rows, t)
     d, s = state.channel, state.factor
-    rope = _rope(self)
+    rope = apply_rotary(self)
     cos, sin = position_embeddings
     q_lin = self.q_proj(hidden_states)
     k_lin = self.k_proj(hidden_states)

@@ -10,6 +10,7 @@ the rotary embedding (RoPE scaling) compose with these patches.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -112,9 +113,22 @@ def project_qkv(attn, hidden_states):
     return q.transpose(1, 2), k.transpose(1, 2), v
 
 
+def apply_rotary(attn):
+    """The ``apply_rotary_pos_emb(q, k, cos, sin)`` of the attention module's model family (the
+    function its own forward rotates queries and keys with)."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
 def attention_modules(model) -> list:
     """The self-attention modules of the decoder layers, in order."""
     return [layer.self_attn for layer in model.get_decoder().layers]
 
 
-__all__ = ["AttentionPatch", "attention_modules", "patch_attention"]
+__all__ = [
+    "AttentionPatch",
+    "apply_rotary",
+    "attention_modules",
+    "patch_attention",
+    "project_qkv",
+    "routed",
+]

@@ -31,17 +31,16 @@ prefix of another prompt was computed under another mask.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 
-from ragfix.backends.base import BackendOptions, Prompt, answer_rules
-from ragfix.backends.hf import HFBackend, batch_groups, greedy_steps
+from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.hf import HFBackend, LayoutBackend
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
-from ragfix.types import Generation
 
 #: the block of a token outside the passages (before or after the set)
 OUTSIDE = -1
@@ -174,22 +173,20 @@ def set_mask(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]
 
 
-class PassageSetBackend(HFBackend):
+class PassageSetBackend(LayoutBackend):
     """A backend that reads a task prompt's passages as a set (:func:`passage_set`): the base of
     ``set-based`` and ``pine``, which differ only in how one forward pass over a batch of sets
     attends (:meth:`_run`). Refuses prompts without passage spans in one line; no prefix
     reuse (a cached prefix of another prompt was computed under another layout).
     """
 
-    supports_prefix_reuse = False
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The tokens the model reads for ``prompt`` in set layout (:func:`passage_set`).
+    def _layout(self, prompt: Prompt) -> PassageSet:
+        """The set layout of ``prompt`` (:func:`passage_set`).
 
         Raises:
             RagfixError: a prompt without passage spans.
         """
-        return passage_set(self, prompt).ids
+        return passage_set(self, prompt)
 
     def _run(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
         """One forward pass over a left-padded batch of ``sets`` (each followed by its ``extra``
@@ -200,102 +197,6 @@ class PassageSetBackend(HFBackend):
             step (``[B, 1]`` next token ids -> ``[B, 1, vocab]`` logits).
         """
         raise NotImplementedError
-
-    def _greedy(self, sets: Sequence[PassageSet], max_new_tokens: int, stop_at_newline: bool):
-        """Greedy decoding of ``sets`` in one batch: the steps of
-        :func:`~ragfix.backends.hf.greedy_steps` over :meth:`_run`."""
-        logits, step = self._run(sets)
-        return greedy_steps(
-            logits[:, -1:], step, max_new_tokens, lambda t: self._stops(t, stop_at_newline)
-        )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        batch_size: int = 8,
-        max_new_tokens: int | None = None,
-        stop_at_newline: bool | None = None,
-        first_logprobs: bool = False,
-        prefix_reuse: bool = False,
-    ) -> list[Generation]:
-        """Greedy answers (see :meth:`~ragfix.backends.base.Backend.generate`), prompts of
-        similar length and the same budget and stop rule batched; ``prefix_reuse`` is ignored.
-
-        Raises:
-            RagfixError: a prompt without passage spans.
-        """
-        items = [
-            (passage_set(self, p), *answer_rules(p, max_new_tokens, stop_at_newline))
-            for p in prompts
-        ]
-        order = sorted(range(len(items)), key=lambda i: len(items[i][0].ids))
-        results: list[Generation | None] = [None] * len(items)
-        for group in batch_groups(items, order, batch_size):
-            mnt, stop = items[group[0]][1:]
-            sets = [items[j][0] for j in group]
-            gens = self._collect(
-                self._greedy(sets, mnt, stop), [len(s.ids) for s in sets], stop, first_logprobs
-            )
-            for j, g in zip(group, gens, strict=True):
-                results[j] = g
-        return results  # type: ignore[return-value]
-
-    @torch.no_grad()
-    def next_token_logprobs(self, prompts: Sequence[Prompt], *, batch_size: int = 8):
-        """See :meth:`~ragfix.backends.base.Backend.next_token_logprobs`: float32
-        ``[B, vocab_size]`` on the CPU, each prompt read in set layout.
-
-        Raises:
-            RagfixError: a prompt without passage spans.
-        """
-        sets = [passage_set(self, p) for p in prompts]
-        parts = []
-        for i in range(0, len(sets), batch_size):
-            logits, _ = self._run(sets[i : i + batch_size])
-            parts.append(torch.log_softmax(logits[:, -1].float(), dim=-1).cpu())
-        return torch.cat(parts)
-
-    @torch.no_grad()
-    def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
-        """Summed log-probability (nats) of each continuation after its context read in set
-        layout (the continuation's tokens attend to everything before them).
-
-        Raises:
-            RagfixError: a context without passage spans.
-            ValueError: an empty continuation.
-        """
-        out = []
-        for context, continuation in pairs:
-            s, cont = passage_set(self, context), self.tokenize(continuation)
-            if not cont:
-                raise ValueError("loglikelihood needs a non-empty continuation")
-            logits, _ = self._run([s], [cont])
-            logp = torch.log_softmax(logits[0, -len(cont) - 1 : -1].float(), dim=-1)
-            target = torch.tensor(cont, device=logp.device)[:, None]
-            out.append(float(logp.gather(1, target).sum()))
-        return out
-
-    def stream(
-        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
-    ) -> Iterator[str]:
-        """Yield the greedy answer to one prompt piece by piece; closing the iterator stops
-        decoding at once.
-
-        Raises:
-            RagfixError: a prompt without passage spans.
-        """
-        s = passage_set(self, prompt)
-        new: list[int] = []
-        shown = ""
-        with torch.no_grad():
-            for toks, _, _ in self._greedy([s], max_new_tokens, stop_at_newline):
-                new.append(toks[0])
-                text = self.tokenizer.decode(new, skip_special_tokens=True)
-                if len(text) > len(shown):
-                    yield text[len(shown) :]
-                    shown = text
 
 
 class SetBasedBackend(PassageSetBackend):
