@@ -48,10 +48,13 @@ class AttentionSortOptions(BackendOptions):
             or ``all``.
         calibrate: subtract the attention the content-free query pays the same passages (ICR).
         rounds: sorting rounds (each reads the prompt as the previous round left it).
+
+    The defaults (``upper``, calibrated, one round) are the measured best of ``ragfix tune
+    attention-sort`` on the tune range of KV retrieval (``results/kv8-tune-attention-sort.json``).
     """
 
     layers: Literal["upper", "all"] = "upper"
-    calibrate: bool = False
+    calibrate: bool = True
     rounds: int = Field(default=1, ge=1)
 
 
