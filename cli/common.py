@@ -103,10 +103,13 @@ ModelOpt = Annotated[
         "with --api-base)",
     ),
 ]
-BackendOpt = Annotated[
-    str,
-    typer.Option("--backend", "-b", help="vanilla, channel-scaled, gali, pos2distill"),
-]
+#: ``--backend``'s help: every registered backend (a test keeps it equal to the registry; the
+#: registry itself imports torch, too slow for ``--help``)
+BACKEND_HELP = (
+    "vanilla, attention-sort, calibrated-attention, pine, set-based, channel-scaled, gali, "
+    "pos2distill, rope-scaled, truncated"
+)
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", help=BACKEND_HELP)]
 BackendOptsOpt = Annotated[
     list[str] | None,
     typer.Option("--backend-opt", help="backend option key=value (repeatable)"),

@@ -209,3 +209,12 @@ def test_distill_records_select_the_training_records_and_are_recorded(tmp_path):
     meta = adapter_metadata(DistillSettings(), {}, got, report, 3, result, train_records="2:5")
     assert meta["train_records"] == "2:5" and meta["train_question_ids"] == [every[3].id]
     assert meta["questions_tried"] == 3 and meta["teacher_answers"]["wrong"] == 2
+
+
+def test_backend_help_names_every_registered_backend():
+    from ragfix.backends import backend_names
+    from ragfix.cli.common import BACKEND_HELP
+
+    assert sorted(BACKEND_HELP.split(", ")) == backend_names()
+    out = runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "400"}).output
+    assert BACKEND_HELP in out
