@@ -78,7 +78,7 @@ def _by_hand_bias(model, tokenizer, prompt: TaskPrompt, layers) -> dict:
 def _by_hand_forward(attn, state, hidden_states, position_embeddings=None, **kwargs):
     """One layer over a whole sequence (batch 1): vanilla causal attention, then in a calibrated
     layer each reader row of each head rescaled passage by passage from the formulas."""
-    members, first, bias, layers, temperature = state
+    members, first, bias, layers, temperature, heads_mode = state
     _, t, _ = hidden_states.shape
     shape = (1, t, -1, attn.head_dim)
     q = attn.q_proj(hidden_states).view(shape)
@@ -98,32 +98,40 @@ def _by_hand_forward(attn, state, hidden_states, position_embeddings=None, **kwa
     groups = heads // k.shape[0]
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     out = torch.zeros(t, heads, d)
+    probs = []
     for h in range(heads):
-        kh, vh = k[h // groups], v[h // groups]
-        logits = (q[h] @ kh.T * attn.scaling).masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if attn.layer_idx in layers:
-            for i in range(first, t):
-                a = probs[i].clone()
+        logits = (q[h] @ k[h // groups].T * attn.scaling).masked_fill(~causal, float("-inf"))
+        probs.append(torch.softmax(logits, dim=-1))
+    if attn.layer_idx in layers:
+        for i in range(first, t):
+            rels = []
+            for h in range(heads):
+                rels.append(
+                    [
+                        float(probs[h][i][tokens].sum()) / len(tokens) - bias[attn.layer_idx][h][j]
+                        for j, tokens in enumerate(members)
+                    ]
+                )
+            if heads_mode == "mean":
+                rels = [[sum(col) / heads for col in zip(*rels, strict=True)]] * heads
+            for h in range(heads):
+                a = probs[h][i].clone()
                 mass = [float(a[tokens].sum()) for tokens in members]
-                rel = [
-                    mass[j] / len(tokens) - bias[attn.layer_idx][h][j]
-                    for j, tokens in enumerate(members)
-                ]
-                alpha = torch.softmax(torch.tensor(rel, dtype=torch.float64) / temperature, 0)
+                alpha = torch.softmax(torch.tensor(rels[h], dtype=torch.float64) / temperature, 0)
                 total = sum(mass)
                 for j, tokens in enumerate(members):
                     a[tokens] = a[tokens] * (total * float(alpha[j]) / mass[j])
-                probs[i] = a
-        out[:, h] = probs @ vh
+                probs[h][i] = a
+    for h in range(heads):
+        out[:, h] = probs[h] @ v[h // groups]
     return attn.o_proj(out.reshape(1, t, heads * d)), None
 
 
-def _by_hand_logits(model, tokenizer, prompt, layers, temperature, extra=()):
+def _by_hand_logits(model, tokenizer, prompt, layers, temperature, extra=(), heads="each"):
     """Logits at every position of the prompt followed by ``extra`` tokens (readers)."""
     ids, members, first = _pieces(tokenizer, prompt)
     bias = _by_hand_bias(model, tokenizer, prompt, layers)
-    state = (members, first, bias, set(layers), temperature)
+    state = (members, first, bias, set(layers), temperature, heads)
 
     def forward(attn, *args, **kwargs):
         return _by_hand_forward(attn, state, *args, **kwargs)
@@ -133,12 +141,17 @@ def _by_hand_logits(model, tokenizer, prompt, layers, temperature, extra=()):
 
 
 @pytest.mark.parametrize(
-    "arch, task, layers",
-    [("llama", "qa", "upper"), ("qwen2", "kv", "all"), ("qwen3", "qa", "upper")],
+    "arch, task, layers, heads",
+    [
+        ("llama", "qa", "upper", "each"),
+        ("qwen2", "kv", "all", "each"),
+        ("qwen3", "qa", "upper", "each"),
+        ("llama", "kv", "upper", "mean"),
+    ],
 )
-def test_calibrated_layers_equal_the_by_hand_computation(smol, arch, task, layers):
+def test_calibrated_layers_equal_the_by_hand_computation(smol, arch, task, layers, heads):
     model = tiny_model(arch, seed=7, vocab_size=len(smol.tokenizer), num_hidden_layers=3)
-    backend = CalibratedAttentionBackend(model, smol.tokenizer, layers=layers)
+    backend = CalibratedAttentionBackend(model, smol.tokenizer, layers=layers, heads=heads)
     calibrated = [1, 2] if layers == "upper" else [0, 1, 2]
     assert sorted(backend.layers) == calibrated
     if task == "kv":
@@ -154,7 +167,7 @@ def test_calibrated_layers_equal_the_by_hand_computation(smol, arch, task, layer
         stepped.append(step(tok[:, None])[0, -1])
         tok = stepped[-1].argmax(-1)[None]
     want, first = _by_hand_logits(
-        model, smol.tokenizer, prompt, calibrated, PAPER_TEMPERATURE, generated
+        model, smol.tokenizer, prompt, calibrated, PAPER_TEMPERATURE, generated, heads
     )
     n = len(layout.ids)
     assert layout.ids == smol.encode(prompt) and layout.first == first

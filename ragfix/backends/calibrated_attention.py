@@ -21,7 +21,8 @@ first character is in):
   the keys (softmax in float32): per passage ``k`` of ``len_k`` tokens, ``mass_k = sum_{t in k}
   a_t`` and ``mean_k = mass_k / len_k``; the relevance is ``r_k = mean_k - b_k``; the passages'
   total ``M = sum_k mass_k`` is kept and redistributed, ``new_k = M * softmax(r / t)_k``
-  (``t``: option ``temperature``, the paper's ``5e-5`` by default); each token of passage ``k``
+  (``t``: option ``temperature``, the paper's ``5e-5`` by default; with ``heads="mean"`` the
+  relevance is averaged over the layer's heads first); each token of passage ``k``
   gets ``a_t * new_k / mass_k``; keys outside the passages keep their probabilities. The output
   is these probabilities times the values.
 * **bias** ``b_k`` (per layer, head and slot ``k``): ``mean_k`` measured on
@@ -81,10 +82,14 @@ class CalibratedAttentionOptions(BackendOptions):
         layers: the calibrated layers: ``upper`` (``L // 2 .. L - 1``) or ``all``.
         temperature: ``t`` of ``softmax(r / t)`` (> 0; the paper's 5e-5 by default): lower
             gives the most relevant passage more of the passages' mass.
+        heads: ``each``: every head redistributes by its own relevance ``r``; ``mean``: by the
+            relevance averaged over the layer's heads (one ranking of the passages per layer and
+            reader, each head keeping its own passage mass ``M``).
     """
 
     layers: Literal["upper", "all"] = "upper"
     temperature: float = Field(default=PAPER_TEMPERATURE, gt=0)
+    heads: Literal["each", "mean"] = "each"
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ class _CalibratedRun:
         self.lengths = self.onehot.sum(1)  # [B, n]
         self.layers = backend.layers
         self.temperature = backend.options.temperature
+        self.heads = backend.options.heads
         self.window = backend.window
         self.measure = biases is None
         self.measured: dict[int, torch.Tensor] = {}
@@ -262,6 +268,8 @@ class _CalibratedRun:
         onehot = self.onehot[:, : probs.shape[-1]]  # [B, T, n]
         mass = probs @ onehot[:, None]  # [B, H, r, n]
         rel = mass / self.lengths.clamp(min=1)[:, None, None] - self.bias[layer][:, :, None]
+        if self.heads == "mean":
+            rel = rel.mean(dim=1, keepdim=True).expand_as(rel)
         kept = (mass > 0) & (self.lengths > 0)[:, None, None]
         alpha = torch.softmax((rel / self.temperature).masked_fill(~kept, float("-inf")), dim=-1)
         total = mass.sum(-1, keepdim=True)
