@@ -95,6 +95,28 @@ def test_gali_with_adapter_equals_both_by_hand(base_dir, lora_dir, smol):
     torch.testing.assert_close(b.token_logprobs(ids), hand.token_logprobs(ids))
 
 
+@pytest.mark.parametrize("name", ["attention-sort", "calibrated-attention", "pine", "set-based"])
+def test_passage_backends_with_adapter_equal_the_method_on_the_merged_model(
+    base_dir, lora_dir, smol, name
+):
+    """Each backend that reads a prompt's passages composes with an adapter: loaded with it, its
+    next-token log-probs equal the same method built on the base with the LoRA merged by peft,
+    and differ from the method without the adapter."""
+    from ragfix.backends import backend_spec
+    from ragfix.tasks import get_task
+    from ragfix.types import Passage
+
+    docs = [Passage(title=t, text=x) for t, x in [("A", "Paris is in France."), ("B", "Rome.")]]
+    prompt = get_task("qa").prompt("Where is Paris?", docs)
+    b = load_backend(name, model=str(base_dir), device="cpu", adapter=str(lora_dir))
+    hand = backend_spec(name).resolve()(_by_hand(base_dir, lora_dir), smol.tokenizer)
+    plain = load_backend(name, model=str(base_dir), device="cpu")
+    got = b.next_token_logprobs([prompt])[0]
+    torch.testing.assert_close(got, hand.next_token_logprobs([prompt])[0], rtol=1e-4, atol=1e-4)
+    assert (got - plain.next_token_logprobs([prompt])[0]).abs().max() > 1e-3
+    assert b.identity()["adapter"]["path"] == str(lora_dir)
+
+
 def test_adapter_whose_tensors_do_not_attach_is_refused(base_dir, lora_dir, tmp_path):
     # case 26: tensor names saved from a differently named model; peft only warns
     bad = tmp_path / "renamed"
