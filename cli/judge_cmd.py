@@ -81,6 +81,13 @@ def register(app: typer.Typer) -> None:
         tie_margin: Annotated[
             float, typer.Option(help="logit verdict: tie when |p(a) - p(b)| <= margin")
         ] = 0.0,
+        swap: Annotated[
+            str,
+            typer.Option(
+                help="the second order: relabel (MT-bench: answers swap places and labels) or "
+                "move (the answer blocks swap places, labels travel with them)"
+            ),
+        ] = "relabel",
         batch_size: Annotated[
             int | None, typer.Option(help="prompts per batch (default 4 on CPU, 32 on CUDA)")
         ] = None,
@@ -123,6 +130,7 @@ def register(app: typer.Typer) -> None:
                 repeats=repeats,
                 max_new_tokens=max_new_tokens,
                 tie_margin=tie_margin,
+                swap=swap,
                 batch_size=batch_size,
                 mtbench_models=tuple(m.strip() for m in mtbench_models.split(",") if m.strip()),
                 skip_invalid=skip_invalid,

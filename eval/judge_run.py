@@ -124,7 +124,7 @@ class JudgeConfig(RunConfig):
         format: the pair file's format (:func:`ragfix.connectors.pairwise.detect_format`).
         model, backend, backend_options, adapter: the judge model (the options without a
             remote model's call settings; the adapter's resolved path).
-        style, max_new_tokens, repeats, tie_margin: the judge settings
+        style, max_new_tokens, repeats, tie_margin, swap: the judge settings
             (:class:`ragfix.judge.PairwiseJudge`).
         mtbench_models: for MT-bench answers, the two models compared, else None.
     """
@@ -140,6 +140,7 @@ class JudgeConfig(RunConfig):
     max_new_tokens: int | None = None
     repeats: int = 1
     tie_margin: float = 0.0
+    swap: str = "relabel"
     mtbench_models: list[str] | None = None
 
 
@@ -210,6 +211,7 @@ def run_judge(
     repeats: int = 1,
     max_new_tokens: int | None = None,
     tie_margin: float = 0.0,
+    swap: str = "relabel",
     batch_size: int | None = None,
     mtbench_models: tuple[str, str] = ("gpt-4", "gpt-3.5-turbo"),
     skip_invalid: bool = False,
@@ -235,7 +237,7 @@ def run_judge(
         out: the run folder (created).
         model, backend, adapter, backend_options: what judges (:func:`ragfix.backends.
             load_backend`).
-        style, repeats, max_new_tokens, tie_margin, batch_size: see
+        style, repeats, max_new_tokens, tie_margin, swap, batch_size: see
             :class:`ragfix.judge.PairwiseJudge` (``batch_size`` default: 32 on CUDA, 4 on CPU).
         limit: judge the first ``limit`` pairs.
         mtbench_models: for MT-bench answers, the two models to compare.
@@ -266,7 +268,7 @@ def run_judge(
     fmt = detect_format(data)
     if fmt == "swap_judgments":
         return summarize_judgments(data, out, limit)
-    check_judge_settings(style, repeats)
+    check_judge_settings(style, repeats, swap)
     if len(mtbench_models) != 2:
         raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
     opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
@@ -283,6 +285,7 @@ def run_judge(
         max_new_tokens=max_new_tokens,
         repeats=repeats,
         tie_margin=tie_margin,
+        swap=swap,
         mtbench_models=list(mtbench_models) if fmt == "mtbench" else None,
         inputs=input_fingerprints(data=data),
     )
@@ -302,6 +305,7 @@ def run_judge(
         repeats=repeats,
         tie_margin=tie_margin,
         batch_size=batch_size or b.preferred_batch_size or (32 if on_gpu else 4),
+        swap=swap,
     )
     folder.bind(b.identity(), restart=restart)  # also for a finished folder
     done = folder.done()

@@ -745,3 +745,25 @@ def test_judged_run_summary_renders_position_bias_and_agreement(tmp_path):
     assert f"| single_swapped | 2 | {1 - n_a / 2:.3f} |" in text
     assert "| swap_aggregated | 2 | 0.000 | [0.000, 0.658] |" in text  # Wilson 0 / 2; all ties
     assert "| logit_calibrated |" in text and "| logit_original |" in text
+
+
+def test_move_swap_reads_the_same_labelled_answers_in_the_other_order(smol):
+    """swap="move": the second order is the first prompt with its two answer blocks exchanged
+    (labels travel). PINE reads them as a set, so both orders give the same letter
+    probabilities (within 1e-4) and a consistent verdict; stored in slot terms, the swapped
+    order's p_a is the probability of the letter of the answer in the first slot (B)."""
+    from ragfix.backends.pine import PineBackend
+
+    pine = PineBackend(smol.model, smol.tokenizer)
+    judge = PairwiseJudge(pine, swap="move", batch_size=4)
+    first = judge.prompt(PAIRS[0].question, PAIRS[0].answer_a, PAIRS[0].answer_b, None)
+    moved = first.reordered([1, 0])
+    assert moved.user.index("Assistant B's Answer") < moved.user.index("Assistant A's Answer")
+    assert sorted(moved.passage_texts()) == sorted(first.passage_texts())
+    for r in judge.judge_pairs(PAIRS[:2]):
+        assert r.original.p_a == pytest.approx(r.swapped.p_b, abs=1e-4)
+        assert r.original.p_b == pytest.approx(r.swapped.p_a, abs=1e-4)
+        assert r.verdict_original == r.verdict_swapped and r.consistent
+    assert judge.settings()["swap"] == "move"
+    with pytest.raises(ConfigError, match="unknown swap 'flip'"):
+        PairwiseJudge(smol, swap="flip")

@@ -28,6 +28,7 @@ from ragfix.judge.verdicts import (
     OrderJudgment,
     PairJudgment,
     combine,
+    in_slot_terms,
     letter_probs,
     overflowed,
     parse_verdict,
@@ -35,14 +36,19 @@ from ragfix.judge.verdicts import (
 from ragfix.prompts import TaskPrompt
 from ragfix.types import CUT_TO_WINDOW, OVERFLOW, Generation, JudgePair, pair_id
 
+#: how the second order of a pair is made (see :class:`PairwiseJudge`)
+SWAPS = ("relabel", "move")
 
-def check_judge_settings(style: str, repeats: int) -> None:
+
+def check_judge_settings(style: str, repeats: int, swap: str = "relabel") -> None:
     """Refuse judge settings that cannot work, before any model is loaded.
 
     Raises:
-        ConfigError: unknown ``style``, ``repeats < 1``, or ``repeats > 1`` with a style other
-            than ``verdict`` (repeats sample the verdict token).
+        ConfigError: unknown ``style`` or ``swap``, ``repeats < 1``, or ``repeats > 1`` with a
+            style other than ``verdict`` (repeats sample the verdict token).
     """
+    if swap not in SWAPS:
+        raise ConfigError(f"unknown swap {swap!r}; choose one of: {', '.join(SWAPS)}")
     if style not in STYLES:
         raise ConfigError(f"unknown judge style {style!r}; choose one of: {', '.join(STYLES)}")
     if repeats < 1:
@@ -92,14 +98,21 @@ class PairwiseJudge:
         seed: seed of that sampling.
         tie_margin: see :func:`ragfix.judge.verdicts.logit_verdict`.
         batch_size: prompts per batch; both orders of a pair always share a batch.
+        swap: how the second order is made: ``relabel`` (MT-bench: the answers exchange
+            places and labels, answer_b is then "Assistant A") or ``move`` (the two answer
+            blocks exchange places with their labels, answer_a stays "Assistant A" but is read
+            second: the test an order-invariant reader such as ``pine`` passes by
+            construction). Either way the swapped :class:`OrderJudgment` is stored in slot
+            terms (its verdict and letter probabilities about the first and second slot), so
+            every metric reads it the same way.
 
     With a backend that has no tokenizer here (a remote model without ``--tokenizer``) the
     letters are read by their text from the top log-probabilities the server returns, and pairs
     are ordered by characters instead of tokens.
 
     Raises:
-        ConfigError: unknown style, ``repeats > 1`` with the ``explain`` style, or a tokenizer
-            whose ``A`` / ``B`` are not single tokens after ``[[``.
+        ConfigError: unknown style or swap, ``repeats > 1`` with the ``explain`` style, or a
+            tokenizer whose ``A`` / ``B`` are not single tokens after ``[[``.
     """
 
     def __init__(
@@ -111,8 +124,10 @@ class PairwiseJudge:
         seed: int = 0,
         tie_margin: float = 0.0,
         batch_size: int = 8,
+        swap: str = "relabel",
     ):
-        check_judge_settings(style, repeats)
+        check_judge_settings(style, repeats, swap)
+        self.swap = swap
         self.backend = backend
         self.style = style
         self.max_new_tokens = max_new_tokens or (4 if style == "verdict" else 256)
@@ -133,6 +148,7 @@ class PairwiseJudge:
             "max_new_tokens": self.max_new_tokens,
             "repeats": self.repeats,
             "tie_margin": self.tie_margin,
+            "swap": self.swap,
         }
 
     def prompt(self, question: str, first: str, second: str, reference: str | None) -> TaskPrompt:
@@ -252,10 +268,11 @@ class PairwiseJudge:
             if "identical_answers" in p.flags:
                 done(i, self._identical(p))
                 continue
-            both = (
-                self.prompt(p.question, p.answer_a, p.answer_b, p.reference),
-                self.prompt(p.question, p.answer_b, p.answer_a, p.reference),
-            )
+            first = self.prompt(p.question, p.answer_a, p.answer_b, p.reference)
+            if self.swap == "move":
+                both = (first, first.reordered([1, 0]))
+            else:
+                both = (first, self.prompt(p.question, p.answer_b, p.answer_a, p.reference))
             fit = (self._fits(both[0]), self._fits(both[1]))
             if all(f.runs for f in fit):
                 prompts[i], fits[i] = both, fit
@@ -284,6 +301,8 @@ class PairwiseJudge:
                     continue
                 cut = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
                 original, swapped = (self._order(g) for g in both)
+                if self.swap == "move":  # its letters name the answers: A is in the second slot
+                    swapped = in_slot_terms(swapped)
                 res = combine(pairs[i], original, swapped, self.tie_margin, cut)
                 res.seconds = share
                 done(i, res)

@@ -196,6 +196,20 @@ class OrderJudgment(BaseModel):
     samples: list[Verdict] = Field(default_factory=list)
 
 
+def in_slot_terms(order: OrderJudgment) -> OrderJudgment:
+    """A judgment of a prompt whose answer "A" is in the second slot (the ``move`` swap), in
+    slot terms: its verdicts unswapped (``A`` <-> ``B``) and its letter probabilities exchanged,
+    so that ``slot_verdict`` and ``p_a`` are about the first slot as in every other order."""
+    return order.model_copy(
+        update={
+            "slot_verdict": unswap(order.slot_verdict),
+            "p_a": order.p_b,
+            "p_b": order.p_a,
+            "samples": [unswap(v) for v in order.samples],
+        }
+    )
+
+
 class PairJudgment(BaseModel):
     """Both orders of one pair and the order-free verdicts (one line of ``judgments.jsonl``).
 
