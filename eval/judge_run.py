@@ -320,7 +320,7 @@ def run_judge(
 
         _judge_missing(judge, todo, finished, store, console, backend)
     records = folder.done()
-    name = f"{model} · {backend}"
+    name = f"{model} · {backend}" + (f" · swap {swap}" if swap != "relabel" else "")
     mine = [records[p.pair_id] for p in pairs if p.pair_id in records]
     summary = summarize(mine)
     judged = [r for r in mine if OVERFLOW not in r.get("flags", ())]  # overflow: never asked
