@@ -143,3 +143,24 @@ def test_refusals(smol):
         AttentionSortOptions(rounds=0)
     one = get_task("qa").prompt("Which river?", DOCS[:1])
     assert sort_passages(backend, one, backend.options) == ([0], [])
+
+
+def test_the_sweep_answers_the_sorted_prompts(smol):
+    """Through the sweep (its fit check, then generation with prefix reuse): at every gold
+    position the answer is vanilla's on the sorted prompt, and the gold value is found."""
+    from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
+
+    backend = AttentionSortBackend(smol.model, smol.tokenizer)
+    sample = load_samples(KV, 4, 1)[0]
+    config = SweepConfig(
+        data="kv", task="kv", num_docs=4, model="smollm2", backend="attention-sort"
+    )
+    records = {}
+    cells = plan_cells(config, [sample], list(range(4)))
+    run_cells(backend, cells, lambda r: records.__setitem__(r.position, r), batch_size=4)
+    for pos in range(4):
+        sorted_prompt = backend.sorted_prompt(
+            task_prompt(sample, sample.passages_with_gold_at(pos))
+        )
+        assert records[pos].answer == smol.generate([sorted_prompt])[0].text
+        assert records[pos].correct
