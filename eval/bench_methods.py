@@ -16,7 +16,9 @@ to each ``--num-docs`` passages with the gold passage in the middle (0-based pos
 
 Every backend is loaded once and warmed up with one prefill and one generation of the first
 prompt; then the backends take turns prompt by prompt, so that they see the same machine load.
-Per prompt and backend, in wall seconds (CUDA synchronised):
+Per prompt and backend, in wall seconds (CUDA synchronised), each call after the backend forgot
+what it kept per prompt (:meth:`~ragfix.backends.base.Backend.forget_prompts`: attention-sort's
+memoised sort, the prefix KV cache), so that both times are those of a new prompt:
 
 * prefill: ``backend.next_token_logprobs([prompt])``, one forward pass over the whole prompt;
 * generate: ``backend.generate([prompt], max_new_tokens=8)``, a prefill and up to 8 greedy
@@ -93,7 +95,9 @@ def _measure_prompt(backend, prompt, device: torch.device) -> dict:
     generation's seconds and new tokens."""
     from ragfix.eval.bench_memory import measure
 
+    backend.forget_prompts()  # each call pays what a new prompt costs (attention-sort's sort)
     prefill_s, prefill_mib = measure(lambda: backend.next_token_logprobs([prompt]), device)
+    backend.forget_prompts()
     gens = []
     generate_s, _ = measure(
         lambda: gens.extend(backend.generate([prompt], max_new_tokens=NEW_TOKENS)), device

@@ -164,3 +164,19 @@ def test_the_sweep_answers_the_sorted_prompts(smol):
         )
         assert records[pos].answer == smol.generate([sorted_prompt])[0].text
         assert records[pos].correct
+
+
+def test_forget_prompts_drops_the_memoised_sorts(smol, monkeypatch):
+    import ragfix.backends.attention_sort as scorer
+
+    backend = AttentionSortBackend(smol.model, smol.tokenizer, calibrate=False)
+    prompt = get_task("qa").prompt("Which river?", DOCS)
+    reads = []
+    real = scorer.passage_attention
+    monkeypatch.setattr(scorer, "passage_attention", lambda b, p: reads.append(p) or real(b, p))
+    backend.encode(prompt)
+    backend.encode(prompt)  # memoised: no second read
+    assert len(reads) == 1
+    backend.forget_prompts()
+    backend.encode(prompt)
+    assert len(reads) == 2

@@ -242,6 +242,11 @@ class AttentionSortBackend(HFBackend):
             self._sorted[prompt] = prompt.reordered(order)
         return self._sorted[prompt]
 
+    def forget_prompts(self) -> None:
+        """See :meth:`~ragfix.backends.base.Backend.forget_prompts`: the memoised sorts go too."""
+        super().forget_prompts()
+        self._sorted.clear()
+
     def format_prompt(self, prompt: Prompt) -> str:
         """The text the model reads: the sorted prompt (:meth:`sorted_prompt`) in the chat
         template. Every way of answering (generate, next_token_logprobs, loglikelihood,

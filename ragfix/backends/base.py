@@ -174,6 +174,13 @@ class Backend(ABC):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of token ids (special tokens dropped)."""
 
+    def forget_prompts(self) -> None:
+        """Forget what earlier calls kept per prompt (a memoised reading of a prompt, the KV cache
+        of the previous prompt's prefix), so that the next call computes everything a new
+        prompt costs (benchmarks). Caches that a run amortises over all its prompts (a bias
+        measured once per template) are kept. The base keeps nothing."""
+        return None
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids the model reads for ``prompt``: ``tokenize(format_prompt(prompt))``."""
         return self.tokenize(self.format_prompt(prompt))

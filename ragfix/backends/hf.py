@@ -173,6 +173,10 @@ class HFBackend(Backend):
             out["adapter"] = self.adapter
         return out
 
+    def forget_prompts(self) -> None:
+        """See :meth:`Backend.forget_prompts`: the prefix-reuse KV cache goes."""
+        self._reuse_cache, self._reuse_ids = None, []
+
     # ------------------------------------------------------------------ text and tokens
     def format_prompt(self, prompt: Prompt) -> str:
         """A :class:`TaskPrompt`'s user turn in the model's chat template (plain ``user + "\\n"``
