@@ -133,7 +133,8 @@ def test_attention_sort_reads_the_task_prompt(smol):
     order, history = attention_sort_order(smol, q, PASSAGES, rounds=2)
     assert sorted(order) == [0, 1, 2] and len(history) == 2
     prompt = get_task("qa").prompt(q, PASSAGES)
-    first = passage_scores(smol, prompt, AttentionSortOptions()).tolist()
+    raw = AttentionSortOptions(calibrate=False)  # the strategy's attention-sort
+    first = passage_scores(smol, prompt, raw).tolist()
     assert first == pytest.approx(history[0], rel=1e-5)
     for round_mass in history:
         assert all(0 < m < 1 for m in round_mass) and sum(round_mass) < 1
@@ -143,7 +144,7 @@ def test_attention_sort_reads_the_task_prompt(smol):
     assert smol.model.config._attn_implementation == "sdpa"  # restored after reading attention
     # calibrated: minus the content-free query's attention to the same passages
     _, cal = attention_sort_order(smol, q, PASSAGES, rounds=1, calibrate=True)
-    free = passage_scores(smol, prompt.no_query, AttentionSortOptions()).tolist()
+    free = passage_scores(smol, prompt.no_query, raw).tolist()
     assert cal[0] == pytest.approx([a - b for a, b in zip(first, free, strict=True)], abs=1e-6)
     with pytest.raises(ConfigError, match="at least one round"):
         attention_sort_order(smol, q, PASSAGES, rounds=0)
