@@ -8,26 +8,13 @@ from typing import Annotated
 
 import typer
 
-from ragfix.cli.common import console, user_errors
+from ragfix.cli.common import console, show_tables, user_errors
 
 bench = typer.Typer(help="Speed benchmarks: a table of ratios measured in one run.")
 
 JsonOpt = Annotated[
     Path | None, typer.Option("--json", help="keep the table as a result file (results/NAME.json)")
 ]
-
-
-def _show(tables, details: dict, json_out: Path | None) -> None:
-    """Print the benchmark's table (or tables); with ``--json`` keep the first as a result
-    file, ``details`` beside it."""
-    from ragfix.eval.results import write_benchmark
-    from ragfix.tables import print_tables
-
-    tables = tables if isinstance(tables, list) else [tables]
-    print_tables(tables, console)
-    if json_out is not None:
-        write_benchmark(json_out, tables[0], **details)
-        console.print(f"result file: {json_out}", highlight=False, soft_wrap=True)
 
 
 @bench.command("sweep")
@@ -46,7 +33,7 @@ def sweep_cmd(
 
     with user_errors(), console.status("benchmark") as status:
         table, details = bench_sweep(data, num_docs, limit, model, device, status.update)
-    _show(table, details, json_out)
+    show_tables(table, details, json_out)
 
 
 @bench.command("threads")
@@ -66,7 +53,7 @@ def threads_cmd(
         t = parse_numbers(threads, "--threads", int)
         b = parse_numbers(busy, "--busy", int)
         table, details = bench_threads(t, b, limit, num_docs, status.update)
-    _show(table, details, json_out)
+    show_tables(table, details, json_out)
 
 
 @bench.command("processes")
@@ -92,7 +79,7 @@ def processes_cmd(
         table, details = bench_processes(
             parse_settings(settings), data, num_docs, limit, model, status.update
         )
-    _show(table, details, json_out)
+    show_tables(table, details, json_out)
 
 
 @bench.command("gali")
@@ -133,7 +120,7 @@ def gali_cmd(
             data,
             status.update,
         )
-    _show(tables, details, json_out)
+    show_tables(tables, details, json_out)
 
 
 @bench.command("methods")
@@ -166,7 +153,7 @@ def methods_cmd(
             data,
             status.update,
         )
-    _show(table, details, json_out)
+    show_tables(table, details, json_out)
 
 
 @bench.command("channel-scaling")
@@ -193,7 +180,7 @@ def channel_scaling_cmd(
             model, device, data, num_docs, prompts, new_tokens, repeats, calibration, clock,
             status.update,
         )  # fmt: skip
-    _show(table, details, json_out)
+    show_tables(table, details, json_out)
 
 
 @bench.command("remote")
@@ -214,7 +201,7 @@ def remote_cmd(
     with user_errors(), console.status("benchmark") as status:
         levels = parse_numbers(concurrency, "--concurrency", int)
         table, details = bench_remote(model, prompts, num_docs, levels, status.update)
-    _show(table, details, json_out)
+    show_tables(table, details, json_out)
 
 
 def register(app: typer.Typer) -> None:

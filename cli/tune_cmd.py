@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ragfix.cli.common import DeviceOpt, DtypeOpt, ModelOpt, console, user_errors
+from ragfix.cli.common import DeviceOpt, DtypeOpt, ModelOpt, console, show_tables, user_errors
 
 tune = typer.Typer(
     help="Choose a method's defaults on a tune range (disjoint from your test range)."
@@ -38,10 +38,8 @@ def attention_sort_cmd(
     from ragfix.bundled import resolve_data
     from ragfix.connectors.litm import load_samples
     from ragfix.eval.progress import progress_bar
-    from ragfix.eval.results import write_benchmark
     from ragfix.eval.sort_tune import tune_attention_sort
     from ragfix.eval.sweep import parse_positions
-    from ragfix.tables import print_tables
 
     with user_errors():
         pos = parse_positions(positions, num_docs)
@@ -53,10 +51,7 @@ def attention_sort_cmd(
                 backend, samples, pos, lambda done, total: bar.update(task, completed=done)
             )
         details |= {"data": str(data), "records": records, "num_docs": num_docs}
-    print_tables([table], console)
-    if json_out is not None:
-        write_benchmark(json_out, table, **details)
-        console.print(f"result file: {json_out}", highlight=False, soft_wrap=True)
+    show_tables(table, details, json_out)
 
 
 def register(app: typer.Typer) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ragfix.eval.sweep import parse_positions
 from ragfix.tables import TableSpec
 
 #: the default ``--data``, relative to the working directory (the repository root)
@@ -51,11 +52,6 @@ BACKENDS = ("vanilla", "set-based", "pine")
 NUM_DOCS = (10, 20)
 #: the generation's token budget
 NEW_TOKENS = 8
-
-
-def middle(num_docs: int) -> int:
-    """The 0-based middle position of ``num_docs`` passages, where the gold passage goes."""
-    return (num_docs - 1) // 2
 
 
 def check_backends(names: list[str], model: str = "smollm2") -> list[str]:
@@ -123,8 +119,8 @@ def bench_methods(
     """Prefill seconds, generation seconds and prefill peak MiB of ``backends`` (default
     :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
     :data:`NUM_DOCS`), on the first ``limit`` prompts of ``data`` (a Lost-in-the-Middle KV or QA
-    file, or a bundled sample name), gold passage in the :func:`middle`. ``model`` and ``device``
-    are :func:`ragfix.backends.load_backend`'s. ``progress`` gets one line per prompt and number
+    file, or a bundled sample name), gold passage in the middle
+    (``parse_positions("middle")``). ``model`` and ``device`` are :func:`ragfix.backends.load_backend`'s. ``progress`` gets one line per prompt and number
     of passages.
 
     Returns:
@@ -157,7 +153,8 @@ def bench_methods(
     path = resolve_data(data)
     prompts = {
         n: [
-            task_prompt(s, s.passages_with_gold_at(middle(n))) for s in load_samples(path, n, limit)
+            task_prompt(s, s.passages_with_gold_at(parse_positions("middle", n)[0]))
+            for s in load_samples(path, n, limit)
         ]
         for n in counts
     }
