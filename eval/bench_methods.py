@@ -120,8 +120,9 @@ def bench_methods(
     :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
     :data:`NUM_DOCS`), on the first ``limit`` prompts of ``data`` (a Lost-in-the-Middle KV or QA
     file, or a bundled sample name), gold passage in the middle
-    (``parse_positions("middle")``). ``model`` and ``device`` are :func:`ragfix.backends.load_backend`'s. ``progress`` gets one line per prompt and number
-    of passages.
+    (``parse_positions("middle")``). ``model`` and ``device`` are
+    :func:`ragfix.backends.load_backend`'s. ``progress`` gets one line per prompt and number of
+    passages.
 
     Returns:
         ``(table, details)``: one row per (number of passages, backend), in that order;
