@@ -217,6 +217,10 @@ def run_cells(
     the prompt tokens the server counted: a cell that did not fit, or that the server refused as
     too long, gets the same ``overflow`` record (its answer dropped).
 
+    Each sample's cells (with prefix reuse), or each batch of cells, are checked just before
+    they run, so a backend whose check costs a model pass (``attention-sort``) reports progress
+    from the first sample on.
+
     Args:
         backend: the model backend.
         cells: the cells to compute (already filtered to the unfinished ones).
@@ -229,33 +233,39 @@ def run_cells(
             ``batch_size`` rows of the longest prompt).
         batch_size: cells per forward batch.
     """
-    runnable = []
-    for c in cells:
-        fit = backend.fit(_prompt(c))  # size unknown without a tokenizer: checked afterwards
-        if fit.runs:
-            runnable.append((c, fit))
-        else:
-            n = fit.prompt_tokens
-            gen = Generation(text="", prompt_tokens=n, new_tokens=0, prefill_tokens=0, seconds=0)
-            on_record(_record(c, backend, gen, [OVERFLOW]))
-    if prefix_reuse and backend.supports_prefix_reuse:
-        by_sample: dict[str, list[tuple[Cell, Fit]]] = {}
-        for c, fit in runnable:
-            by_sample.setdefault(c.sample.id, []).append((c, fit))
-        for group in by_sample.values():
-            group = sorted(group, key=lambda x: -x[0].position)
-            for start in range(0, len(group), batch_size):
-                chunk = group[start : start + batch_size]
-                prompts = [_prompt(c) for c, _ in chunk]
-                gens = backend.generate(prompts, batch_size=batch_size, prefix_reuse=True)
-                for (c, fit), gen in zip(chunk, gens, strict=True):
-                    on_record(_checked(c, backend, gen, fit))
-        return
-    for start in range(0, len(runnable), batch_size):
-        chunk = runnable[start : start + batch_size]
-        gens = backend.generate([_prompt(c) for c, _ in chunk], batch_size=batch_size)
-        for (c, fit), gen in zip(chunk, gens, strict=True):
+
+    def fitted(chunk: list[Cell]) -> list[tuple[Cell, Fit]]:
+        runnable = []
+        for c in chunk:
+            fit = backend.fit(_prompt(c))  # size unknown without a tokenizer: checked afterwards
+            if fit.runs:
+                runnable.append((c, fit))
+            else:
+                n = fit.prompt_tokens
+                gen = Generation(
+                    text="", prompt_tokens=n, new_tokens=0, prefill_tokens=0, seconds=0
+                )
+                on_record(_record(c, backend, gen, [OVERFLOW]))
+        return runnable
+
+    def answer(runnable: list[tuple[Cell, Fit]], **kwargs) -> None:
+        gens = backend.generate([_prompt(c) for c, _ in runnable], batch_size=batch_size, **kwargs)
+        for (c, fit), gen in zip(runnable, gens, strict=True):
             on_record(_checked(c, backend, gen, fit))
+
+    if prefix_reuse and backend.supports_prefix_reuse:
+        by_sample: dict[str, list[Cell]] = {}
+        for c in cells:
+            by_sample.setdefault(c.sample.id, []).append(c)
+        for group in by_sample.values():
+            runnable = sorted(fitted(group), key=lambda x: -x[0].position)
+            for start in range(0, len(runnable), batch_size):
+                answer(runnable[start : start + batch_size], prefix_reuse=True)
+        return
+    for start in range(0, len(cells), batch_size):
+        runnable = fitted(cells[start : start + batch_size])
+        if runnable:
+            answer(runnable)
 
 
 def _checked(cell: Cell, backend: Backend, gen: Generation, fit: Fit) -> SweepRecord:

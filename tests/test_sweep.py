@@ -139,6 +139,31 @@ def test_interrupted_sweep_keeps_every_finished_cell(smol, tmp_path):
     assert set(store.load()) == {c.cell_id for c in cells}
 
 
+@pytest.mark.parametrize("prefix_reuse", [True, False])
+def test_each_sample_is_checked_just_before_it_runs(smol, monkeypatch, prefix_reuse):
+    """The fit check of the second sample comes after the first sample's answers, so a backend
+    whose check costs a model pass shows progress from the first sample on."""
+    samples = load_samples(NQ, 3, limit=2)
+    cfg = SweepConfig(data=NQ, task="qa", num_docs=3, model="smollm2", backend="vanilla")
+    cells = plan_cells(cfg, samples, [0, 2])
+    events = []
+    fit, generate = smol.fit, smol.generate
+    monkeypatch.setattr(smol, "fit", lambda p: events.append("fit") or fit(p))
+    monkeypatch.setattr(
+        smol, "generate", lambda ps, **kw: events.append("gen") or generate(ps, **kw)
+    )
+    done = []
+    run_cells(
+        smol,
+        cells,
+        lambda r: done.append((r.sample_id, events.count("fit"))),
+        batch_size=2,
+        prefix_reuse=prefix_reuse,
+    )
+    assert events == ["fit", "fit", "gen", "fit", "fit", "gen"]
+    assert done == [(samples[0].id, 2)] * 2 + [(samples[1].id, 4)] * 2
+
+
 def test_prefix_reuse_gives_the_same_answers_as_naive(smol):
     samples = load_samples(NQ, 4, limit=1)
     cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model="smollm2", backend="vanilla")
