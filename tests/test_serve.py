@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from conftest import tiny_folder
+from conftest import BUNDLED, tiny_folder
 
 from ragfix.prompts import TaskPrompt
 from ragfix.serve import create_app, exposure_warning, free_port, serving
@@ -181,27 +181,48 @@ def test_an_abandoned_request_is_cancelled(served):
     assert time.monotonic() - start < 10
 
 
-def test_cancel_stops_generate_and_stream_between_steps(smol):
-    """The model interface: ``cancel`` stops ``generate`` (batched, with prefix reuse) and
-    ``stream`` within a step, and raises ``Cancelled``."""
+def _method(smol, name: str):
+    """A method backend over the session's SmolLM2 and a prompt it reads along its own path
+    (GALI beyond its window, set-based through its passage layout)."""
+    from ragfix.backends.gali import GaliBackend
+    from ragfix.backends.set_based import SetBasedBackend
+    from ragfix.connectors.litm import load_samples
+    from ragfix.tasks import task_prompt
+
+    story = TaskPrompt(user="Write a long story about a lighthouse. " * 8)
+    if name == "vanilla":
+        return smol, story
+    if name == "gali":
+        return GaliBackend(smol.model, smol.tokenizer, train_window=96), story
+    [sample] = load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 4, 1)
+    return SetBasedBackend(smol.model, smol.tokenizer), task_prompt(
+        sample, sample.passages_with_gold_at(1)
+    )
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gali", "set-based"])
+def test_cancel_stops_generate_and_stream_between_steps(smol, name):
+    """The model interface, on each decoding path (``transformers``' generate with and without
+    prefix reuse, GALI's own loop, a layout method's loop): ``cancel`` stops ``generate`` and
+    ``stream`` within a step and raises ``Cancelled``. Steps are counted at the LM head."""
     from ragfix.errors import Cancelled
 
-    steps = Steps(smol.model)
+    backend, prompt = _method(smol, name)
+    steps = Steps(smol.model.lm_head)
     try:
 
         class AfterFive:
             def is_set(self):
                 return steps.n >= 5
 
-        prompt = TaskPrompt(user="Write a long story about a lighthouse.")
         for reuse in (False, True):
             steps.n = 0
             with pytest.raises(Cancelled):
-                smol.generate([prompt, prompt], max_new_tokens=100, prefix_reuse=reuse,
-                              cancel=AfterFive())  # fmt: skip
+                backend.generate([prompt, prompt], max_new_tokens=100, stop_at_newline=False,
+                                 prefix_reuse=reuse, cancel=AfterFive())  # fmt: skip
             assert steps.n <= 7
         stop = threading.Event()
-        pieces = smol.stream(prompt, 100, cancel=stop)
+        pieces = backend.stream(prompt, 100, cancel=stop)
         with pytest.raises(Cancelled):
             for i, _ in enumerate(pieces):
                 if i == 2:
