@@ -550,3 +550,26 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(served):
             "model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 10})[0],
             prompts))  # fmt: skip
     assert streams == [text for text, _ in alone]
+
+
+def test_a_backend_that_cannot_batch_is_queued(tmp_path):
+    """Dynamic NTK RoPE scaling answers depend on batch neighbours (``supports_batching``
+    False): the server runs concurrent requests one at a time, each answered as alone."""
+    from ragfix.backends import load_backend
+
+    folder = tiny_folder(tmp_path / "tiny")
+    backend = load_backend("rope-scaled", model=str(folder), device="cpu", rope_type="dynamic")
+    assert not backend.supports_batching
+    app = create_app(backend, "tiny")
+    prompts = [f"Count to {n}." for n in range(2, 7)]
+    with running(app) as url:
+
+        def ask(p):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 6}
+            return post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
+
+        alone = [ask(p) for p in prompts]
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(ask, prompts))
+    assert together == alone
+    assert app.state.server.worker.batch_sizes == [1] * (2 * len(prompts))
