@@ -354,17 +354,18 @@ class Job:
         run: the work (``cancel`` -> result), for a job that is not batched.
         prompt, key: a batchable answer: its prompt and ``(budget, stop rule, first_logprobs)``;
             jobs with the same key are batched.
-        streamed: ``run`` emits pieces (:meth:`emit`) read by :meth:`pieces`.
         cancel: set when the client is gone (or the response is over); the model thread drops
             a queued job and stops a running one within a decoding step.
-        result: the outcome, on ``loop``.
+        arrived: when it was made (``time.monotonic``): a batch's first job waits for others
+            from then.
+        result: the outcome, on ``loop``; a streaming ``run`` also emits pieces (:meth:`emit`),
+            read by :meth:`pieces`.
     """
 
     loop: asyncio.AbstractEventLoop
     run: Callable[[Cancel], Any] | None = None
     prompt: Prompt | None = None
     key: tuple | None = None
-    streamed: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
 
@@ -609,7 +610,7 @@ class Server:
         newline after leading white space with ``stop``)."""
         from ragfix.backends.base import cut_at_newline
 
-        job = Job(asyncio.get_running_loop(), streamed=True)
+        job = Job(asyncio.get_running_loop())
 
         def run(cancel: Cancel) -> None:
             pieces = self.backend.stream(
