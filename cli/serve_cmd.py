@@ -18,6 +18,12 @@ from ragfix.cli.common import (
     err_console,
     user_errors,
 )
+from ragfix.serve import (
+    API_KEY_ENV,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAIT_MS,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -44,16 +50,36 @@ def register(app: typer.Typer) -> None:
         prefix_reuse: Annotated[
             bool, typer.Option(help="reuse the KV cache of the prefix shared with the last request")
         ] = True,
+        api_key: Annotated[
+            str | None,
+            typer.Option(
+                envvar=API_KEY_ENV,
+                show_envvar=True,
+                help="require 'Authorization: Bearer KEY' on every route but /health (and turn "
+                "/docs off)",
+            ),
+        ] = None,
+        max_body_bytes: Annotated[
+            int, typer.Option(min=1, help="larger request bodies are refused (HTTP 413)")
+        ] = DEFAULT_MAX_BODY_BYTES,
+        max_batch_size: Annotated[
+            int, typer.Option(min=1, help="most concurrent answers computed in one batch")
+        ] = DEFAULT_MAX_BATCH_SIZE,
+        max_wait_ms: Annotated[
+            float,
+            typer.Option(min=0, help="how long a batch's first request waits for others (ms)"),
+        ] = DEFAULT_MAX_WAIT_MS,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
     ) -> None:
         """Serve a ragfix backend over HTTP, OpenAI-compatible: /v1/chat/completions (streaming,
-        logprobs), /v1/completions, /v1/models, /health. Other programs (or ragfix with --model
-        openai:ID --api-base http://HOST:PORT/v1) then use the debiased model."""
+        logprobs), /v1/completions (echo), /v1/models, /health. Other programs (or ragfix with
+        --model openai:ID --api-base http://HOST:PORT/v1) then use the debiased model. Concurrent
+        requests are batched; a client that goes away cancels its generation."""
         import uvicorn
 
         from ragfix.backends import load_backend
-        from ragfix.serve import create_app
+        from ragfix.serve import create_app, exposure_warning
 
         with user_errors():
             b = load_backend(
@@ -64,7 +90,18 @@ def register(app: typer.Typer) -> None:
                 adapter=str(adapter) if adapter else None,
                 **backend_options(backend_opt, calibration, train_window),
             )
-            app_ = create_app(b, model, prefix_reuse=prefix_reuse)
+            app_ = create_app(
+                b,
+                model,
+                prefix_reuse=prefix_reuse,
+                api_key=api_key or None,
+                max_body_bytes=max_body_bytes,
+                max_batch_size=max_batch_size,
+                max_wait_ms=max_wait_ms,
+            )
+        warning = exposure_warning(host, api_key)
+        if warning:
+            err_console.print(warning, highlight=False)
         err_console.print(
             f"ragfix serve: {model} ({backend}) at http://{host}:{port}/v1", highlight=False
         )

@@ -64,12 +64,19 @@ class WorkerError(RagfixError):
     traceback is, and that the finished results are saved."""
 
 
+class Cancelled(Exception):
+    """A generation stopped because its caller set the cancel signal it passed
+    (:class:`~ragfix.backends.base.Cancel`): no mistake of the user's, and nothing to report (the
+    caller that asked for the stop is the one that sees it)."""
+
+
 class IncompatibleMethodsError(RagfixError):
     """Two methods that cannot be combined on the same model (e.g. two attention patches)."""
 
 
 __all__ = [
     "AdapterError",
+    "Cancelled",
     "ConfigError",
     "ConfigMismatchError",
     "DataError",

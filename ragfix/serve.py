@@ -2,51 +2,110 @@
 
 Any backend (vanilla, channel-scaled, gali, rope-scaled, truncated, any adapter) answers
 ``/v1/chat/completions`` (streaming and not, with ``logprobs``), ``/v1/completions`` (a raw
-prompt, read as it is), ``/v1/models`` and ``/health``, so an application in any language, or
-ragfix itself (``--model openai:NAME --api-base http://HOST:PORT/v1``), can use a debiased model.
-Built on FastAPI; one backend is loaded at start and requests run through it one at a time (a
-lock), so answers are those of the backend called directly.
+prompt, read as it is, with ``echo``), ``/v1/models`` and ``/health``, so an application in any
+language, or ragfix itself (``--model openai:NAME --api-base http://HOST:PORT/v1``), can use a
+debiased model. Built on FastAPI.
 
-What a request may be (anything else is refused with HTTP 400 in OpenAI's error format):
+How requests run: one model thread owns the backend (:class:`ModelWorker`, holding
+``Server.lock`` while it computes). Requests that arrive while it is busy wait in its queue;
+answers with the same budget, stop rule and log-probability request are batched (up to
+``max_batch_size`` of them, the first waiting at most ``max_wait_ms`` for company) where the
+backend :attr:`~ragfix.backends.base.Backend.supports_batching`, else they run one at a time.
+Tokenizing (the window check, the response's token texts) happens in the request's own thread
+under ``Server.tokenizer_lock``, never the model's. A client that goes away, streaming or not,
+cancels its work: a queued request is dropped, a running generation stops within one decoding
+step (:class:`~ragfix.backends.base.Cancel`; a batch stops once all its clients are gone).
+
+What a request may be (anything else is refused with HTTP 400 in OpenAI's error format, one line):
 
 * chat: one ``user`` message, optionally followed by an ``assistant`` message that the model
   continues (``continue_final_message: true``, ``add_generation_prompt: false``, vLLM's
   convention): the backend's :class:`~ragfix.prompts.TaskPrompt` (user turn in the chat
   template, assistant turn prefilled). System messages and earlier turns are not supported;
-* decoding is greedy: ``temperature``, ``top_p`` and ``seed`` are accepted and have no effect;
-  ``n`` must be 1; ``stop`` may only be ``"\\n"`` (the newline stop rule) or absent;
+* decoding is greedy: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``seed`` are accepted
+  and have no effect; the fields of :data:`NEUTRAL` are accepted at the values that leave greedy
+  decoding as it is and refused at any other; ``user``, ``metadata``, ``store``,
+  ``service_tier`` and ``parallel_tool_calls`` are accepted and change nothing; ``stop`` may only
+  be ``"\\n"`` (the newline stop rule) or absent;
 * ``max_tokens`` (or ``max_completion_tokens``) defaults to :data:`DEFAULT_MAX_TOKENS`; a prompt
   whose tokens plus ``max_tokens`` exceed the backend's window is refused (400, code
   ``context_length_exceeded``), never cut (unless the backend cuts by design, ``truncated``);
+  one longer than :data:`MAX_CHARS_PER_TOKEN` characters a window token is refused so before it
+  is tokenized; a body over ``max_body_bytes`` is 413;
+* the answer is the continuation as the model generated it (leading white space kept, cut before
+  the first newline after it with the newline rule), streamed or not alike; with
+  ``stream_options: {"include_usage": true}`` a last chunk with ``choices: []`` carries the usage;
 * ``logprobs`` / ``top_logprobs`` (chat, up to 20) or ``logprobs: N`` (completions): the model
   interface gives the first answer token's full distribution, computed on exactly the input the
-  answer was generated from, so ``logprobs.content`` holds that one token (the greedy choice)
-  and its top alternatives; not with ``stream``.
+  answer was generated from, so ``logprobs`` holds that one token (the greedy choice) and its
+  top alternatives, each with its own bytes (:meth:`~ragfix.backends.base.Backend.token_bytes`;
+  the text of a token that holds part of a character shows the missing bytes as ``\\xNN``);
+  not with ``stream``;
+* completions ``echo: true`` returns the prompt before the continuation and, with ``logprobs:
+  0``, each prompt token's log-probability (``None`` for the first), the
+  :meth:`~ragfix.backends.base.Backend.token_logprobs` that ``Backend.loglikelihood`` sums;
+  ``max_tokens: 0`` then scores the prompt without generating.
 
-Errors: an unknown model id is 404 (``model_not_found``), a malformed request 400.
+Errors: an unknown model id is 404 (``model_not_found``); a missing or wrong API key 401
+(``invalid_api_key``); every error body is ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
 
-from ragfix.backends.base import Backend, Prompt, cut_at_newline
-from ragfix.errors import RagfixError
+from ragfix.errors import Cancelled, RagfixError
 from ragfix.prompts import TaskPrompt
+from ragfix.types import Generation
+
+if TYPE_CHECKING:  # the CLI imports this module for its defaults: no torch at import
+    import torch
+
+    from ragfix.backends.base import Backend, Cancel, Prompt
 
 #: answer budget of a request without ``max_tokens``
 DEFAULT_MAX_TOKENS = 256
 #: most alternatives per token a request may ask for
 MAX_TOP_LOGPROBS = 20
+#: largest request body accepted (bytes); a larger one is 413 before it is parsed
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: characters a prompt may have per token of the window: a longer prompt cannot fit (no token of
+#: a usual vocabulary is longer; SmolLM2's longest is 81) and is refused before it is tokenized
+MAX_CHARS_PER_TOKEN = 128
+#: most answers computed in one batch
+DEFAULT_MAX_BATCH_SIZE = 8
+#: how long the first request of a batch waits for others to join it (milliseconds)
+DEFAULT_MAX_WAIT_MS = 10.0
+#: the environment variable ``ragfix serve`` reads its API key from (never ``OPENAI_API_KEY``,
+#: which the client side reads)
+API_KEY_ENV = "RAGFIX_API_KEY"
+#: OpenAI request fields accepted only at the values that leave greedy decoding and the answer's
+#: shape as they are (field -> those values); any other value is refused
+NEUTRAL: dict[str, tuple] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "n": (1,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
 
 
 class ApiError(Exception):
@@ -60,33 +119,88 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The OpenAI error object."""
-        kind = "not_found_error" if self.status == 404 else "invalid_request_error"
+        kind = {
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+        }.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
 
 
-class _Request(BaseModel):
-    """Fields shared by chat and completions requests (unknown fields are refused)."""
+class StreamOptions(BaseModel):
+    """``stream_options`` (unknown options are refused)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by chat and completions requests (unknown fields are refused; types are
+    strict: ``"stream": "yes"`` or ``"max_tokens": "5"`` is a 400, not a guess)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    # sampling settings: decoding is greedy, they change nothing
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
-    n: int = 1
+    # bookkeeping fields: they change nothing
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # accepted only at their neutral values (NEUTRAL)
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_fields(self) -> None:
+        """Refuse what the server cannot honour, in one line.
+
+        Raises:
+            ApiError: a :data:`NEUTRAL` field at another value, a stop other than a newline,
+                ``stream_options`` without ``stream``.
+        """
+        for name in sorted(self.model_fields_set & NEUTRAL.keys()):
+            value, accepted = getattr(self, name), NEUTRAL[name]
+            if value is not None and value not in accepted:
+                allowed = " or ".join(json.dumps(v) for v in accepted)
+                raise ApiError(
+                    400,
+                    f"{name} {json.dumps(value)} is not supported: ragfix serve decodes greedily "
+                    f"one answer with the model's own distribution (accepted: {allowed})",
+                    param=name,
+                )
+        if any(s != "\n" for s in self.stops()):
+            raise ApiError(400, 'stop may only be "\\n" (the newline stop rule)', param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options needs stream true", param="stream_options")
+
+    def stops(self) -> list[str]:
+        """The stop strings asked for."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class Message(BaseModel):
     """One chat message (text content, or a list of text parts)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
@@ -99,9 +213,14 @@ class Message(BaseModel):
             ApiError: a part that is not text.
         """
         if isinstance(self.content, list):
-            if any(p.get("type") != "text" for p in self.content):
-                raise ApiError(400, "only text content parts are supported", param="messages")
-            return "".join(str(p.get("text", "")) for p in self.content)
+            if any(
+                p.get("type") != "text" or not isinstance(p.get("text"), str) for p in self.content
+            ):
+                raise ApiError(
+                    400, "only text content parts ({type: text, text: ...}) are supported",
+                    param="messages",
+                )  # fmt: skip
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
 
 
@@ -114,6 +233,26 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_fields(self) -> None:
+        """See :meth:`_Request.check_fields`; also ``max_tokens: 0`` and logprobs with stream.
+
+        Raises:
+            ApiError: as there.
+        """
+        super().check_fields()
+        if self.max_tokens == 0:
+            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        if self.stream and self.logprobs:
+            raise ApiError(400, "logprobs are not streamed: ask without stream", param="logprobs")
+
+    def budget(self) -> int | None:
+        """The answer budget asked for (``max_completion_tokens``, else ``max_tokens``)."""
+        return self.max_completion_tokens or self.max_tokens
 
     def prompt(self) -> TaskPrompt:
         """The backend prompt: the user message, and the assistant message to continue.
@@ -149,24 +288,211 @@ class CompletionRequest(_Request):
     prompt: str | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
-    def text(self) -> str:
-        """The one prompt.
+    def check_fields(self) -> None:
+        """See :meth:`_Request.check_fields`; also ``max_tokens: 0`` without ``echo``, and
+        ``echo`` with top alternatives or ``stream``.
 
         Raises:
-            ApiError: several prompts, or ``echo``.
+            ApiError: as there.
         """
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
+        super().check_fields()
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(
+                400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens"
+            )
+        if self.echo and (self.logprobs or 0) > 0:
+            raise ApiError(
+                400,
+                "echo gives each prompt token's own log-probability (logprobs 0); the top "
+                "alternatives of prompt tokens are not computed",
+                param="logprobs",
+            )
+        if self.echo and self.stream:
+            raise ApiError(400, "echo is not streamed: ask without stream", param="echo")
+        if self.stream and self.logprobs is not None:
+            raise ApiError(400, "logprobs are not streamed: ask without stream", param="logprobs")
+
+    def text(self) -> str:
+        """The one prompt, not empty.
+
+        Raises:
+            ApiError: several prompts, or an empty one.
+        """
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
                 raise ApiError(400, "send one prompt per request", param="prompt")
-            return self.prompt[0]
-        return self.prompt
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return prompt
 
 
+# ---------------------------------------------------------------------- the model thread
+class _AllSet:
+    """A :class:`~ragfix.backends.base.Cancel` set once every one of ``signals`` is."""
+
+    def __init__(self, signals: list[threading.Event]):
+        self.signals = signals
+
+    def is_set(self) -> bool:
+        return all(s.is_set() for s in self.signals)
+
+
+_END = object()
+
+
+@dataclass(eq=False)
+class Job:
+    """One piece of model work, made on the event loop and computed on the model thread.
+
+    Attributes:
+        loop: the event loop that awaits it.
+        run: the work (``cancel`` -> result), for a job that is not batched.
+        prompt, key: a batchable answer: its prompt and ``(budget, stop rule, first_logprobs)``;
+            jobs with the same key are batched.
+        cancel: set when the client is gone (or the response is over); the model thread drops
+            a queued job and stops a running one within a decoding step.
+        arrived: when it was made (``time.monotonic``): a batch's first job waits for others
+            from then.
+        result: the outcome, on ``loop``; a streaming ``run`` also emits pieces (:meth:`emit`),
+            read by :meth:`pieces`.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    run: Callable[[Cancel], Any] | None = None
+    prompt: Prompt | None = None
+    key: tuple | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        self.result: asyncio.Future = self.loop.create_future()
+        self._pieces: asyncio.Queue = asyncio.Queue()
+
+    def _call(self, fn, *args) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is stopping
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def emit(self, piece: str) -> None:
+        """Hand a streamed piece to the loop (model thread)."""
+        self._call(self._pieces.put_nowait, piece)
+
+    def settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Hand the outcome to the loop (model thread); a cancelled job's is dropped."""
+
+        def done():
+            if self.result.done():
+                return
+            if error is not None and not self.cancel.is_set():
+                self.result.set_exception(error)
+            else:
+                self.result.set_result(value)
+            self._pieces.put_nowait(_END)
+
+        self._call(done)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The streamed pieces as they come; raises what the work raised, at the end."""
+        while (piece := await self._pieces.get()) is not _END:
+            yield piece
+        self.result.result()
+
+
+class ModelWorker:
+    """The thread that owns the backend: takes jobs in arrival order, batches compatible
+    answers, and computes under :attr:`lock`.
+
+    Args:
+        backend: the served backend.
+        prefix_reuse: passed to ``Backend.generate``.
+        max_batch_size: most answers per batch (1 where the backend does not
+            :attr:`~ragfix.backends.base.Backend.supports_batching`).
+        max_wait_ms: how long a batch's first job waits, from its arrival, for others.
+    """
+
+    def __init__(
+        self, backend: Backend, prefix_reuse: bool, max_batch_size: int, max_wait_ms: float
+    ):
+        self.backend, self.prefix_reuse = backend, prefix_reuse
+        self.max_batch_size = max_batch_size if backend.supports_batching else 1
+        self.max_wait = max_wait_ms / 1000
+        self.lock = threading.Lock()
+        self._queue: list[Job] = []
+        self._ready = threading.Condition()
+        #: sizes of the batches run so far (answers per ``generate`` call)
+        self.batch_sizes: list[int] = []
+        threading.Thread(target=self._loop, name="ragfix-model", daemon=True).start()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (event loop)."""
+        with self._ready:
+            self._queue.append(job)
+            self._ready.notify()
+
+    def _take(self) -> list[Job]:
+        """The next jobs to run together: the first queued job and, if it is a batchable
+        answer, the queued ones with its key (up to the batch size), waiting until its
+        ``max_wait`` is over or the batch is full. Cancelled jobs are dropped."""
+        with self._ready:
+            while True:
+                for job in [j for j in self._queue if j.cancel.is_set()]:
+                    self._queue.remove(job)
+                    job.settle(error=Cancelled())
+                if not self._queue:
+                    self._ready.wait()
+                    continue
+                first = self._queue[0]
+                group = [j for j in self._queue if first.key is not None and j.key == first.key]
+                group = group[: self.max_batch_size] or [first]
+                left = first.arrived + self.max_wait - time.monotonic()
+                if first.key is None or len(group) >= self.max_batch_size or left <= 0:
+                    for job in group:
+                        self._queue.remove(job)
+                    return group
+                self._ready.wait(left)
+
+    def _loop(self) -> None:
+        while True:
+            group = self._take()
+            with self.lock:
+                self._run(group)
+
+    def _run(self, group: list[Job]) -> None:
+        first = group[0]
+        try:
+            if first.key is None:
+                first.settle(first.run(first.cancel))
+                return
+            budget, stop, logprobs = first.key
+            self.batch_sizes.append(len(group))
+            gens = self.backend.generate(
+                [j.prompt for j in group],
+                batch_size=len(group),
+                max_new_tokens=budget,
+                stop_at_newline=stop,
+                first_logprobs=logprobs,
+                prefix_reuse=self.prefix_reuse,
+                cancel=_AllSet([j.cancel for j in group]),
+            )
+        except Exception as e:
+            if len(group) > 1 and not isinstance(e, Cancelled):
+                for job in group:  # one prompt's failure is not the others'
+                    self._run([job])
+                return
+            for job in group:
+                job.settle(error=e)
+            return
+        for job, gen in zip(group, gens, strict=True):
+            job.settle(gen)
+
+
+# ---------------------------------------------------------------------- the server
 class Server:
-    """The served backend: request checks, generation under a lock, OpenAI response bodies.
+    """The served backend: request checks, the model thread, OpenAI response bodies.
 
     Args:
         backend: any loaded :class:`~ragfix.backends.base.Backend`.
@@ -174,15 +500,26 @@ class Server:
         prefix_reuse: let the backend reuse the KV cache of the prompt prefix it shares with the
             previous request (same greedy answers up to floating-point noise; faster when
             consecutive prompts share a head, as a sweep's do).
+        max_batch_size, max_wait_ms: batching (see :class:`ModelWorker`).
     """
 
-    def __init__(self, backend: Backend, model_id: str, prefix_reuse: bool = True):
-        self.backend, self.model_id, self.prefix_reuse = backend, model_id, prefix_reuse
-        self.lock = threading.Lock()
+    def __init__(
+        self,
+        backend: Backend,
+        model_id: str,
+        prefix_reuse: bool = True,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+    ):
+        self.backend, self.model_id = backend, model_id
+        self.worker = ModelWorker(backend, prefix_reuse, max_batch_size, max_wait_ms)
+        #: held while the model computes (by the model thread only)
+        self.lock = self.worker.lock
+        #: held while a request thread tokenizes or detokenizes
+        self.tokenizer_lock = threading.Lock()
         self.started = int(time.time())
         self.identity = json.loads(json.dumps(backend.identity()))
 
-    # ------------------------------------------------------------------ checks
     def model_entry(self) -> dict:
         """The served model's ``/v1/models`` entry, with its window (``max_model_len``) and the
         backend's identity (``ragfix``: weight fingerprint, method, options, adapter)."""
@@ -195,13 +532,27 @@ class Server:
             "ragfix": self.identity,
         }
 
-    def _check(self, req: _Request, prompt: Prompt, max_tokens: int | None) -> tuple[int, bool]:
-        """The answer budget and stop rule of a request for ``prompt``.
+    # ------------------------------------------------------------------ checks
+    async def tokenizing(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` in a worker thread under :attr:`tokenizer_lock` (never the model's lock)."""
+        from starlette.concurrency import run_in_threadpool
+
+        def locked():
+            with self.tokenizer_lock:
+                return fn()
+
+        return await run_in_threadpool(locked)
+
+    async def check(self, req: _Request, prompt: Prompt, max_tokens: int | None) -> tuple[int, int]:
+        """The prompt's tokens and the answer budget of a request for ``prompt``.
 
         Raises:
-            ApiError: another model, ``n`` other than 1, a stop other than a newline, or a
-                prompt that does not fit the window (:meth:`Backend.fit`, ``max_tokens``
-                defaulting to :data:`DEFAULT_MAX_TOKENS`; 400 ``context_length_exceeded``).
+            ApiError: another model, a field the server cannot honour
+                (:meth:`_Request.check_fields`), or a prompt that does not fit the window:
+                longer than :data:`MAX_CHARS_PER_TOKEN` characters a window token (refused
+                before tokenizing), or whose tokens plus ``max_tokens`` (default
+                :data:`DEFAULT_MAX_TOKENS`; 0 with ``echo``) exceed it (:meth:`Backend.fit`);
+                400 ``context_length_exceeded``.
         """
         if req.model != self.model_id:
             raise ApiError(
@@ -211,45 +562,100 @@ class Server:
                 code="model_not_found",
                 param="model",
             )
-        if req.n != 1:
-            raise ApiError(400, "n must be 1 (decoding is greedy)", param="n")
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if any(s != "\n" for s in stops):
-            raise ApiError(400, 'stop may only be "\\n" (the newline stop rule)', param="stop")
-        with self.lock:  # the tokenizer is not shared across threads
-            fit = self.backend.fit(prompt, max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS)
+        req.check_fields()
+        window = self.backend.context_window
+        param = "messages" if isinstance(prompt, TaskPrompt) else "prompt"
+        chars = len(prompt.user + prompt.assistant_prefix) if param == "messages" else len(prompt)
+        if chars > MAX_CHARS_PER_TOKEN * window:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {window} tokens; the prompt has {chars} "
+                f"characters, more than {window} tokens hold (refused before tokenizing)",
+                code="context_length_exceeded",
+                param=param,
+            )
+        budget = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        fit = await self.tokenizing(lambda: self.backend.fit(prompt, max_new_tokens=budget or 1))
+        fit = replace(fit, budget=budget)
         if not fit.runs:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {fit.window} tokens; the prompt has "
                 f"{fit.prompt_tokens} tokens and max_tokens asks for {fit.budget}",
                 code="context_length_exceeded",
-                param="messages",
+                param=param,
             )
-        return fit.budget, bool(stops)
+        return fit.prompt_tokens or 0, budget
 
-    # ------------------------------------------------------------------ answers
-    def _generate(self, prompt: Prompt, budget: int, stop: bool, logprobs: bool):
-        with self.lock:
-            [gen] = self.backend.generate(
-                [prompt],
-                batch_size=1,
-                max_new_tokens=budget,
-                stop_at_newline=stop,
-                first_logprobs=logprobs,
-                prefix_reuse=self.prefix_reuse,
+    # ------------------------------------------------------------------ model work
+    def answer_job(self, prompt: Prompt, budget: int, stop: bool, logprobs: bool) -> Job:
+        """A queued, batchable greedy answer (its result: a :class:`Generation`)."""
+        job = Job(asyncio.get_running_loop(), prompt=prompt, key=(budget, stop, logprobs))
+        self.worker.submit(job)
+        return job
+
+    def scores_job(self, ids: list[int]) -> Job:
+        """Queued log-probabilities of each token of ``ids`` after the ones before it (its
+        result: float32 ``[len(ids) - 1]``, empty for one token)."""
+
+        def run(cancel: Cancel) -> Any:
+            return self.backend.token_logprobs(ids) if len(ids) >= 2 else []
+
+        job = Job(asyncio.get_running_loop(), run=run)
+        self.worker.submit(job)
+        return job
+
+    def stream_job(self, prompt: Prompt, budget: int, stop: bool) -> Job:
+        """A queued streamed answer: its pieces as the backend yields them (cut before the first
+        newline after leading white space with ``stop``)."""
+        from ragfix.backends.base import cut_at_newline
+
+        job = Job(asyncio.get_running_loop())
+
+        def run(cancel: Cancel) -> None:
+            pieces = self.backend.stream(
+                prompt, max_new_tokens=budget, stop_at_newline=stop, cancel=cancel
             )
-        return gen
+            if stop:
+                pieces = cut_at_newline(pieces)
+            with contextlib.closing(pieces):
+                for piece in pieces:
+                    if piece:
+                        job.emit(piece)
 
-    def _top(self, lps: torch.Tensor, k: int) -> tuple[tuple[str, float], list[tuple[str, float]]]:
-        """The greedy first token ``(text, logprob)`` and the ``k`` most likely ones."""
+        job.run = run
+        self.worker.submit(job)
+        return job
+
+    # ------------------------------------------------------------------ bodies
+    def raw_text(self, gen: Generation, stop: bool) -> str:
+        """The continuation as the model generated it (what a stream sends): the generated
+        tokens decoded, cut before the first newline after leading white space with the
+        newline rule (tokenizer)."""
+        from ragfix.backends.base import cut_at_newline
+
+        if gen.token_ids is None:
+            return gen.text
+        text = self.backend.detokenize(gen.token_ids)
+        return "".join(cut_at_newline(iter([text]))) if stop else text
+
+    def token_texts(self, ids: list[int]) -> list[tuple[str, list[int]]]:
+        """``(text, bytes)`` of each token: its own bytes, and their UTF-8 text with the bytes of
+        a partial character written ``\\xNN`` (tokenizer)."""
+        out = []
+        for b in self.backend.token_bytes(ids):
+            out.append((b.decode("utf-8", errors="backslashreplace"), list(b)))
+        return out
+
+    def top(self, lps: torch.Tensor, k: int) -> list[tuple[str, list[int], float]]:
+        """The ``max(k, 1)`` most likely tokens of a distribution, most likely first, as
+        ``(text, bytes, logprob)`` (tokenizer)."""
         values, ids = lps.topk(max(k, 1))
-        pairs = [
-            (self.backend.detokenize([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)
-        ]
-        return pairs[0], pairs[:k]
+        texts = self.token_texts(ids.tolist())
+        return [(t, b, float(v)) for (t, b), v in zip(texts, values, strict=True)]
 
-    def _head(self, kind: str) -> dict:
+    def head(self, kind: str) -> dict:
+        """The fields every response body starts with."""
         return {
             "id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind,
@@ -257,86 +663,89 @@ class Server:
             "model": self.model_id,
         }
 
-    def chat(self, req: ChatRequest):
-        """A chat completion (a dict) or, with ``stream``, an iterator of SSE lines.
-
-        Raises:
-            ApiError: see :meth:`_check`, :meth:`ChatRequest.prompt`; logprobs with stream.
-        """
-        prompt = req.prompt()
-        budget, stop = self._check(req, prompt, req.max_completion_tokens or req.max_tokens)
-        if req.stream:
-            if req.logprobs:
-                raise ApiError(
-                    400, "logprobs are not streamed: ask without stream", param="logprobs"
-                )
-            return self._stream(prompt, budget, stop, "chat.completion.chunk")
-        gen = self._generate(prompt, budget, stop, req.logprobs)
+    def chat_body(self, req: ChatRequest, gen: Generation, budget: int) -> dict:
+        """The ``chat.completion`` body of an answer (tokenizer)."""
         logprobs = None
         if req.logprobs:
-            (tok, lp), top = self._top(gen.first_logprobs, req.top_logprobs or 0)
+            k = req.top_logprobs or 0
+            top = self.top(gen.first_logprobs, k)
+            (tok, b, lp), alternatives = top[0], top[:k]
             logprobs = {
                 "content": [
                     {
                         "token": tok,
                         "logprob": lp,
-                        "bytes": list(tok.encode()),
+                        "bytes": b,
                         "top_logprobs": [
-                            {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
+                            {"token": t, "logprob": v, "bytes": tb} for t, tb, v in alternatives
                         ],
                     }
                 ]
             }
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
+            "message": {"role": "assistant", "content": self.raw_text(gen, bool(req.stops()))},
             "logprobs": logprobs,
             "finish_reason": "length" if gen.new_tokens >= budget else "stop",
         }
-        return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(gen)}
+        return {**self.head("chat.completion"), "choices": [choice], "usage": usage(gen)}
 
-    def complete(self, req: CompletionRequest):
-        """A text completion (a dict) or, with ``stream``, an iterator of SSE lines.
-
-        Raises:
-            ApiError: see :meth:`_check`, :meth:`CompletionRequest.text`; logprobs with stream.
-        """
-        prompt = req.text()
-        budget, stop = self._check(req, prompt, req.max_tokens)
-        want = req.logprobs is not None
-        if req.stream:
-            if want:
-                raise ApiError(
-                    400, "logprobs are not streamed: ask without stream", param="logprobs"
-                )
-            return self._stream(prompt, budget, stop, "text_completion")
-        gen = self._generate(prompt, budget, stop, want)
+    def completion_body(
+        self,
+        req: CompletionRequest,
+        prompt: str,
+        prompt_tokens: int,
+        gen: Generation | None,
+        scored: tuple[list[int], torch.Tensor] | None,
+        budget: int,
+    ) -> dict:
+        """The ``text_completion`` body: the continuation of ``gen`` (none with ``max_tokens``
+        0), after the prompt with ``echo``, whose ``scored`` tokens (ids, and the
+        log-probability of each after the first) then lead the log-probabilities (tokenizer)."""
+        text = "" if gen is None else self.raw_text(gen, bool(req.stops()))
         logprobs = None
-        if want:
-            (tok, lp), top = self._top(gen.first_logprobs, req.logprobs)
-            alternatives: dict[str, float] = {}
-            for t, v in top:
-                alternatives.setdefault(t, v)
+        if req.logprobs is not None:
+            tokens: list[str] = []
+            values: list[float | None] = []
+            tops: list[dict[str, float] | None] = []
+            if scored is not None:
+                ids, scores = scored
+                tokens = [t for t, _ in self.token_texts(ids)]
+                values = [None, *(float(v) for v in scores)]
+                tops = [None] * len(ids)
+            if gen is not None:
+                top = self.top(gen.first_logprobs, req.logprobs)
+                alternatives: dict[str, float] = {}
+                for t, _, v in top[: req.logprobs]:
+                    alternatives.setdefault(t, v)
+                tokens, values = [*tokens, top[0][0]], [*values, top[0][2]]
+                tops.append(alternatives)
             logprobs = {
-                "tokens": [tok],
-                "token_logprobs": [lp],
-                "top_logprobs": [alternatives],
-                "text_offset": [0],
+                "tokens": tokens,
+                "token_logprobs": values,
+                "top_logprobs": tops,
+                "text_offset": _offsets(tokens),
             }
         choice = {
             "index": 0,
-            "text": gen.text,
+            "text": (prompt if req.echo else "") + text,
             "logprobs": logprobs,
-            "finish_reason": "length" if gen.new_tokens >= budget else "stop",
+            "finish_reason": "length" if gen is None or gen.new_tokens >= budget else "stop",
         }
-        return {**self._head("text_completion"), "choices": [choice], "usage": _usage(gen)}
+        counts = usage(gen) if gen is not None else usage_of(prompt_tokens, 0)
+        return {**self.head("text_completion"), "choices": [choice], "usage": counts}
 
-    def _stream(self, prompt: Prompt, budget: int, stop: bool, kind: str) -> Iterator[str]:
-        """SSE lines of a streamed answer (``data: {chunk}``, then ``data: [DONE]``); the lock is
-        held while it streams and released when the client goes away. ``finish_reason`` is
-        ``length`` when the streamed text counts ``max_tokens`` tokens (re-tokenized)."""
-        head = self._head(kind)
+    async def events(
+        self, job: Job, kind: str, prompt_tokens: int, budget: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE lines of a streamed answer (``data: {chunk}``, ``data: [DONE]``): the pieces as
+        the model thread yields them, then a chunk with ``finish_reason`` (``length`` when the
+        streamed text counts ``max_tokens`` tokens, re-tokenized) and, with ``include_usage``,
+        a ``choices: []`` chunk with the usage. A failure after the first chunk ends the stream
+        with an ``{"error": ...}`` event."""
+        head = self.head(kind)
         chat = kind == "chat.completion.chunk"
+        extra = {"usage": None} if include_usage else {}
 
         def chunk(piece: str | None, finish: str | None = None, first: bool = False) -> str:
             if chat:
@@ -346,39 +755,134 @@ class Server:
                 body = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 body = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            return f"data: {json.dumps({**head, 'choices': [body]})}\n\n"
+            return f"data: {json.dumps({**head, 'choices': [body], **extra})}\n\n"
 
-        def events() -> Iterator[str]:
-            with self.lock:
-                pieces = self.backend.stream(prompt, max_new_tokens=budget, stop_at_newline=stop)
-                if stop:
-                    pieces = cut_at_newline(pieces)
-                text = ""
-                try:
-                    if chat:
-                        yield chunk(None, first=True)
-                    for piece in pieces:
-                        if piece:
-                            text += piece
-                            yield chunk(piece)
-                finally:
-                    pieces.close()
-                done = self.backend.count_tokens(text) >= budget
-                yield chunk(None, "length" if done else "stop")
-                yield "data: [DONE]\n\n"
-
-        return events()
+        text = ""
+        try:
+            if chat:
+                yield chunk(None, first=True)
+            async for piece in job.pieces():
+                text += piece
+                yield chunk(piece)
+            n = await self.tokenizing(lambda: self.backend.count_tokens(text))
+        except RagfixError as e:
+            yield f"data: {json.dumps(ApiError(400, str(e).splitlines()[0]).body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        yield chunk(None, "length" if n >= budget else "stop")
+        if include_usage:
+            body = {**head, "choices": [], "usage": usage_of(prompt_tokens, n)}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
 
 
-def _usage(gen) -> dict:
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    """An OpenAI ``usage`` object."""
     return {
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": gen.new_tokens,
-        "total_tokens": gen.prompt_tokens + gen.new_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
-def create_app(backend: Backend, model_id: str, prefix_reuse: bool = True):
+def usage(gen: Generation) -> dict:
+    """The ``usage`` of an answer."""
+    return usage_of(gen.prompt_tokens, gen.new_tokens)
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    """Character offset of each token text in their concatenation."""
+    out, at = [], 0
+    for t in tokens:
+        out.append(at)
+        at += len(t)
+    return out
+
+
+def _error_response(e: ApiError):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _disconnected(receive) -> None:
+    """Return once the client of a request whose body was read has gone."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read(request, model: type[_Request], limit: int) -> Any:
+    """The request body as ``model``.
+
+    Raises:
+        ApiError: a body over ``limit`` bytes (413, before it is parsed), or not JSON, or not
+            a valid ``model`` (400; lone surrogates and loose types included).
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        msg = first["msg"].splitlines()[0]
+        raise ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None) from None
+
+
+class KeyGate:
+    """ASGI middleware: every HTTP route but ``/health`` needs ``Authorization: Bearer KEY``,
+    compared in constant time (``hmac.compare_digest``); otherwise 401 ``invalid_api_key``."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                refusal = ApiError(
+                    401,
+                    "missing or wrong API key (send Authorization: Bearer KEY)",
+                    code="invalid_api_key",
+                )
+                await _error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A one-line warning when ``host`` is not a loopback address and no API key is set (anyone
+    who reaches the address can use the model), else ``None``."""
+    if api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"warning: serving on {host} without an API key: anyone who reaches this address can use "
+        f"the model (give --api-key or ${API_KEY_ENV})"
+    )
+
+
+def create_app(
+    backend: Backend,
+    model_id: str,
+    prefix_reuse: bool = True,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+):
     """The FastAPI application serving ``backend`` as model ``model_id`` (see the module
     docstring).
 
@@ -386,42 +890,78 @@ def create_app(backend: Backend, model_id: str, prefix_reuse: bool = True):
         backend: a loaded backend.
         model_id: the id clients ask for.
         prefix_reuse: see :class:`Server`.
+        api_key: when given, every route but ``/health`` needs ``Authorization: Bearer KEY``
+            (compared in constant time; 401 otherwise), and ``/docs`` and the OpenAPI schema are
+            off.
+        max_body_bytes: larger request bodies are refused (413).
+        max_batch_size, max_wait_ms: batching (see :class:`ModelWorker`).
 
     Returns:
         a ``fastapi.FastAPI`` application (run it with uvicorn).
     """
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
+    from fastapi import FastAPI, Response
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
-    server = Server(backend, model_id, prefix_reuse)
-    app = FastAPI(title="ragfix serve", version="1")
+    server = Server(backend, model_id, prefix_reuse, max_batch_size, max_wait_ms)
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="ragfix serve", version="1", **docs)
     app.state.server = server
+
+    class EventStream(StreamingResponse):
+        """An SSE answer whose model work is cancelled however the response ends (finished, the
+        client gone, the server stopping)."""
+
+        def __init__(self, events: AsyncIterator[str], job: Job):
+            super().__init__(events, media_type="text/event-stream")
+            self.job = job
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.job.cancel.set()
+
+    if api_key is not None:
+        app.add_middleware(KeyGate, api_key=api_key)
 
     @app.exception_handler(ApiError)
     def _api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return _error_response(e)
 
-    @app.exception_handler(RequestValidationError)
-    def _invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"] if x != "body")
-        return JSONResponse(
-            ApiError(400, f"{loc}: {first['msg']}", param=loc or None).body(), status_code=400
-        )
+    @app.exception_handler(HTTPException)
+    def _http_error(request: Request, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return _error_response(ApiError(e.status_code, str(e.detail), code=code))
 
     @app.exception_handler(RagfixError)
     def _ragfix(request: Request, e: RagfixError):
-        return JSONResponse(ApiError(400, str(e).splitlines()[0]).body(), status_code=400)
+        return _error_response(ApiError(400, str(e).splitlines()[0]))
 
-    def _respond(out):
-        if isinstance(out, dict):
-            return out
-        return StreamingResponse(out, media_type="text/event-stream")
+    @app.exception_handler(Exception)
+    def _bug(request: Request, e: Exception):
+        return JSONResponse(
+            ApiError(500, f"internal error: {type(e).__name__}").body(), status_code=500
+        )
+
+    async def _wait(request: Request, *jobs: Job) -> list | None:
+        """The jobs' results, or ``None`` (their work cancelled) once the client is gone."""
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        done = asyncio.gather(*(j.result for j in jobs))
+        try:
+            await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not done.done():
+            for job in jobs:
+                job.cancel.set()
+            done.cancel()
+            return None
+        return done.result()
 
     @app.get("/health")
     def health() -> dict:
-        """Liveness: ``{"status": "ok", "model": id}``."""
+        """Liveness: ``{"status": "ok", "model": id}`` (no API key needed)."""
         return {"status": "ok", "model": model_id}
 
     @app.get("/v1/models")
@@ -437,14 +977,49 @@ def create_app(backend: Backend, model_id: str, prefix_reuse: bool = True):
         return server.model_entry()
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest):
+    async def chat(request: Request):
         """OpenAI chat completions (see the module docstring)."""
-        return _respond(server.chat(req))
+        req = await _read(request, ChatRequest, max_body_bytes)
+        prompt = req.prompt()
+        n_prompt, budget = await server.check(req, prompt, req.budget())
+        stop = bool(req.stops())
+        if req.stream:
+            job = server.stream_job(prompt, budget, stop)
+            events = server.events(
+                job, "chat.completion.chunk", n_prompt, budget, req.include_usage()
+            )
+            return EventStream(events, job)
+        got = await _wait(request, server.answer_job(prompt, budget, stop, req.logprobs))
+        if got is None:
+            return Response(status_code=499)
+        return await server.tokenizing(lambda: server.chat_body(req, got[0], budget))
 
     @app.post("/v1/completions")
-    def complete(req: CompletionRequest):
-        """OpenAI text completions of a raw prompt."""
-        return _respond(server.complete(req))
+    async def complete(request: Request):
+        """OpenAI text completions of a raw prompt (``echo`` scores it)."""
+        req = await _read(request, CompletionRequest, max_body_bytes)
+        prompt = req.text()
+        n_prompt, budget = await server.check(req, prompt, req.max_tokens)
+        stop = bool(req.stops())
+        if req.stream:
+            job = server.stream_job(prompt, budget, stop)
+            events = server.events(job, "text_completion", n_prompt, budget, req.include_usage())
+            return EventStream(events, job)
+        jobs = []
+        if budget:
+            jobs.append(server.answer_job(prompt, budget, stop, req.logprobs is not None))
+        scoring = req.echo and req.logprobs is not None
+        if scoring:
+            ids = await server.tokenizing(lambda: backend.tokenize(prompt))
+            jobs.append(server.scores_job(ids))
+        got = await _wait(request, *jobs)
+        if got is None:
+            return Response(status_code=499)
+        gen = got[0] if budget else None
+        scored = (ids, got[-1]) if scoring else None
+        return await server.tokenizing(
+            lambda: server.completion_body(req, prompt, n_prompt, gen, scored, budget)
+        )
 
     return app
 
@@ -497,12 +1072,22 @@ def serving(*args: str, host: str = "127.0.0.1", timeout: float = 180.0) -> Iter
 
 
 __all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_TOKENS",
+    "DEFAULT_MAX_WAIT_MS",
+    "MAX_CHARS_PER_TOKEN",
+    "NEUTRAL",
     "ApiError",
     "ChatRequest",
     "CompletionRequest",
+    "Job",
+    "KeyGate",
+    "ModelWorker",
     "Server",
     "create_app",
+    "exposure_warning",
     "free_port",
     "serving",
 ]

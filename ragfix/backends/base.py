@@ -18,11 +18,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from ragfix.errors import Cancelled
 from ragfix.prompts import TaskPrompt
 from ragfix.types import CUT_TO_WINDOW, OVERFLOW, Generation
 
@@ -30,6 +31,16 @@ Prompt = TaskPrompt | str
 
 #: answer budget of a plain-string prompt (which also stops at a newline)
 DEFAULT_MAX_NEW_TOKENS = 32
+
+
+class Cancel(Protocol):
+    """What stops a generation from another thread (a ``threading.Event`` is one): a backend
+    asks :meth:`is_set` between decoding steps and, once it is true, stops decoding (one more
+    step at most) and raises :class:`~ragfix.errors.Cancelled`."""
+
+    def is_set(self) -> bool:
+        """Whether the generation is to stop."""
+        ...
 
 
 class BackendOptions(BaseModel):
@@ -221,6 +232,7 @@ class Backend(ABC):
         stop_at_newline: bool | None = None,
         first_logprobs: bool = False,
         prefix_reuse: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy answers to ``prompts``.
 
@@ -234,17 +246,37 @@ class Backend(ABC):
             prefix_reuse: run the prompts in order, reusing the KV cache of the longest common
                 token prefix with the previous prompt (only where
                 :attr:`supports_prefix_reuse`; otherwise ignored).
+            cancel: asked between decoding steps (a remote model: before each request); once
+                set, decoding stops within one step and the call raises.
 
         Returns:
             ``B`` :class:`Generation` objects, in the input order.
+
+        Raises:
+            Cancelled: ``cancel`` was set before every answer was complete.
         """
 
     @abstractmethod
     def stream(
-        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        stop_at_newline: bool = False,
+        cancel: Cancel | None = None,
     ) -> Iterator[str]:
         """Yield the greedy answer to one prompt piece by piece; closing the iterator (or the
-        newline rule) stops the generation."""
+        newline rule) stops the generation.
+
+        Raises:
+            Cancelled: ``cancel`` was set (asked between decoding steps) before the answer was
+                complete; decoding stopped within one step.
+        """
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """The bytes each token id stands for on its own (a byte-level token may hold only part
+        of a character's UTF-8 encoding). The base encodes each token's :meth:`detokenize`
+        text, exact for tokens that decode to whole characters."""
+        return [self.detokenize([i]).encode() for i in ids]
 
     # ------------------------------------------------------------------ scoring
     @abstractmethod
@@ -332,14 +364,27 @@ def cut_at_newline(pieces: Iterator[str]) -> Iterator[str]:
             close()
 
 
+def check_cancel(cancel: Cancel | None) -> None:
+    """Raise :class:`~ragfix.errors.Cancelled` when ``cancel`` is set (what a backend calls
+    after a decoding loop that ``cancel`` may have stopped).
+
+    Raises:
+        Cancelled: ``cancel`` is set.
+    """
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the generation was cancelled")
+
+
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "Backend",
     "BackendOptions",
+    "Cancel",
     "Fit",
     "Prompt",
     "answer_rules",
     "answer_text",
+    "check_cancel",
     "cut_at_newline",
     "validated_options",
 ]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import Field
 
-from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.base import BackendOptions, Cancel, Prompt, check_cancel
 from ragfix.backends.hf import HFBackend, greedy_steps
 from ragfix.backends.patching import project_qkv, routed
 from ragfix.errors import ConfigError
@@ -467,9 +467,16 @@ class GaliBackend(HFBackend):
             *_, logits = self._prefill(run, torch.tensor([list(ids)], device=self.device), 1)
         return logits[0, -1]
 
-    def _greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_at_newline: bool) -> Iterator:
+    def _greedy(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        cancel: Cancel | None = None,
+    ) -> Iterator:
         """Greedy GALI decoding of ``ids`` ``[B, n]`` (equal lengths): the steps of
-        :func:`~ragfix.backends.hf.greedy_steps` over GALI's prefill and cached steps."""
+        :func:`~ragfix.backends.hf.greedy_steps` over GALI's prefill and cached steps
+        (``cancel`` ends them between steps)."""
         run = _GaliRun(self)
         with self._patched(run):
             *_, logits = self._prefill(run, ids, 1)
@@ -478,6 +485,7 @@ class GaliBackend(HFBackend):
                 lambda nxt: run.step(nxt, 1),
                 max_new_tokens,
                 lambda t: self._stops(t, stop_at_newline),
+                cancel,
             )
 
     @torch.no_grad()
@@ -487,18 +495,20 @@ class GaliBackend(HFBackend):
         max_new_tokens: int,
         stop_at_newline: bool,
         first_logprobs: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy decoding of ``B`` token-id prompts.
 
         Prompts whose answer fits in the trained window run through the unmodified model
         (batched); the others run GALI, one batch per prompt length (equal lengths share their
-        position IDs). ``seconds`` is each group's time / its size.
+        position IDs). ``seconds`` is each group's time / its size. ``cancel`` stops decoding
+        between steps (the caller checks it; no further group starts).
         """
         results: list[Generation | None] = [None] * len(batch)
         inside = [i for i, x in enumerate(batch) if len(x) + max_new_tokens <= self.train_window]
         if inside:
             gens = super()._generate_ids(
-                [batch[i] for i in inside], max_new_tokens, stop_at_newline, first_logprobs
+                [batch[i] for i in inside], max_new_tokens, stop_at_newline, first_logprobs, cancel
             )
             for i, g in zip(inside, gens, strict=True):
                 results[i] = g
@@ -507,8 +517,9 @@ class GaliBackend(HFBackend):
             if results[i] is None:
                 groups.setdefault(len(x), []).append(i)
         for members in groups.values():
+            check_cancel(cancel)
             ids = torch.tensor([batch[i] for i in members], device=self.device)
-            steps = self._greedy(ids, max_new_tokens, stop_at_newline)
+            steps = self._greedy(ids, max_new_tokens, stop_at_newline, cancel)
             lens = [len(batch[i]) for i in members]
             gens = self._collect(steps, lens, stop_at_newline, first_logprobs)
             for i, g in zip(members, gens, strict=True):
@@ -516,24 +527,25 @@ class GaliBackend(HFBackend):
         return results  # type: ignore[return-value]
 
     def stream(
-        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        stop_at_newline: bool = False,
+        cancel: Cancel | None = None,
     ) -> Iterator[str]:
         """Yield the answer to one prompt piece by piece (greedy; GALI beyond the window);
-        closing the iterator stops decoding at once."""
+        closing the iterator or ``cancel`` stops decoding at once.
+
+        Raises:
+            Cancelled: ``cancel`` was set before the answer was complete.
+        """
         ids = self.encode(prompt)
         if len(ids) + max_new_tokens <= self.train_window:
-            yield from super().stream(prompt, max_new_tokens, stop_at_newline)
+            yield from super().stream(prompt, max_new_tokens, stop_at_newline, cancel)
             return
-        new: list[int] = []
-        shown = ""
         x = torch.tensor([ids], device=self.device)
-        with torch.no_grad():
-            for toks, _, _ in self._greedy(x, max_new_tokens, stop_at_newline):
-                new.append(toks[0])
-                text = self.tokenizer.decode(new, skip_special_tokens=True)
-                if len(text) > len(shown):
-                    yield text[len(shown) :]
-                    shown = text
+        yield from self._stream_steps(self._greedy(x, max_new_tokens, stop_at_newline, cancel))
+        check_cancel(cancel)
 
 
 __all__ = [

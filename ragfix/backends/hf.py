@@ -25,9 +25,11 @@ import torch
 from ragfix.backends.base import (
     Backend,
     BackendOptions,
+    Cancel,
     Prompt,
     answer_rules,
     answer_text,
+    check_cancel,
     validated_options,
 )
 from ragfix.models import model_identity
@@ -59,6 +61,7 @@ def greedy_steps(
     step: Callable[[torch.Tensor], torch.Tensor],
     max_new_tokens: int,
     stops: Callable[[int], bool],
+    cancel: Cancel | None = None,
 ) -> Iterator[tuple[list[int], list[bool], torch.Tensor]]:
     """Greedy decoding from the prefill's logits, for a method with its own decoding loop.
 
@@ -67,11 +70,13 @@ def greedy_steps(
         step: ``[B, 1]`` next token ids -> ``[B, 1, vocab]`` logits (the method's cached step).
         max_new_tokens: at most this many steps.
         stops: whether a generated token ends its row (EOS, a newline when asked).
+        cancel: asked before each step; once set, no further step runs.
 
     Yields:
         ``(tokens, alive, logprobs)`` per step: the argmax ids ``[B]``, per row whether it had
         not stopped before this token, and the step's log-probabilities ``[B, vocab]`` (float32);
-        ends when every row has stopped or after ``max_new_tokens`` steps.
+        ends when every row has stopped, after ``max_new_tokens`` steps, or once ``cancel`` is
+        set (the caller checks it: :func:`~ragfix.backends.base.check_cancel`).
     """
     alive = [True] * logits.shape[0]
     for i in range(max_new_tokens):
@@ -79,9 +84,44 @@ def greedy_steps(
         nxt = last.argmax(-1)
         yield nxt.tolist(), list(alive), torch.log_softmax(last, dim=-1)
         alive = [a and not stops(t) for a, t in zip(alive, nxt.tolist(), strict=True)]
-        if not any(alive) or i == max_new_tokens - 1:
+        if not any(alive) or i == max_new_tokens - 1 or (cancel is not None and cancel.is_set()):
             return
         logits = step(nxt[:, None])
+
+
+def stop_signals(*signals: Cancel | None):
+    """``model.generate``'s stopping criteria that end every row once any of ``signals`` is set
+    (``transformers`` asks after each decoding step); ``None`` entries are ignored."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    live = [s for s in signals if s is not None]
+
+    class _Signalled(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = any(s.is_set() for s in live)
+            return torch.full((input_ids.shape[0],), done, device=input_ids.device)
+
+    return StoppingCriteriaList([_Signalled()] if live else [])
+
+
+def byte_level_token_bytes(tokenizer, ids: Sequence[int]) -> list[bytes] | None:
+    """The bytes of each token of a byte-level BPE ``tokenizer`` (GPT-2's byte-to-character
+    alphabet, read backwards), or ``None`` for a tokenizer of another kind."""
+    from tokenizers import decoders
+
+    if not isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel):
+        return None
+    # GPT-2's alphabet: printable Latin-1 bytes stand for themselves, the others for 256 + n
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + n): b for n, b in enumerate(sorted(set(range(256)) - set(printable)))})
+    out = []
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids)), strict=True):
+        if piece in tokenizer.all_special_tokens or any(c not in chars for c in piece):
+            out.append(tokenizer.decode([i]).encode())  # an added token is its own text
+        else:
+            out.append(bytes(chars[c] for c in piece))
+    return out
 
 
 def template_id(tokenizer) -> str:
@@ -191,6 +231,12 @@ class HFBackend(Backend):
         """Text of ``ids`` without special tokens."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """See :meth:`Backend.token_bytes`: read from a byte-level vocabulary (each token's own
+        bytes, part of a character's included), else each token's decoded text."""
+        exact = byte_level_token_bytes(self.tokenizer, ids)
+        return super().token_bytes(ids) if exact is None else exact
+
     # ------------------------------------------------------------------ generation
     def _generation_config(self, max_new_tokens: int, stop_at_newline: bool, **extra):
         from transformers import GenerationConfig
@@ -230,9 +276,11 @@ class HFBackend(Backend):
         max_new_tokens: int,
         stop_at_newline: bool,
         first_logprobs: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy decoding of ``B`` token-id prompts in one left-padded batch (the hook a method
-        with its own decoding loop or its own input overrides)."""
+        with its own decoding loop or its own input overrides); ``cancel`` stops it between
+        steps (the caller checks it)."""
         start = time.perf_counter()
         ids, mask = self._left_pad(batch)
         cfg = self._generation_config(
@@ -242,7 +290,11 @@ class HFBackend(Backend):
             output_logits=first_logprobs,
         )
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=cfg, tokenizer=self.tokenizer
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=cfg,
+            tokenizer=self.tokenizer,
+            stopping_criteria=stop_signals(cancel),
         )
         prefill = [len(x) for x in batch]
         return self._generations(out, batch, ids.shape[1], prefill, stop_at_newline, start)
@@ -336,11 +388,12 @@ class HFBackend(Backend):
 
     @torch.no_grad()
     def _generate_reusing(
-        self, ids: list[int], max_new_tokens: int, stop_at_newline: bool
+        self, ids: list[int], max_new_tokens: int, stop_at_newline: bool, cancel: Cancel | None
     ) -> Generation:
         """Greedy answer to one prompt, reusing the KV cache of the longest common token prefix
         with the previous reusing call (prompt plus answer). Greedy answers equal the batched
-        path's up to floating-point differences of the shorter matmuls."""
+        path's up to floating-point differences of the shorter matmuls. ``cancel`` stops it
+        between steps (the cache then holds what was computed; the caller checks it)."""
         start = time.perf_counter()
         # at least one token must be fed to get logits
         common = self._crop_reuse_cache(ids[:-1])
@@ -351,6 +404,7 @@ class HFBackend(Backend):
             cache=self._reuse_cache,
             generation_config=self._generation_config(max_new_tokens, stop_at_newline),
             tokenizer=self.tokenizer,
+            stopping_criteria=stop_signals(cancel),
         )
         seq = out[0].tolist()
         self._reuse_ids = seq[: self._reuse_cache.get_seq_length()]
@@ -373,6 +427,7 @@ class HFBackend(Backend):
         stop_at_newline: bool | None = None,
         first_logprobs: bool = False,
         prefix_reuse: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy answers (see :meth:`Backend.generate`). Without ``prefix_reuse``, batches are
         formed from prompts of similar length that share a budget and stop rule. With it (where
@@ -381,14 +436,22 @@ class HFBackend(Backend):
         with the previous prompt: at ``batch_size`` 1 (without ``first_logprobs``) each prompt
         is prefilled and decoded alone (:meth:`_generate_reusing`); above 1, up to
         ``batch_size`` consecutive prompts are prefilled that way, then decoded in one batch
-        (:meth:`_generate_trie`; its cache is ``batch_size`` rows of the longest prompt)."""
+        (:meth:`_generate_trie`; its cache is ``batch_size`` rows of the longest prompt).
+
+        Raises:
+            Cancelled: ``cancel`` was set before every answer was complete.
+        """
         items = [
             (self.encode(p), *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts
         ]
         size = batch_size if self.supports_batching else 1
         if prefix_reuse and self.supports_prefix_reuse:
             if size == 1 and not first_logprobs:
-                return [self._generate_reusing(*item) for item in items]
+                gens = []
+                for item in items:
+                    gens.append(self._generate_reusing(*item, cancel))
+                    check_cancel(cancel)
+                return gens
             order, run = list(range(len(items))), self._generate_trie
         else:
             order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
@@ -396,7 +459,8 @@ class HFBackend(Backend):
         results: list[Generation | None] = [None] * len(items)
         for group in batch_groups(items, order, size):
             mnt, stop = items[group[0]][1:]
-            gens = run([items[j][0] for j in group], mnt, stop, first_logprobs)
+            gens = run([items[j][0] for j in group], mnt, stop, first_logprobs, cancel=cancel)
+            check_cancel(cancel)
             for j, g in zip(group, gens, strict=True):
                 results[j] = g
         return results  # type: ignore[return-value]
@@ -408,6 +472,7 @@ class HFBackend(Backend):
         max_new_tokens: int,
         stop_at_newline: bool,
         first_logprobs: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy decoding of ``B`` prompts (in the given order: a sample's sweep cells) with a
         trie-shaped prefill and one batched decode.
@@ -418,6 +483,7 @@ class HFBackend(Backend):
         ``W + max_new_tokens`` slots (``W``: the longest prompt). Decode: ``model.generate`` on
         the left-padded prompts ``[B, W]`` and that cache, one batch, each row stopping at its
         own stop rule. Answers equal :meth:`_generate_ids` up to floating-point differences.
+        ``cancel`` stops the decode between steps (the caller checks it).
 
         ``Generation.prefill_tokens`` of a row: its tokens after the prefix shared with the row
         before (the first row: with the cache's previous tokens), plus one; over a depth-first
@@ -472,22 +538,26 @@ class HFBackend(Backend):
                 output_logits=first_logprobs,
             ),
             tokenizer=self.tokenizer,
+            stopping_criteria=stop_signals(cancel),
         )
         return self._generations(out, batch, ids.shape[1], prefill, stop_at_newline, start)
 
     def stream(
-        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        stop_at_newline: bool = False,
+        cancel: Cancel | None = None,
     ) -> Iterator[str]:
-        """Yield the greedy answer to one prompt piece by piece. Closing the iterator (or the
-        stop rule) stops the generation thread at its next token."""
-        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+        """Yield the greedy answer to one prompt piece by piece. Closing the iterator, the stop
+        rule or ``cancel`` stops the generation thread at its next token.
 
-        stop = threading.Event()
+        Raises:
+            Cancelled: ``cancel`` was set before the answer was complete.
+        """
+        from transformers import TextIteratorStreamer
 
-        class _Closed(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                return stop.is_set()
-
+        closed = threading.Event()
         ids = torch.tensor([self.encode(prompt)], device=self.device)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         thread = threading.Thread(
@@ -498,7 +568,7 @@ class HFBackend(Backend):
                 "streamer": streamer,
                 "generation_config": self._generation_config(max_new_tokens, stop_at_newline),
                 "tokenizer": self.tokenizer,
-                "stopping_criteria": StoppingCriteriaList([_Closed()]),
+                "stopping_criteria": stop_signals(closed, cancel),
             },
             daemon=True,
         )
@@ -506,8 +576,22 @@ class HFBackend(Backend):
         try:
             yield from streamer
         finally:  # the streamer's queue is unbounded: the thread ends at its next token
-            stop.set()
+            closed.set()
             thread.join()
+        check_cancel(cancel)
+
+    def _stream_steps(self, steps: Iterator[tuple[list[int], list[bool], torch.Tensor]]):
+        """The text of one row's decoding ``steps`` (:func:`greedy_steps`), yielded as it grows
+        (a piece once it decodes to more characters), under ``torch.no_grad``."""
+        new: list[int] = []
+        shown = ""
+        with torch.no_grad():
+            for toks, _, _ in steps:
+                new.append(toks[0])
+                text = self.tokenizer.decode(new, skip_special_tokens=True)
+                if len(text) > len(shown):
+                    yield text[len(shown) :]
+                    shown = text
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()
@@ -588,12 +672,18 @@ class LayoutBackend(HFBackend):
         """
         raise NotImplementedError
 
-    def _greedy(self, layouts: Sequence, max_new_tokens: int, stop_at_newline: bool):
+    def _greedy(
+        self,
+        layouts: Sequence,
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        cancel: Cancel | None = None,
+    ):
         """Greedy decoding of ``layouts`` in one batch: the steps of :func:`greedy_steps` over
-        :meth:`_run`."""
+        :meth:`_run` (``cancel`` ends them between steps)."""
         logits, step = self._run(layouts)
         return greedy_steps(
-            logits[:, -1:], step, max_new_tokens, lambda t: self._stops(t, stop_at_newline)
+            logits[:, -1:], step, max_new_tokens, lambda t: self._stops(t, stop_at_newline), cancel
         )
 
     @torch.no_grad()
@@ -606,12 +696,14 @@ class LayoutBackend(HFBackend):
         stop_at_newline: bool | None = None,
         first_logprobs: bool = False,
         prefix_reuse: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy answers (see :meth:`~ragfix.backends.base.Backend.generate`), prompts of
         similar length and the same budget and stop rule batched; ``prefix_reuse`` is ignored.
 
         Raises:
             RagfixError: a prompt the method cannot read.
+            Cancelled: ``cancel`` was set before every answer was complete.
         """
         items = [
             (self._layout(p), *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts
@@ -622,11 +714,12 @@ class LayoutBackend(HFBackend):
             mnt, stop = items[group[0]][1:]
             layouts = [items[j][0] for j in group]
             gens = self._collect(
-                self._greedy(layouts, mnt, stop),
+                self._greedy(layouts, mnt, stop, cancel),
                 [len(s.ids) for s in layouts],
                 stop,
                 first_logprobs,
             )
+            check_cancel(cancel)
             for j, g in zip(group, gens, strict=True):
                 results[j] = g
         return results  # type: ignore[return-value]
@@ -667,24 +760,23 @@ class LayoutBackend(HFBackend):
         return out
 
     def stream(
-        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        stop_at_newline: bool = False,
+        cancel: Cancel | None = None,
     ) -> Iterator[str]:
-        """Yield the greedy answer to one prompt piece by piece; closing the iterator stops
-        decoding at once.
+        """Yield the greedy answer to one prompt piece by piece; closing the iterator or
+        ``cancel`` stops decoding at once.
 
         Raises:
             RagfixError: a prompt the method cannot read.
+            Cancelled: ``cancel`` was set before the answer was complete.
         """
-        s = self._layout(prompt)
-        new: list[int] = []
-        shown = ""
-        with torch.no_grad():
-            for toks, _, _ in self._greedy([s], max_new_tokens, stop_at_newline):
-                new.append(toks[0])
-                text = self.tokenizer.decode(new, skip_special_tokens=True)
-                if len(text) > len(shown):
-                    yield text[len(shown) :]
-                    shown = text
+        with torch.no_grad():  # the prefill runs here
+            steps = self._greedy([self._layout(prompt)], max_new_tokens, stop_at_newline, cancel)
+        yield from self._stream_steps(steps)
+        check_cancel(cancel)
 
 
 def batch_groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[int]]:
@@ -705,7 +797,9 @@ __all__ = [
     "HFBackend",
     "LayoutBackend",
     "batch_groups",
+    "byte_level_token_bytes",
     "chat_text",
     "greedy_steps",
+    "stop_signals",
     "template_id",
 ]

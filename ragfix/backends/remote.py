@@ -47,9 +47,11 @@ from pydantic import Field, field_validator
 from ragfix.backends.base import (
     Backend,
     BackendOptions,
+    Cancel,
     Prompt,
     answer_rules,
     answer_text,
+    check_cancel,
     validated_options,
 )
 from ragfix.backends.hf import chat_text, template_id
@@ -392,30 +394,44 @@ class RemoteBackend(Backend):
         stop_at_newline: bool | None = None,
         first_logprobs: bool = False,
         prefix_reuse: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy answers (see :meth:`Backend.generate`), ``concurrency`` requests in flight at
         once (``batch_size`` and ``prefix_reuse`` do not apply: the server batches and caches
         as it does). With ``first_logprobs`` each answer's ``first_top_logprobs`` holds the top
         :data:`TOP_LOGPROBS` alternatives of its first token (``first_logprobs`` stays None).
+        ``cancel`` is asked before each request is sent (a request in flight runs to its end).
 
         Raises:
             RagfixError: a request failed for good (after its retries), or the server reported no
                 usage figures and no tokenizer was given.
+            Cancelled: ``cancel`` was set before every request was sent.
         """
         jobs = [(p, *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts]
+
+        def answer(job) -> Generation:
+            check_cancel(cancel)
+            return self._answer(*job, first_logprobs)
+
         if len(jobs) <= 1 or self.options.concurrency == 1:
-            return [self._answer(*job, first_logprobs) for job in jobs]
+            return [answer(job) for job in jobs]
         with ThreadPoolExecutor(min(self.options.concurrency, len(jobs))) as pool:
-            return list(pool.map(lambda job: self._answer(*job, first_logprobs), jobs))
+            return list(pool.map(answer, jobs))
 
     def stream(
-        self, prompt: Prompt, max_new_tokens: int = 256, stop_at_newline: bool = False
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        stop_at_newline: bool = False,
+        cancel: Cancel | None = None,
     ) -> Iterator[str]:
-        """Yield the greedy answer to one prompt as the server streams it; closing the iterator
-        closes the connection (the server stops generating).
+        """Yield the greedy answer to one prompt as the server streams it; closing the iterator,
+        or ``cancel`` (asked at each event), closes the connection (the server stops
+        generating).
 
         Raises:
             RagfixError: the request failed for good.
+            Cancelled: ``cancel`` was set before the answer was complete.
         """
         import openai
 
@@ -425,6 +441,7 @@ class RemoteBackend(Backend):
             raise self._failed(e) from None
         try:
             for ev in events:
+                check_cancel(cancel)
                 if not ev.choices:
                     continue
                 c = ev.choices[0]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ragfix.backends.base import BackendOptions
+from ragfix.backends.base import BackendOptions, Cancel
 from ragfix.backends.hf import HFBackend
 from ragfix.errors import ConfigError
 from ragfix.types import Generation
@@ -103,16 +103,18 @@ class TruncatedBackend(HFBackend):
         max_new_tokens: int,
         stop_at_newline: bool,
         first_logprobs: bool = False,
+        cancel: Cancel | None = None,
     ) -> list[Generation]:
         """Greedy decoding of the middle-truncated prompts; ``prompt_tokens`` is the original
-        length, ``prefill_tokens`` the length actually read.
+        length, ``prefill_tokens`` the length actually read (``cancel``: see
+        :meth:`HFBackend._generate_ids`).
 
         Raises:
             ConfigError: ``max_new_tokens`` leaves no room in the window.
         """
         budget = self._budget(max_new_tokens)
         cut = [truncate_middle(ids, budget) for ids in batch]
-        gens = super()._generate_ids(cut, max_new_tokens, stop_at_newline, first_logprobs)
+        gens = super()._generate_ids(cut, max_new_tokens, stop_at_newline, first_logprobs, cancel)
         return [
             g.model_copy(update={"prompt_tokens": len(ids), "prefill_tokens": len(c)})
             for g, ids, c in zip(gens, batch, cut, strict=True)

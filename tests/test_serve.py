@@ -1,0 +1,575 @@
+"""``ragfix serve`` under real traffic: clients that go away, standard clients, an API key,
+limits, malformed input, batching (the cases of issue 31, from public bug reports of similar
+servers: vLLM, llama.cpp, Ollama, letta, garak, FastAPI).
+
+A real uvicorn server on 127.0.0.1 serves the real SmolLM2 (the session's ``smol`` backend, in
+this process, so a test can count the model's forward passes: one per decoding step); the API
+key test starts ``ragfix serve`` itself as a subprocess over a tiny seeded model folder.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import BUNDLED, tiny_folder
+
+from ragfix.prompts import TaskPrompt
+from ragfix.serve import create_app, exposure_warning, free_port, serving
+
+MODEL = "smollm2"
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake."}]
+
+
+class Steps:
+    """Counts the model's forward passes (one per decoding step, one per prefill)."""
+
+    def __init__(self, model):
+        self.n = 0
+        self.handle = model.register_forward_hook(self._count)
+
+    def _count(self, *args):
+        self.n += 1
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serve ``app`` with uvicorn on a free port of 127.0.0.1 (a thread); yields its URL."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(smol):
+    """``(url, server, steps)``: SmolLM2 served on 127.0.0.1, its :class:`~ragfix.serve.Server`
+    and a forward-pass counter."""
+    app = create_app(smol, MODEL)
+    steps = Steps(smol.model)
+    with running(app) as url:
+        yield url, app.state.server, steps
+    steps.handle.remove()
+
+
+def post(url: str, path: str, body, timeout: float = 120, **kw) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, timeout=timeout, **kw)
+    return httpx.post(url + path, json=body, timeout=timeout, **kw)
+
+
+def chat(url: str, messages=Q, **kw) -> httpx.Response:
+    return post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, **kw})
+
+
+def idle(server, timeout: float = 60.0) -> float:
+    """Wait until the model thread holds no lock and has nothing queued; the seconds waited."""
+    start = time.monotonic()
+    while server.lock.locked() or server.worker._queue:
+        assert time.monotonic() - start < timeout, "the model stayed busy"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def sse(lines) -> list:
+    """The JSON chunks of SSE ``lines`` (``[DONE]`` as the string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def streamed(url: str, path: str, body: dict) -> tuple[str, list]:
+    """The text of a streamed answer and its chunks."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        chunks = sse(r.iter_lines())
+    assert chunks[-1] == "[DONE]"
+    text = ""
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            text += ch["delta"].get("content") or "" if "delta" in ch else ch["text"]
+    return text, chunks
+
+
+# ------------------------------------------------------------------ cancellation (C15, C16)
+
+
+def test_a_closed_stream_stops_its_generation_and_frees_the_model(served):
+    """C15 (vLLM PR#24586): a 300-token stream closed after 3 chunks stops within a step; the
+    next request is answered at once, as it is alone."""
+    url, server, steps = served
+    ref = chat(url, max_tokens=8).json()["choices"][0]["message"]["content"]
+    start = time.monotonic()
+    assert chat(url, max_tokens=8).status_code == 200
+    alone = time.monotonic() - start
+    body = {"model": MODEL, "messages": LONG, "max_tokens": 300, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n == 3:
+                break
+        at_close = steps.n
+    idle(server)
+    assert steps.n - at_close <= 2  # the step running when the client left, and at most one more
+    assert steps.n < at_close + 300
+    start = time.monotonic()
+    again = chat(url, max_tokens=8).json()["choices"][0]["message"]["content"]
+    assert again == ref and time.monotonic() - start < 5 * alone + 1
+
+
+def test_a_dropped_socket_stops_its_generation(served):
+    """C15, raw: a client sends a streaming request and closes its socket without reading."""
+    url, server, steps = served
+    body = json.dumps({"model": MODEL, "messages": LONG, "max_tokens": 300, "stream": True})
+    port = int(url.rsplit(":", 1)[1])
+    sk = socket.create_connection(("127.0.0.1", port))
+    sk.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body.encode()
+    )
+    start = steps.n
+    while steps.n < start + 3:  # it is generating
+        time.sleep(0.01)
+    sk.close()
+    at_close = steps.n
+    idle(server)
+    assert steps.n - at_close <= 2
+    assert chat(url, max_tokens=4).status_code == 200
+
+
+def test_an_abandoned_request_is_cancelled(served):
+    """C16: a non-streamed request whose client gives up after 1 s stops within a step, and the
+    openai client's abandoned retries (``timeout=1, max_retries=2``) leave no work behind."""
+    from openai import APITimeoutError, OpenAI
+
+    url, server, steps = served
+    body = {"model": MODEL, "messages": LONG, "max_tokens": 300}
+    with pytest.raises(httpx.TimeoutException):
+        post(url, "/v1/chat/completions", body, timeout=1.0)
+    at_close = steps.n
+    idle(server)
+    assert steps.n - at_close <= 2
+
+    client = OpenAI(base_url=url + "/v1", api_key="none", timeout=1.0, max_retries=2)
+    with pytest.raises(APITimeoutError):
+        client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=300)
+    at_close = steps.n
+    idle(server)
+    assert steps.n - at_close <= 2
+    start = time.monotonic()
+    assert chat(url, max_tokens=4).status_code == 200
+    assert time.monotonic() - start < 10
+
+
+def _method(smol, name: str):
+    """A method backend over the session's SmolLM2 and a prompt it reads along its own path
+    (GALI beyond its window, set-based through its passage layout)."""
+    from ragfix.backends.gali import GaliBackend
+    from ragfix.backends.set_based import SetBasedBackend
+    from ragfix.connectors.litm import load_samples
+    from ragfix.tasks import task_prompt
+
+    story = TaskPrompt(user="Write a long story about a lighthouse. " * 8)
+    if name == "vanilla":
+        return smol, story
+    if name == "gali":
+        return GaliBackend(smol.model, smol.tokenizer, train_window=96), story
+    [sample] = load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 4, 1)
+    return SetBasedBackend(smol.model, smol.tokenizer), task_prompt(
+        sample, sample.passages_with_gold_at(1)
+    )
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gali", "set-based"])
+def test_cancel_stops_generate_and_stream_between_steps(smol, name):
+    """The model interface, on each decoding path (``transformers``' generate with and without
+    prefix reuse, GALI's own loop, a layout method's loop): ``cancel`` stops ``generate`` and
+    ``stream`` within a step and raises ``Cancelled``. Steps are counted at the LM head."""
+    from ragfix.errors import Cancelled
+
+    backend, prompt = _method(smol, name)
+    steps = Steps(smol.model.lm_head)
+    try:
+
+        class AfterFive:
+            def is_set(self):
+                return steps.n >= 5
+
+        for reuse in (False, True):
+            steps.n = 0
+            with pytest.raises(Cancelled):
+                backend.generate([prompt, prompt], max_new_tokens=100, stop_at_newline=False,
+                                 prefix_reuse=reuse, cancel=AfterFive())  # fmt: skip
+            assert steps.n <= 7
+        stop = threading.Event()
+        pieces = backend.stream(prompt, 100, cancel=stop)
+        with pytest.raises(Cancelled):
+            for i, _ in enumerate(pieces):
+                if i == 2:
+                    stop.set()
+                    at = steps.n
+        assert steps.n - at <= 2
+    finally:
+        steps.handle.remove()
+
+
+# ------------------------------------------------------------------ access and limits (S2, S3)
+
+
+def test_api_key_from_the_environment_guards_every_route_but_health(tmp_path, monkeypatch):
+    """S2 (llama.cpp PR#9776): ``RAGFIX_API_KEY`` (never ``OPENAI_API_KEY``) is required on
+    every route but ``/health``; docs and schema are off; the openai client with the key works."""
+    from openai import AuthenticationError, OpenAI
+
+    folder = tiny_folder(tmp_path / "tiny")
+    monkeypatch.setenv("RAGFIX_API_KEY", "s3cret")
+    monkeypatch.setenv("OPENAI_API_KEY", "not-the-servers")
+    with serving("--model", str(folder), "--device", "cpu") as url:
+        base = url.removesuffix("/v1")
+        assert httpx.get(base + "/health").status_code == 200
+        body = {"model": str(folder), "messages": Q, "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(url + "/chat/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/docs", "/openapi.json", "/redoc", "/v1/models"):
+            r = httpx.get(base + path, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+        for path in ("/docs", "/openapi.json"):
+            r = httpx.get(base + path, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 404 and "error" in r.json()
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=url, max_retries=0).models.list()  # reads OPENAI_API_KEY
+        ok = OpenAI(base_url=url, api_key="s3cret", max_retries=0)
+        answer = ok.chat.completions.create(model=str(folder), messages=Q, max_tokens=2)
+        assert answer.usage.completion_tokens <= 2
+
+
+def test_docs_are_open_without_a_key_and_exposure_is_warned(served):
+    url, _, _ = served
+    assert httpx.get(url + "/docs").status_code == 200
+    assert exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("localhost", None) is None
+    assert exposure_warning("::1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
+    warning = exposure_warning("0.0.0.0", None)
+    assert "without an API key" in warning and "RAGFIX_API_KEY" in warning
+
+
+def test_big_bodies_and_prompts_are_refused_without_the_model(served, smol):
+    """S3 (FastAPI#1181): a 5 MB message is 413 before it is parsed; a prompt too long for the
+    window is 400 before it is tokenized; one that must be tokenized to be found too long is
+    tokenized beside a running generation, not after it."""
+    url, server, _ = served
+    big = "lorem ipsum dolor sit amet " * (5 * 1024 * 1024 // 27)
+    r = chat(url, [{"role": "user", "content": big}], max_tokens=8)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    # a long generation holds the model while the refusals come back
+    body = {"model": MODEL, "messages": LONG, "max_tokens": 300, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        while '"content": ""' in next(lines) or not server.lock.locked():
+            pass  # until the first piece of the answer
+        huge = "word " * 220_000  # 1.1 M characters: more than 8192 tokens can hold
+        r = post(url, "/v1/completions", {"model": MODEL, "prompt": huge, "max_tokens": 4})
+        assert r.status_code == 400 and "refused before tokenizing" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        long = "word " * 9000  # to be tokenized to be found too long
+        r = post(url, "/v1/completions", {"model": MODEL, "prompt": long, "max_tokens": 4})
+        counted = f"the prompt has {len(smol.tokenize(long))} tokens"
+        assert r.status_code == 400 and counted in r.json()["error"]["message"]
+        assert server.lock.locked()  # answered while the generation still runs
+    idle(server)
+    assert chat(url, max_tokens=4).status_code == 200
+
+
+MALFORMED = [
+    b"", b"{", b"}", b"null", b"[]", b"123", b'"str"', b"{'model': 'x'}", b"\xff\xfe\x00",
+    b'{"model": "smollm2", "messages": [}', b'{"model": "smollm2"', b"{" * 1000, b"[" * 100000,
+    b'{"model": "smollm2", "messages": "x"}', b'{"model": 1, "messages": []}',
+    b'{"messages": [{"role": "user"}]}',
+    b'{"model": "smollm2", "messages": [{"role": "user", "content": 5}]}',
+    b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "lots"}',
+    b"NaN", b"Infinity", b'{"model": "smollm2", "max_tokens": NaN}', b"\x00\x01\x02", b"\r\n\r\n",
+    b"<xml/>", b'{"a":' + b"1" * 5000 + b"}",
+    b'{"model":"smollm2","messages":[{"role":"user","content":"hi"}],"stream":"yes"}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":"\\ud800"}]}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":"\\ud800 and more"}]}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":"hi"}],"n":"two"}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":"hi"}],"stop":[1,2]}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":"hi"}],"max_tokens":5.5}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":"hi"}],"max_tokens":true}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":"hi"}],"temperature":NaN}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":[{"type":"text"}]}]}',
+    b'{"model":"smollm2","messages":[{"role":"user","content":["hello"]}]}',
+]  # fmt: skip
+BAD_COMPLETIONS = [
+    {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": ["a", "b"]}, {"prompt": [1, 2]},
+    {"prompt": "\ud800"}, {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "max_tokens": -1},
+    {"prompt": "hi", "echo": True, "logprobs": 5}, {"prompt": "hi", "echo": True, "stream": True},
+]  # fmt: skip
+
+
+def test_malformed_requests_are_400s_in_openai_format(served):
+    """C9b (letta#3381), S5: nothing a client sends is a 500; every refusal is
+    ``{"error": {message, type, param, code}}`` with a one-line message."""
+    url, _, _ = served
+    ref = chat(url, max_tokens=4).json()["choices"][0]["message"]["content"]
+    for body in MALFORMED:
+        r = post(url, "/v1/chat/completions", body, headers={"content-type": "application/json"})
+        assert r.status_code in (400, 404), (body[:60], r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, body[:60]
+        assert error["message"] and "\n" not in error["message"]
+    for extra in BAD_COMPLETIONS:
+        raw = json.dumps({"model": MODEL, **extra}).encode()  # a lone surrogate as \ud800
+        r = post(url, "/v1/completions", raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (extra, r.text[:200])
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    stream_yes = chat(url, max_tokens=4, stream="yes")
+    assert stream_yes.status_code == 400 and stream_yes.json()["error"]["param"] == "stream"
+    for method, path in (("GET", "/nowhere"), ("GET", "/v1/chat/completions")):
+        r = httpx.request(method, url + path)
+        assert r.status_code in (404, 405) and set(r.json()["error"]) >= {"message", "code"}
+    assert chat(url, max_tokens=4).json()["choices"][0]["message"]["content"] == ref
+
+
+# ------------------------------------------------------------------ what clients send
+
+
+NEUTRAL_FIELDS = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {},
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+    "parallel_tool_calls": False, "metadata": {}, "store": False, "service_tier": "auto",
+    "user": "u1", "seed": 1, "n": 1, "temperature": 0,
+}  # fmt: skip
+#: fields of other OpenAI-compatible servers (vLLM), sent by clients as extra body fields
+EXTRA_NEUTRAL_FIELDS = {"top_k": 1, "repetition_penalty": 1.0, "min_p": 0.0}
+REFUSED_FIELDS = {
+    "frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"17": 5},
+    "response_format": {"type": "json_object"}, "tool_choice": "required", "n": 2,
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+}  # fmt: skip
+
+
+def test_neutral_openai_fields_are_accepted_and_others_refused(served):
+    """C12 (garak#748): the openai client with OpenAI's neutral settings gets the plain answer;
+    a value that would change decoding is refused in one line naming the field."""
+    from openai import BadRequestError, OpenAI
+
+    url, _, _ = served
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    plain = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=6)
+    with_all = client.chat.completions.create(
+        model=MODEL, messages=Q, max_tokens=6, **NEUTRAL_FIELDS, extra_body=EXTRA_NEUTRAL_FIELDS
+    )
+    assert with_all.choices[0].message.content == plain.choices[0].message.content
+    for name, value in REFUSED_FIELDS.items():
+        with pytest.raises(BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=Q, max_tokens=2, **{name: value})
+        assert e.value.body["param"] == name and "is not supported" in e.value.body["message"]
+    with pytest.raises(BadRequestError, match="repetition_penalty 1.2 is not supported"):
+        client.chat.completions.create(
+            model=MODEL, messages=Q, max_tokens=2, extra_body={"repetition_penalty": 1.2}
+        )
+
+
+def test_stream_usage_chunk_and_unknown_stream_options(served):
+    """C3 (openai-openapi PR#240): ``include_usage`` ends the stream with a ``choices: []``
+    chunk carrying the usage of the non-streamed answer; unknown stream options are refused."""
+    url, _, _ = served
+    body = {"model": MODEL, "messages": Q, "max_tokens": 12}
+    whole = chat(url, max_tokens=12).json()
+    text, chunks = streamed(
+        url, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}
+    )
+    *pieces, last, done = chunks
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert all(c["usage"] is None for c in pieces)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert pieces[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    _, plain = streamed(url, "/v1/chat/completions", body)
+    assert all("usage" not in c for c in plain[:-1])
+    r = chat(url, max_tokens=4, stream=True, stream_options={"bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.bogus"
+
+
+def test_completions_return_the_raw_continuation_streamed_or_not(served, smol):
+    """C4b (ik_llama.cpp#467): ``/v1/completions`` gives the continuation with its leading
+    space, the same streamed and not; chat likewise; the backend's own answers (what the sweep
+    scores) stay stripped."""
+    url, _, _ = served
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
+    whole = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    text, _ = streamed(url, "/v1/completions", body)
+    assert whole == text and whole.startswith(" Paris")
+    for stop in ("\n", ["\n"]):
+        b = {"model": MODEL, "prompt": "Fruits:\n1. Apple\n2.", "max_tokens": 20, "stop": stop}
+        cut = post(url, "/v1/completions", b).json()["choices"][0]["text"]
+        assert cut == streamed(url, "/v1/completions", b)[0] and "\n" not in cut.strip()
+    msgs = [{"role": "user", "content": "List three fruits, one per line."}]
+    c = chat(url, msgs, max_tokens=30).json()["choices"][0]["message"]["content"]
+    assert c == streamed(url, "/v1/chat/completions",
+                         {"model": MODEL, "messages": msgs, "max_tokens": 30})[0]  # fmt: skip
+    [gen] = smol.generate(["The capital of France is"], max_new_tokens=8, stop_at_newline=False)
+    assert gen.text == whole.strip()
+
+
+def test_echo_scores_the_prompt_as_loglikelihood(served, smol):
+    """``echo`` with ``logprobs: 0`` (and ``max_tokens: 0``): each prompt token's
+    log-probability; the continuation's sum equals ``Backend.loglikelihood``."""
+    url, _, _ = served
+    ctx, cont = "The capital of France is", " Paris, a city"
+    assert smol.tokenize(ctx) + smol.tokenize(cont) == smol.tokenize(ctx + cont)
+    body = {"model": MODEL, "prompt": ctx + cont, "echo": True, "logprobs": 0, "max_tokens": 0}
+    out = post(url, "/v1/completions", body).json()
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    n_ctx = len(smol.tokenize(ctx))
+    assert choice["text"] == ctx + cont and "".join(lp["tokens"]) == ctx + cont
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == out["usage"]["prompt_tokens"]
+    [ref] = smol.loglikelihood([(ctx, cont)])
+    assert sum(lp["token_logprobs"][n_ctx:]) == pytest.approx(ref, abs=1e-4)
+    assert out["usage"]["completion_tokens"] == 0
+    # with a continuation: the prompt's scores, then the first answer token's
+    both = post(url, "/v1/completions", {**body, "max_tokens": 3}).json()["choices"][0]
+    assert (
+        both["text"].startswith(ctx + cont)
+        and len(both["logprobs"]["tokens"]) == len(lp["tokens"]) + 1
+    )
+    assert both["logprobs"]["token_logprobs"][:-1] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    plain = post(url, "/v1/completions", {"model": MODEL, "prompt": ctx, "echo": True,
+                                           "max_tokens": 3}).json()["choices"][0]  # fmt: skip
+    assert plain["text"].startswith(ctx) and plain["logprobs"] is None
+
+
+def test_top_logprobs_carry_each_tokens_own_bytes(served, smol):
+    """C8 (ollama#13497, llama.cpp PR#18454): Chinese and emoji prompts; 20 alternatives come
+    back, each with its token's own bytes (no U+FFFD stand-ins), chat and completions."""
+    url, _, _ = served
+    replacement = list("\ufffd".encode())
+    for prompt in ("中国的首都是北", "I love pizza 🍕🍕🍕 and tacos "):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "logprobs": 20}
+        out = post(url, "/v1/completions", body).json()
+        tops = out["choices"][0]["logprobs"]["top_logprobs"][0]
+        assert len(tops) == 20 and "\ufffd" not in tops
+        chat_out = chat(url, [{"role": "user", "content": prompt}], max_tokens=2, logprobs=True,
+                        top_logprobs=20).json()  # fmt: skip
+        entry = chat_out["choices"][0]["logprobs"]["content"][0]
+        alternatives = entry["top_logprobs"]
+        assert len(alternatives) == 20 and alternatives[0]["token"] == entry["token"]
+        assert len({bytes(a["bytes"]) for a in alternatives}) == 20
+        [lps] = smol.next_token_logprobs([TaskPrompt(user=prompt)])
+        ids = lps.topk(20).indices.tolist()
+        assert [bytes(a["bytes"]) for a in alternatives] == smol.token_bytes(ids)
+        assert all(a["bytes"] != replacement for a in alternatives)
+        for a in alternatives:
+            assert a["token"] == bytes(a["bytes"]).decode("utf-8", errors="backslashreplace")
+    # a character split over tokens: the bytes of the tokens rebuild it
+    ids = smol.tokenize("中国的首都是北")
+    assert b"".join(smol.token_bytes(ids)).decode() == "中国的首都是北"
+
+
+def test_the_openai_client_and_langchain_openai_read_the_answers(served):
+    """Two standard clients: the official ``openai`` client (create, stream with usage,
+    logprobs, completions) and LangChain's ``ChatOpenAI`` (invoke, stream) get the same
+    answers as hand-made requests."""
+    from langchain_openai import ChatOpenAI
+    from openai import OpenAI
+
+    url, _, _ = served
+    ref = chat(url, max_tokens=12).json()["choices"][0]["message"]["content"]
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=12)
+    assert r.choices[0].message.content == ref
+    pieces, last = [], None
+    for ch in client.chat.completions.create(model=MODEL, messages=Q, max_tokens=12, stream=True,
+                                             stream_options={"include_usage": True}):  # fmt: skip
+        last = ch
+        if ch.choices and ch.choices[0].delta.content:
+            pieces.append(ch.choices[0].delta.content)
+    assert "".join(pieces) == ref and last.usage.completion_tokens == r.usage.completion_tokens
+    lp = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=4, logprobs=True,
+                                        top_logprobs=3).choices[0].logprobs.content  # fmt: skip
+    assert len(lp[0].top_logprobs) == 3 and lp[0].top_logprobs[0].token == lp[0].token
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                  logprobs=3)  # fmt: skip
+    assert c.choices[0].text.startswith(" ") and len(c.choices[0].logprobs.top_logprobs[0]) == 3
+
+    llm = ChatOpenAI(model=MODEL, base_url=url + "/v1", api_key="none", max_tokens=12,
+                     temperature=0, max_retries=0)  # fmt: skip
+    assert llm.invoke(Q[0]["content"]).content == ref
+    assert "".join(c.content for c in llm.stream(Q[0]["content"])) == ref
+
+
+# ------------------------------------------------------------------ batching
+
+
+def test_concurrent_requests_are_batched_and_answer_as_alone(served):
+    """Requests arriving together are answered in batches; each answer equals its answer
+    alone (text identical, first-token log-probabilities within 1e-4), streamed or not, with
+    the prefix reuse cache on."""
+    url, server, _ = served
+    prompts = [f"What is {a} plus {b}? Answer with the number." for a, b in
+               ((2, 3), (10, 5), (7, 8), (1, 1), (6, 6), (9, 4))]  # fmt: skip
+
+    def ask(p):
+        out = chat(url, [{"role": "user", "content": p}], max_tokens=10, logprobs=True).json()
+        return out["choices"][0]["message"]["content"], out["choices"][0]["logprobs"]["content"][0]
+
+    alone = [ask(p) for p in prompts]
+    before = len(server.worker.batch_sizes)
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, prompts))
+    sizes = server.worker.batch_sizes[before:]
+    assert max(sizes) > 1 and sum(sizes) == len(prompts)
+    for (text, first), (t, f) in zip(alone, together, strict=True):
+        assert t == text and f["token"] == first["token"]
+        assert f["logprob"] == pytest.approx(first["logprob"], abs=1e-4)
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        streams = list(pool.map(lambda p: streamed(url, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 10})[0],
+            prompts))  # fmt: skip
+    assert streams == [text for text, _ in alone]
+
+
+def test_a_backend_that_cannot_batch_is_queued(tmp_path):
+    """Dynamic NTK RoPE scaling answers depend on batch neighbours (``supports_batching``
+    False): the server runs concurrent requests one at a time, each answered as alone."""
+    from ragfix.backends import load_backend
+
+    folder = tiny_folder(tmp_path / "tiny")
+    backend = load_backend("rope-scaled", model=str(folder), device="cpu", rope_type="dynamic")
+    assert not backend.supports_batching
+    app = create_app(backend, "tiny")
+    prompts = [f"Count to {n}." for n in range(2, 7)]
+    with running(app) as url:
+
+        def ask(p):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 6}
+            return post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
+
+        alone = [ask(p) for p in prompts]
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(ask, prompts))
+    assert together == alone
+    assert app.state.server.worker.batch_sizes == [1] * (2 * len(prompts))
