@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ragfix.backends.base import Backend, Prompt, cut_at_newline
 from ragfix.errors import RagfixError
-from ragfix.prompts import TaskPrompt
+from ragfix.prompts import TaskPrompt, join_text_parts
 
 #: answer budget of a request without ``max_tokens``
 DEFAULT_MAX_TOKENS = 256
@@ -93,7 +93,7 @@ class Message(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
-        """The message's text (text parts joined).
+        """The message's text (text parts joined: :func:`ragfix.prompts.join_text_parts`).
 
         Raises:
             ApiError: a part that is not text.
@@ -101,7 +101,7 @@ class Message(BaseModel):
         if isinstance(self.content, list):
             if any(p.get("type") != "text" for p in self.content):
                 raise ApiError(400, "only text content parts are supported", param="messages")
-            return "".join(str(p.get("text", "")) for p in self.content)
+            return join_text_parts([str(p.get("text", "")) for p in self.content])
         return self.content or ""
 
 

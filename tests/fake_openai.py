@@ -3,7 +3,7 @@ way real servers have (the logic of ``cases/turn3/fake_openai_server.py`` of the
 in a thread of the test process so a test can read what it saw and change its mode).
 
 It answers the KV task correctly (the value of the prompt's key) with ``usage`` figures, on
-``/v1/chat/completions`` (also streamed, in :attr:`FakeOpenAI.pieces`) and ``/v1/completions``;
+``/v1/chat/completions`` and ``/v1/completions`` (both also streamed, in the pieces given);
 ``/v1/models`` lists the model ``fake`` with ``max_model_len`` 8192.
 """
 
@@ -48,11 +48,13 @@ class FakeOpenAI:
         only: the request numbers (1-based, in arrival order) that get ``mode``; the others are
             answered ``ok`` (default: all of them).
         answer_now: in mode ``hang``, how many requests are answered at once.
-        pieces: what a streamed chat answer is made of (default: the whole answer in one piece).
+        pieces: what every answer is made of, streamed piece by piece (default: the KV answer,
+            streamed in one piece).
 
     Attributes:
         url: the ``/v1`` base URL.
-        received: request numbers in arrival order; ``answered``: those answered so far.
+        received: request numbers in arrival order; ``answered``: those answered so far;
+            ``bodies``: the request bodies in arrival order.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class FakeOpenAI:
         self.mode, self.only, self.answer_now, self.pieces = mode, only, answer_now, pieces
         self.prompt_tokens = prompt_tokens or (lambda body: max(1, len(_text(body)) // 3))
         self.received: list[int] = []
+        self.bodies: list[dict] = []
         self.answered: list[int] = []
         self.lock = threading.Lock()
         self.release = threading.Event()
@@ -96,13 +99,14 @@ class FakeOpenAI:
                 with fake.lock:
                     k = len(fake.received) + 1
                     fake.received.append(k)
+                    fake.bodies.append(body)
                 mode = fake.mode if fake.only is None or k in fake.only else "ok"
                 if mode == "hang" and k > fake.answer_now:
                     fake.release.wait()
                     return
                 try:
                     if body.get("stream"):
-                        self._stream(body)
+                        self._stream(body, self.path.endswith("/chat/completions"))
                     else:
                         self._send(200, fake.response(mode, body, self.path))
                 except (BrokenPipeError, ConnectionResetError):  # the client went away
@@ -110,16 +114,18 @@ class FakeOpenAI:
                 with fake.lock:
                     fake.answered.append(k)
 
-            def _stream(self, body: dict) -> None:
+            def _stream(self, body: dict, chat: bool) -> None:
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
                 self.send_header("connection", "close")
                 self.end_headers()
                 answer = kv_answer(_text(body))
                 for piece in fake.pieces or [answer]:
-                    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0,
-                             "model": "fake", "choices": [{"index": 0, "delta": {
-                                 "content": piece}, "finish_reason": None}]}  # fmt: skip
+                    choice = {"index": 0, "finish_reason": None}
+                    choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+                    kind = "chat.completion.chunk" if chat else "text_completion"
+                    chunk = {"id": "x", "created": 0, "model": "fake", "choices": [choice],
+                             "object": kind}  # fmt: skip
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.close_connection = True
@@ -132,7 +138,7 @@ class FakeOpenAI:
     def response(self, mode: str, body: dict, path: str) -> dict:
         """The JSON body of the answer to ``body`` in ``mode``."""
         chat = path.endswith("/chat/completions")
-        answer = kv_answer(_text(body))
+        answer = "".join(self.pieces) if self.pieces else kv_answer(_text(body))
         out = {"id": "x", "object": "chat.completion" if chat else "text_completion",
                "created": int(time.time()), "model": "fake"}  # fmt: skip
         if mode == "error200":
