@@ -511,7 +511,7 @@ class RemoteBackend(Backend):
             return []
         answers, arrived = _run(self._answers(jobs, first_logprobs))
         if answers is None:
-            raise Interrupted(f"{len(arrived)} of {len(jobs)} answers had arrived", arrived)
+            raise Interrupted(done=arrived)
         return answers
 
     def stream(
