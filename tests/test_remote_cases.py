@@ -234,7 +234,7 @@ def test_c18_ctrl_c_stops_at_once_and_keeps_the_answers_that_arrived(tmp_path):
         reader.start()
         try:
             fake.wait_for(received=4, answered=1, timeout=120)
-            time.sleep(0.5)  # the answer reaches the client
+            time.sleep(1.5)  # the answer reaches the client
             sent = time.monotonic()
             proc.send_signal(signal.SIGINT)
             rc = proc.wait(timeout=20)
@@ -244,10 +244,10 @@ def test_c18_ctrl_c_stops_at_once_and_keeps_the_answers_that_arrived(tmp_path):
         reader.join(5)
         said = [(t - sent, x) for t, x in lines if x.startswith("interrupted")]
         assert rc == 130 and len(said) == 1, lines
-        assert said[0][0] < 1.0  # stopped and said so within a second
-        assert exited < 5.0  # the rest is the interpreter's exit, not the 3 held requests
-        assert said[0][1].startswith("interrupted: 1 cell(s) computed by this run are stored")
-        assert len(fake.received) == 4 and fake.answered == [1]
+        assert said[0][0] < 1.0, said  # stopped and said so within a second
+        assert exited < 5.0, exited  # the rest is the interpreter's exit, not the held requests
+        assert said[0][1].startswith("interrupted: 1 cell(s) computed by this run are stored"), said
+        assert len(fake.received) == 4 and fake.answered == [1], (fake.received, fake.answered)
     [kept] = _records(out)
     assert kept["correct"] and not kept["flags"]
     with FakeOpenAI() as fake:
