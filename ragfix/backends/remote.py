@@ -570,7 +570,8 @@ class RemoteBackend(Backend):
 
 def _run(coro):
     """Run ``coro`` to its end: in this thread (Ctrl-C in the main thread cancels it), or in a
-    helper thread when this thread already runs an event loop (a notebook)."""
+    helper thread when this thread already runs an event loop (a notebook; Ctrl-C there waits
+    for the requests in flight)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
