@@ -26,7 +26,8 @@ def user_errors() -> Iterator[None]:
 
     Only :class:`ragfix.errors.RagfixError` (a bad file, setting, model or adapter) and
     pydantic's ``ValidationError`` (invalid settings or backend options) are a user's mistake;
-    every other exception is a bug and propagates with its traceback. Ctrl-C exits with 130.
+    every other exception is a bug and propagates with its traceback. Ctrl-C exits with 130,
+    saying what was kept (an :class:`~ragfix.errors.Interrupted`'s message).
     """
     try:
         yield
@@ -39,9 +40,12 @@ def user_errors() -> Iterator[None]:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         err_console.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        kept = str(e).strip() or "finished results are saved"
         err_console.print(
-            "interrupted: finished results are saved; rerun the same command to resume"
+            f"interrupted: {kept}; rerun the same command to resume",
+            highlight=False,
+            soft_wrap=True,
         )
         sys.exit(130)
 

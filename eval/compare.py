@@ -39,6 +39,7 @@ from ragfix.eval.sweep_summary import (
     curve_label,
     curve_table,
     read_summary,
+    unscored_lines,
 )
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.metrics import continues_context
@@ -83,7 +84,7 @@ class Run:
         config: its ``config.json`` (``{}`` when it has none).
         summary: its ``summary.json``.
         curves: ``{curve label: {(sample_id, position): correct}}``, of the scored cells only
-            (:func:`ragfix.eval.sweep.summary_counts`: no sample with an overflow cell).
+            (:func:`ragfix.eval.sweep.summary_counts`: no sample with an unscored cell).
         continued: ``{curve label: answers that continue the context}``
             (:func:`ragfix.metrics.continues_context`), over the same cells.
     """
@@ -147,7 +148,13 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         continued[curve_label(r)] += continues_context(r.get("answer", ""))
     run = Run(name or folder.name, folder, config, summary, curves, continued)
     if not run.curves:
-        raise DataError(folder, None, None, "no scored cell in this run (nothing to compare)")
+        why = "; ".join(unscored_lines(summary)[1:])
+        raise DataError(
+            folder,
+            None,
+            None,
+            "no scored cell in this run (nothing to compare)" + (f": {why}" if why else ""),
+        )
     record_range(config.get("records"), config_path)
     tuned_ranges(run)
     return run

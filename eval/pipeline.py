@@ -24,8 +24,9 @@ A cell whose candidates do not fit the model's window in one prompt (the task's 
 ``top_k`` chunks, plus the answer budget) is not run: the postprocessor would drop chunks (maybe
 the gold one) and the synthesizer split the context, so the cell would not measure a position. It
 is recorded with the flag ``overflow`` and its question is left out of every curve, as in the raw
-sweep (:func:`ragfix.eval.sweep.summary_counts`); ``summary.json``'s ``flags`` and the printed
-table count flagged cells per rank.
+sweep (:func:`ragfix.eval.sweep.summary_counts`); so is the question of a remote model's cell
+flagged ``empty_answer`` or ``prompt_cut``. ``summary.json``'s ``flags`` and the printed table
+count flagged cells per rank.
 
 Results go to a run folder (:class:`~ragfix.eval.run.RunFolder`, bound to the backend's identity
 and the content of the corpus and the question file): ``results.jsonl`` (resumable: a cell id is
@@ -65,6 +66,7 @@ from ragfix.eval.run import RunConfig, input_fingerprints
 from ragfix.eval.sweep import (
     OVERFLOW,
     cell_flags,
+    generation_extra,
     parse_positions,
     summary_counts,
     sweep_folder,
@@ -80,7 +82,7 @@ from ragfix.integrations import require_extra
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
 from ragfix.tasks import get_task, join_chunks
-from ragfix.types import SweepRecord
+from ragfix.types import UNSCORED, SweepRecord
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
 ATTENTION_LAYERS = CorrectionSettings.model_fields["attention_layers"].default
@@ -471,8 +473,7 @@ class _Engines:
         gen = llm.last_generation
         rep = self.posts[s].last_report
         flags, explained = cell_flags(q.answers, [*([fit.flag] if fit.flag else []), *gen.flags])
-        if gen.usage is not None:
-            explained["usage"] = gen.usage
+        explained.update(generation_extra(gen))
         return SweepRecord(
             cell_id=cell,
             sample_id=q.id,
@@ -485,7 +486,7 @@ class _Engines:
             prefill_tokens=gen.prefill_tokens,
             new_tokens=gen.new_tokens,
             answer=answer,
-            correct=get_task("qa").score(answer, q.answers),
+            correct=not UNSCORED.intersection(flags) and get_task("qa").score(answer, q.answers),
             seconds=round(secs, 4),
             flags=flags,
             extra={

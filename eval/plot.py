@@ -60,7 +60,8 @@ def plot_curves(
         ax.set_title(title if title and len(groups) == 1 else panel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():  # a run without a scored cell draws no curve
+            ax.legend(fontsize=8)
     if title and len(groups) > 1:
         fig.suptitle(title)
     fig.tight_layout()

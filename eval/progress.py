@@ -14,7 +14,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ragfix.types import OVERFLOW
+from ragfix.types import UNSCORED
 
 
 class RunTally:
@@ -31,8 +31,9 @@ class RunTally:
             self.add(bool(r["correct"]), r.get("flags", ()))
 
     def add(self, correct: bool, flags: Iterable[str]) -> str:
-        """Count one cell (an overflowed one is not scored); return :meth:`status`."""
-        if OVERFLOW not in flags:
+        """Count one cell (one with an :data:`~ragfix.types.UNSCORED` flag is not scored);
+        return :meth:`status`."""
+        if not UNSCORED.intersection(flags):
             self.scored += 1
             self.right += correct
         return self.status()

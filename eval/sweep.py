@@ -17,9 +17,16 @@ and no answer, instead of being truncated by the model (which would delete the g
 one end and fake a curve). Such a sample is left out of the accuracy at *every* position
 (:func:`summary_counts`), so each position's accuracy is over the same questions; the overflow
 cells are counted per position in ``summary.json`` (``flags``) and in the printed table
-(:func:`ragfix.eval.sweep_summary.print_flags`). Gold answers that make the metric loose
+(:func:`ragfix.eval.sweep_summary.print_flags`). A remote model's answers that are not a
+measurement are treated the same way (:data:`~ragfix.types.UNSCORED`): ``empty_answer`` (the
+server gave no text; its reason is kept and counted in the summary's ``empty_answer_reasons``)
+and ``prompt_cut`` (the server cut the prompt). Gold answers that make the metric loose
 (:func:`ragfix.metrics.degenerate_gold`) are scored, flagged ``degenerate_gold`` and counted the
 same way.
+
+Ctrl-C keeps every answer that had arrived: a backend that stops its requests in flight hands
+them back (:class:`~ragfix.errors.Interrupted`) and :func:`run_cells` stores them before it
+stops.
 
 The orchestration (reading the data, resuming, sharding, the report) is
 :func:`ragfix.eval.run_sweep`.
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +46,13 @@ from pydantic import Field, field_validator
 
 from ragfix.backends.base import Backend, Fit
 from ragfix.connectors.records import format_records, parse_records
-from ragfix.errors import ConfigError
+from ragfix.errors import ConfigError, Interrupted
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
 from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE
 from ragfix.io import JsonlStore
 from ragfix.metrics import degenerate_gold
 from ragfix.tasks import score_answer, task_prompt
-from ragfix.types import OVERFLOW, Generation, QASample, SweepRecord
+from ragfix.types import EMPTY_ANSWER, OVERFLOW, UNSCORED, Generation, QASample, SweepRecord
 
 DEGENERATE_GOLD = "degenerate_gold"
 
@@ -172,13 +180,20 @@ def cell_flags(answers: list[str], flags: list[str] = ()) -> tuple[list[str], di
     return [*flags, DEGENERATE_GOLD], {DEGENERATE_GOLD: reasons}
 
 
+def generation_extra(gen: Generation) -> dict:
+    """What a record keeps of a generation besides its text and counts: a remote answer's usage
+    figures (``usage``) and the server's reason behind each of its flags (``{flag: reason}``,
+    :attr:`Generation.reasons`)."""
+    return {**({"usage": gen.usage} if gen.usage is not None else {}), **gen.reasons}
+
+
 def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:
-    """The record of a cell: ``flags`` plus the backend's own (:attr:`Generation.flags`); a
-    remote answer's usage figures in ``extra["usage"]`` and, without a local tokenizer,
-    ``extra["token_counts"] = "server"``."""
+    """The record of a cell: ``flags`` plus the backend's own (:attr:`Generation.flags`), with
+    :func:`generation_extra` in ``extra`` and, without a local tokenizer,
+    ``extra["token_counts"] = "server"``. A cell with an :data:`~ragfix.types.UNSCORED` flag
+    is not scored (``correct`` False)."""
     flags, extra = cell_flags(cell.sample.answers, [*flags, *gen.flags])
-    if gen.usage is not None:
-        extra["usage"] = gen.usage
+    extra.update(generation_extra(gen))
     if not backend.has_tokenizer:
         extra["token_counts"] = "server"
     return SweepRecord(
@@ -192,7 +207,7 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
         prefill_tokens=gen.prefill_tokens,
         new_tokens=gen.new_tokens,
         answer=gen.text,
-        correct=OVERFLOW not in flags and score_answer(cell.sample, gen.text),
+        correct=not UNSCORED.intersection(flags) and score_answer(cell.sample, gen.text),
         seconds=round(gen.seconds, 4),
         flags=flags,
         extra=extra,
@@ -221,6 +236,9 @@ def run_cells(
     they run, so a backend whose check costs a model pass (``attention-sort``) reports progress
     from the first sample on.
 
+    Ctrl-C: a backend's :class:`~ragfix.errors.Interrupted` hands back the answers that had
+    arrived; their records go to ``on_record`` before it is raised again.
+
     Args:
         backend: the model backend.
         cells: the cells to compute (already filtered to the unfinished ones).
@@ -248,11 +266,6 @@ def run_cells(
                 on_record(_record(c, backend, gen, [OVERFLOW]))
         return runnable
 
-    def answer(runnable: list[tuple[Cell, Fit]], **kwargs) -> None:
-        gens = backend.generate([_prompt(c) for c, _ in runnable], batch_size=batch_size, **kwargs)
-        for (c, fit), gen in zip(runnable, gens, strict=True):
-            on_record(_checked(c, backend, gen, fit))
-
     if prefix_reuse and backend.supports_prefix_reuse:
         by_sample: dict[str, list[Cell]] = {}
         for c in cells:
@@ -260,12 +273,34 @@ def run_cells(
         for group in by_sample.values():
             runnable = sorted(fitted(group), key=lambda x: -x[0].position)
             for start in range(0, len(runnable), batch_size):
-                answer(runnable[start : start + batch_size], prefix_reuse=True)
+                chunk = runnable[start : start + batch_size]
+                _run_chunk(backend, chunk, on_record, batch_size, prefix_reuse=True)
         return
     for start in range(0, len(cells), batch_size):
         runnable = fitted(cells[start : start + batch_size])
         if runnable:
-            answer(runnable)
+            _run_chunk(backend, runnable, on_record, batch_size, prefix_reuse=False)
+
+
+def _run_chunk(
+    backend: Backend,
+    chunk: list[tuple[Cell, Fit]],
+    on_record: Callable[[SweepRecord], None],
+    batch_size: int,
+    prefix_reuse: bool,
+) -> None:
+    """One ``generate`` call for the cells of ``chunk``, each record handed to ``on_record``;
+    on :class:`~ragfix.errors.Interrupted` the answers that had arrived first."""
+    prompts = [_prompt(c) for c, _ in chunk]
+    try:
+        gens = backend.generate(prompts, batch_size=batch_size, prefix_reuse=prefix_reuse)
+    except Interrupted as e:
+        for i, gen in sorted(e.done.items()):
+            c, fit = chunk[i]
+            on_record(_checked(c, backend, gen, fit))
+        raise
+    for (c, fit), gen in zip(chunk, gens, strict=True):
+        on_record(_checked(c, backend, gen, fit))
 
 
 def _checked(cell: Cell, backend: Backend, gen: Generation, fit: Fit) -> SweepRecord:
@@ -284,33 +319,42 @@ def _checked(cell: Cell, backend: Backend, gen: Generation, fit: Fit) -> SweepRe
 def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
     """The records that count towards accuracy, and the flag counts for ``summary.json``.
 
-    A sample with an ``overflow`` cell at any position is left out at every position, so each
-    position's accuracy is over the same samples; its cells are counted, not scored.
+    A sample with a cell that is not scored (an :data:`~ragfix.types.UNSCORED` flag:
+    ``overflow``, ``prompt_cut``, ``empty_answer``) at any position is left out at every
+    position, so each position's accuracy is over the same samples; its cells are counted, not
+    scored.
 
     Args:
         records: the run's records (dicts as stored).
 
     Returns:
-        ``(scored, extra)``: ``scored`` the records of samples without an overflow cell;
+        ``(scored, extra)``: ``scored`` the records of samples without an unscored cell;
         ``extra`` = ``{"cells": all records, "scored_cells": len(scored), "excluded_samples":
-        samples left out, "flags": {flag: {position: cells}}, "cell_ids": the ids of all
-        records}`` (positions as strings, sorted). ``cell_ids`` tells a report which of a
-        folder's cells the run reported (:func:`ragfix.eval.compare.load_run`).
+        samples left out, "flags": {flag: {position: cells}}, "empty_answer_reasons": {the
+        server's reason: cells}, "cell_ids": the ids of all records}`` (positions as strings,
+        sorted). ``cell_ids`` tells a report which of a folder's cells the run reported
+        (:func:`ragfix.eval.compare.load_run`).
     """
-    over = {r["sample_id"] for r in records if OVERFLOW in r.get("flags", ())}
+    left_out = {r["sample_id"] for r in records if UNSCORED.intersection(r.get("flags", ()))}
     counts: dict[str, dict[int, int]] = {}
     for r in records:
         for f in r.get("flags", ()):
             per = counts.setdefault(f, {})
             per[int(r["position"])] = per.get(int(r["position"]), 0) + 1
-    scored = [r for r in records if r["sample_id"] not in over]
+    reasons = Counter(
+        str(r.get("extra", {}).get(EMPTY_ANSWER, "no reason recorded"))
+        for r in records
+        if EMPTY_ANSWER in r.get("flags", ())
+    )
+    scored = [r for r in records if r["sample_id"] not in left_out]
     return scored, {
         "cells": len(records),
         "scored_cells": len(scored),
-        "excluded_samples": len(over),
+        "excluded_samples": len(left_out),
         "flags": {
             f: {str(p): n for p, n in sorted(per.items())} for f, per in sorted(counts.items())
         },
+        "empty_answer_reasons": dict(sorted(reasons.items())),
         "cell_ids": [r["cell_id"] for r in records],
     }
 

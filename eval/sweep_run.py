@@ -11,7 +11,8 @@ corrected rerun.
 
 Cells whose prompt does not fit the model's window are flagged ``overflow``, never run, and their
 samples left out of the accuracy at every position (:func:`ragfix.eval.sweep.summary_counts`):
-the summary's ``flags`` count them per position.
+the summary's ``flags`` count them per position, as they count a remote model's ``empty_answer``
+and ``prompt_cut`` cells, left out the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ragfix.connectors.records import parse_records
-from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
+from ragfix.errors import ConfigError, DataError, Interrupted, RagfixError, WorkerError
 from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.run import RunFolder, input_fingerprints
 from ragfix.eval.shard import (
@@ -331,6 +332,8 @@ def run_sweep(
             distractor pool), or was written before run folders recorded them (not with
             ``restart``).
         WorkerError: a worker process died or failed with an unexpected exception.
+        Interrupted: Ctrl-C, once every answer that had arrived is stored; its message says how
+            many cells this run stored.
         ModelNotFoundError: the model cannot be found.
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
@@ -408,39 +411,48 @@ def run_sweep(
         n = min(n, len({c.sample.id for c in todo}))
         before = [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else []
         tally = RunTally(before)
-        with progress_bar(console, disable=console is None or rank != 0) as bar:
-            task = bar.add_task(
-                f"{config.backend} sweep",
-                total=len(todo) + len(before),
-                completed=len(before),
-                status=tally.status(),
-            )
-
-            def track(rec: SweepRecord) -> None:
-                bar.update(task, advance=1, status=tally.add(rec.correct, rec.flags))
-                if on_record is not None:
-                    on_record(rec)
-
-            if n > 1:
-                del loaded  # each worker loads its own copy
-                gc.collect()
-                threads = threads_per_worker()
-                if console is not None:
-                    console.print(f"{n} worker processes, {threads} torch thread(s) each")
-                job = _WorkerJob(folder.config, out, load_kwargs, threads, prefix_reuse, batch_size)
-                _compute_in_workers(todo, n, track, job)
-            else:
-                _compute(
-                    todo,
-                    folder,
-                    loaded,
-                    rank=rank,
-                    world=world,
-                    prefix_reuse=prefix_reuse,
-                    batch_size=batch_size,
-                    on_gpu=resolve_device(device).type == "cuda",
-                    on_record=track,
+        stored: list[SweepRecord] = []
+        try:
+            with progress_bar(console, disable=console is None or rank != 0) as bar:
+                task = bar.add_task(
+                    f"{config.backend} sweep",
+                    total=len(todo) + len(before),
+                    completed=len(before),
+                    status=tally.status(),
                 )
+
+                def track(rec: SweepRecord) -> None:
+                    stored.append(rec)
+                    bar.update(task, advance=1, status=tally.add(rec.correct, rec.flags))
+                    if on_record is not None:
+                        on_record(rec)
+
+                if n > 1:
+                    del loaded  # each worker loads its own copy
+                    gc.collect()
+                    threads = threads_per_worker()
+                    if console is not None:
+                        console.print(f"{n} worker processes, {threads} torch thread(s) each")
+                    job = _WorkerJob(
+                        folder.config, out, load_kwargs, threads, prefix_reuse, batch_size
+                    )
+                    _compute_in_workers(todo, n, track, job)
+                else:
+                    _compute(
+                        todo,
+                        folder,
+                        loaded,
+                        rank=rank,
+                        world=world,
+                        prefix_reuse=prefix_reuse,
+                        batch_size=batch_size,
+                        on_gpu=resolve_device(device).type == "cuda",
+                        on_record=track,
+                    )
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"{len(stored)} cell(s) computed by this run are stored in {out}"
+            ) from None
     if state is not None:
         state.wait_for_everyone()
         if rank != 0:

@@ -19,6 +19,7 @@ from ragfix.eval.plot import plot_curves
 from ragfix.io import atomic_write_json
 from ragfix.metrics import CurveSummary, position_curve
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, print_tables
+from ragfix.types import EMPTY_ANSWER, OVERFLOW, PROMPT_CUT
 
 RESULTS_FILE = "results.jsonl"
 
@@ -167,23 +168,49 @@ def summary_tables(summary: dict, title: str = "") -> list[TableSpec]:
     return tables
 
 
+#: what each flag of a cell that is not scored means, for the lines under the flags table
+UNSCORED_MEANING = {
+    OVERFLOW: "the prompt does not fit the context window",
+    PROMPT_CUT: "the server cut the prompt",
+    EMPTY_ANSWER: "the server gave no answer text",
+}
+
+
+def unscored_lines(summary: dict) -> list[str]:
+    """Why cells of a ``summary.json`` are not scored, one line each: the samples left out of
+    the accuracy and, per :data:`~ragfix.types.UNSCORED` flag, its cells and meaning (with the
+    server's reasons for ``empty_answer``); empty when every cell is scored."""
+    if not summary.get("excluded_samples"):
+        return []
+    flags = summary.get("flags") or {}
+    lines = [
+        f"{summary['excluded_samples']} sample(s) have a cell that is not scored and are left "
+        f"out of the accuracy at every position ({summary.get('scored_cells', 0)} of "
+        f"{summary.get('cells', 0)} cells scored)"
+    ]
+    reasons = summary.get("empty_answer_reasons") or {}
+    for flag, meaning in UNSCORED_MEANING.items():
+        cells = sum((flags.get(flag) or {}).values())
+        if not cells:
+            continue
+        said = "; ".join(f"{why}: {n}" for why, n in reasons.items())
+        said = f" ({said})" if flag == EMPTY_ANSWER and said else ""
+        lines.append(f"{flag}: {cells} cell(s), {meaning}{said}")
+    return lines
+
+
 def flags_table(summary: dict) -> TableSpec | None:
-    """The flagged cells per position of a ``summary.json`` (one column per flag) with the
-    samples left out of the accuracy under it; None when no cell is flagged."""
+    """The flagged cells per position of a ``summary.json`` (one column per flag) with
+    :func:`unscored_lines` under it; None when no cell is flagged."""
     flags = summary.get("flags") or {}
     if not flags:
         return None
     positions = sorted({int(p) for per in flags.values() for p in per})
     rows = [[str(p), *(str(per.get(str(p), 0)) for per in flags.values())] for p in positions]
-    lines = []
-    if summary.get("excluded_samples"):
-        lines.append(
-            f"{summary['excluded_samples']} sample(s) overflow the context window at some "
-            f"position and are left out of the accuracy at every position "
-            f"({summary.get('scored_cells', 0)} of {summary.get('cells', 0)} cells scored)"
-        )
     x_axis = summary.get("x_axis", "position")
-    return TableSpec(f"flagged cells per {x_axis}", ["position", *flags], rows, lines)
+    return TableSpec(
+        f"flagged cells per {x_axis}", ["position", *flags], rows, unscored_lines(summary)
+    )
 
 
 def print_flags(summary: dict, console: Console | None = None) -> None:

@@ -12,7 +12,7 @@ in the model's chat template, refuses one that does not fit the window, and answ
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -128,9 +128,27 @@ class Answerer:
                 + "; lower num_output or raise context_window"
             )
 
-    def model_prompt(self, prompt: str) -> str:
+    def settings_for_call(self, who: str, **changes) -> AnswerSettings:
+        """The settings with one call's ``changes`` (answer settings by name, e.g.
+        ``max_new_tokens=3``), validated.
+
+        Raises:
+            ConfigError: an unknown setting or an invalid value (one line, naming ``who`` and
+                the setting).
+        """
+        from pydantic import ValidationError
+
+        try:
+            return AnswerSettings(**{**self.settings.model_dump(), **changes})
+        except ValidationError as e:
+            first = e.errors()[0]
+            name = ".".join(str(x) for x in first["loc"])
+            value = changes.get(name, first.get("input"))
+            raise ConfigError(f"{who}: {name}={value!r}: {first['msg']}") from None
+
+    def model_prompt(self, prompt: str, settings: AnswerSettings | None = None) -> str:
         """The text the model reads for ``prompt`` (counted as a call, kept as
-        :attr:`last_prompt`).
+        :attr:`last_prompt`), under ``settings`` (default: :attr:`settings`).
 
         Raises:
             ConfigError: the prompt as the model reads it plus ``max_new_tokens`` exceeds the
@@ -139,7 +157,7 @@ class Answerer:
                 :attr:`~ragfix.backends.Backend.cuts_long_prompts`). A backend that cannot count
                 tokens here is not checked.
         """
-        s, b = self.settings, self.backend
+        s, b = settings or self.settings, self.backend
         text = b.format_prompt(TaskPrompt(user=prompt)) if s.use_chat_template else prompt
         fit = b.fit(text, max_new_tokens=s.max_new_tokens)
         if not fit.runs:
@@ -152,15 +170,16 @@ class Answerer:
         self.calls += 1
         return text
 
-    def generate(self, prompt: str) -> Generation:
-        """The greedy answer to ``prompt`` (kept as :attr:`last_generation`).
+    def generate(self, prompt: str, settings: AnswerSettings | None = None) -> Generation:
+        """The greedy answer to ``prompt`` under ``settings`` (default: :attr:`settings`; one
+        call's from :meth:`settings_for_call`), kept as :attr:`last_generation`.
 
         Raises:
             ConfigError: see :meth:`model_prompt`.
         """
-        s = self.settings
+        s = settings or self.settings
         [gen] = self.backend.generate(
-            [self.model_prompt(prompt)],
+            [self.model_prompt(prompt, s)],
             batch_size=1,  # one prompt; with prefix_reuse the cache is kept between calls
             max_new_tokens=s.max_new_tokens,
             stop_at_newline=s.stop_at_newline,
@@ -169,18 +188,19 @@ class Answerer:
         self.last_generation = gen
         return gen
 
-    def stream(self, prompt: str) -> Iterator[str]:
+    def stream(self, prompt: str, settings: AnswerSettings | None = None) -> Iterator[str]:
         """Yield the answer's new text as the model produces it, through
-        :meth:`Backend.stream`. With ``stop_at_newline`` nothing after the first newline of the
-        answer (leading white space aside) is yielded. The backend's stream is closed (its
-        generation stopped, not drained) when the newline rule is hit or when the consumer stops
-        iterating. The prompt is checked (:meth:`model_prompt`) before the first piece is asked
-        for.
+        :meth:`Backend.stream`, under ``settings`` (as :meth:`generate`). With
+        ``stop_at_newline`` nothing after the first newline of the answer (leading white space
+        aside) is yielded. The backend's stream is closed (its generation stopped, not drained)
+        when the newline rule is hit or when the consumer stops iterating. The prompt is checked
+        (:meth:`model_prompt`) before the first piece is asked for.
 
         Raises:
             ConfigError: see :meth:`model_prompt`.
         """
-        s, text = self.settings, self.model_prompt(prompt)
+        s = settings or self.settings
+        text = self.model_prompt(prompt, s)
 
         def pieces_of() -> Iterator[str]:
             pieces = self.backend.stream(
@@ -196,4 +216,71 @@ class Answerer:
         return pieces_of()
 
 
-__all__ = ["AnswerFields", "AnswerSettings", "Answerer", "AnswererView"]
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to (not including) the earliest occurrence of any of ``stops`` (empty ones
+    ignored); all of it when none occurs."""
+    cuts = [text.find(s) for s in stops if s and s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+class StopStream:
+    """Cuts a streamed answer at the stop strings exactly as :func:`cut_at_stop` cuts the whole
+    answer: text that may still begin a stop string is held back until the next pieces settle
+    it, so no part of a stop string is ever emitted (``stop=[" capital of"]`` over the pieces
+    ``"The", " capital", " of"`` emits ``"The"``).
+
+    Args:
+        stops: the stop strings (empty ones ignored).
+
+    Attributes:
+        stopped: a stop string was found (nothing more will be emitted).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def _open_from(self) -> int:
+        """The first position at or after :attr:`sent` from which the text read so far is a
+        proper beginning of a stop string (its length when there is none)."""
+        n = len(self.text)
+        for j in range(self.sent, n):
+            tail = self.text[j:]
+            if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                return j
+        return n
+
+    def feed(self, piece: str) -> str:
+        """Read the next piece; return the text that may be emitted now ("" once stopped)."""
+        if self.stopped:
+            return ""
+        self.text += piece
+        whole = cut_at_stop(self.text, self.stops)
+        open_from = self._open_from()
+        if len(whole) < len(self.text) and len(whole) <= open_from:
+            self.stopped = True
+            return self._emit(len(whole))
+        return self._emit(min(open_from, len(whole)))
+
+    def close(self) -> str:
+        """The end of the answer: return the text held back that is not a stop string."""
+        if self.stopped:
+            return ""
+        self.stopped = True
+        return self._emit(len(cut_at_stop(self.text, self.stops)))
+
+    def _emit(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
+        return out
+
+
+__all__ = [
+    "AnswerFields",
+    "AnswerSettings",
+    "Answerer",
+    "AnswererView",
+    "StopStream",
+    "cut_at_stop",
+]

@@ -5,7 +5,8 @@ holding another configuration) derives from :class:`RagfixError`. The CLI prints
 one line with exit code 2; any other exception is a bug and keeps its traceback.
 
 ``RagfixError`` derives from ``ValueError`` so that code catching ``ValueError`` around a bad
-input keeps working.
+input keeps working. :class:`Interrupted` is Ctrl-C once the work in flight has stopped, carrying
+what was kept.
 """
 
 from __future__ import annotations
@@ -74,6 +75,22 @@ class IncompatibleMethodsError(RagfixError):
     """Two methods that cannot be combined on the same model (e.g. two attention patches)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, raised once the work in flight has stopped (a ``KeyboardInterrupt``: code that
+    knows only that still sees one).
+
+    Args:
+        message: what was kept (a run: how many results it stored); ``str()`` of the exception.
+        done: the results that had arrived, by the index of their request (a backend's
+            ``generate``: ``{prompt index: Generation}``), for the caller to keep.
+    """
+
+    def __init__(self, message: str = "", done: dict | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.done = dict(done or {})
+
+
 __all__ = [
     "AdapterError",
     "Cancelled",
@@ -81,6 +98,7 @@ __all__ = [
     "ConfigMismatchError",
     "DataError",
     "IncompatibleMethodsError",
+    "Interrupted",
     "MissingExtraError",
     "ModelLoadError",
     "ModelNotFoundError",

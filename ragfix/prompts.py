@@ -16,6 +16,15 @@ from dataclasses import dataclass, replace
 CONTENT_FREE_QUERY = "N/A"
 
 
+def join_text_parts(parts: Sequence[str]) -> str:
+    """The text of a message written in parts (OpenAI's ``content: [{"type": "text", ...}]``,
+    a LangChain message's text blocks, a Haystack message's text parts): the parts in order,
+    with nothing put between them (``["What is the capital", " of France?"]`` reads ``"What is
+    the capital of France?"``). ``ragfix serve`` and the LangChain and Haystack components read
+    a message's parts by this one rule."""
+    return "".join(parts)
+
+
 @dataclass(frozen=True)
 class TaskPrompt:
     """What a backend needs to produce one answer.
@@ -97,4 +106,4 @@ class TaskPrompt:
         )
 
 
-__all__ = ["CONTENT_FREE_QUERY", "TaskPrompt"]
+__all__ = ["CONTENT_FREE_QUERY", "TaskPrompt", "join_text_parts"]

@@ -68,7 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from ragfix.errors import Cancelled, RagfixError
-from ragfix.prompts import TaskPrompt
+from ragfix.prompts import TaskPrompt, join_text_parts
 from ragfix.types import Generation
 
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: no torch at import
@@ -207,7 +207,7 @@ class Message(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
-        """The message's text (text parts joined).
+        """The message's text (text parts joined: :func:`ragfix.prompts.join_text_parts`).
 
         Raises:
             ApiError: a part that is not text.
@@ -220,7 +220,7 @@ class Message(BaseModel):
                     400, "only text content parts ({type: text, text: ...}) are supported",
                     param="messages",
                 )  # fmt: skip
-            return "".join(p["text"] for p in self.content)
+            return join_text_parts([p["text"] for p in self.content])
         return self.content or ""
 
 

@@ -13,8 +13,18 @@ OVERFLOW = "overflow"
 #: flag of a cell (or a judged pair) whose prompt does not fit the window of a backend that cuts
 #: long prompts by design (``truncated``): run on the cut prompt and scored
 CUT_TO_WINDOW = "cut_to_window"
-#: flag of a remote answer whose prompt the server counted differently from the local tokenizer
+#: flag of a remote answer whose prompt the server counted differently from the local tokenizer,
+#: by no more than a cut would (a BOS token, a template's closing newline): scored
 TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+#: flag of a remote answer whose prompt the server counted at more tokens fewer than the local
+#: tokenizer than a count difference explains: the server cut the prompt; not scored
+PROMPT_CUT = "prompt_cut"
+#: flag of a remote answer without text (``content: null`` or blank): the server's reason
+#: (``finish_reason``, a ``reasoning_content`` field, a refusal) is in the reasons; not scored
+EMPTY_ANSWER = "empty_answer"
+#: the flags of a cell that is counted but not scored: its sample is left out of the accuracy at
+#: every position (:func:`ragfix.eval.sweep.summary_counts`)
+UNSCORED = frozenset({OVERFLOW, PROMPT_CUT, EMPTY_ANSWER})
 
 
 class Passage(BaseModel):
@@ -97,8 +107,11 @@ class Generation(BaseModel):
             remote answer; ``None`` for a local one or a server that reports none.
         flags: what the backend knows makes this answer unlike an ordinary one:
             :data:`OVERFLOW` (the server refused the prompt as longer than its window: no
-            answer), :data:`TOKEN_COUNT_MISMATCH` (the server counted other prompt tokens than
-            the local tokenizer: it read another prompt, or cut it).
+            answer), :data:`TOKEN_COUNT_MISMATCH` (the server counted a few other prompt tokens
+            than the local tokenizer), :data:`PROMPT_CUT` (the server counted many fewer: it
+            cut the prompt), :data:`EMPTY_ANSWER` (the server returned no answer text).
+        reasons: what the server said behind a flag, by flag (``{"empty_answer":
+            "content null, finish_reason stop, reasoning_content present"}``).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -113,6 +126,7 @@ class Generation(BaseModel):
     first_top_logprobs: dict[str, float] | None = Field(default=None, exclude=True, repr=False)
     usage: dict[str, int] | None = None
     flags: list[str] = Field(default_factory=list)
+    reasons: dict[str, str] = Field(default_factory=dict)
 
 
 class SweepRecord(BaseModel):
@@ -130,6 +144,10 @@ class SweepRecord(BaseModel):
       sample is left out of the accuracy at every position.
     * ``cut_to_window``: the same, for a backend that cuts long prompts by design
       (``truncated``); the cell ran and is scored.
+    * ``prompt_cut``, ``empty_answer`` (a remote model): the server cut the prompt, or returned
+      no answer text (its reason in ``extra["empty_answer"]``); counted and left out of the
+      accuracy like ``overflow`` (:data:`UNSCORED`). ``token_count_mismatch``: the server
+      counted a few other prompt tokens; scored.
     * ``degenerate_gold``: a gold answer normalises to nothing, to one character or to stopwords
       only (:func:`ragfix.metrics.degenerate_gold`; the reasons are in ``extra``); scored as
       usual, reported so a reader knows the metric is loose there.

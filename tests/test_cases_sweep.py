@@ -85,7 +85,8 @@ def test_case12_overflow_is_flagged_before_the_model_runs_and_counted(tiny_2048,
     assert curve["mean"] == pytest.approx(sum(r["correct"] for r in fit) / 3)
     text = " ".join(res.output.split())
     assert "flagged cells per prompt position" in text and "overflow" in text
-    assert "1 sample(s) overflow the context window" in text and "3 of 6 cells scored" in text
+    assert "1 sample(s) have a cell that is not scored" in text and "3 of 6 cells scored" in text
+    assert "overflow: 3 cell(s), the prompt does not fit the context window" in text
 
 
 def test_case12_a_backend_that_cuts_by_design_runs_and_flags_the_cell(tmp_path):

@@ -144,3 +144,57 @@ def test_generator_streams_and_refuses_other_turns(smol):
     assert "Paris" in full
     with pytest.raises(ConfigError, match="one user message, got: system, user"):
         llm.run([ChatMessage.from_system("Be brief."), *ask])
+
+
+def test_c11_every_text_part_is_read_and_other_parts_refused(smol):
+    """C11 (deepset-ai/haystack#9676): ``ChatMessage.from_user(content_parts=["What is the
+    capital", " of France?"])`` was read as its first part only (the answer was about "the
+    capital of the United States"). Every text part is read, joined as ``ragfix serve`` joins
+    text parts (nothing between them), so the model reads the prompt of the one-string message;
+    a part that is not text is refused in one line."""
+    from haystack.dataclasses import ImageContent
+
+    from ragfix.serve import Message
+
+    q = "What is the capital of France?"
+    llm = RagFixChatGenerator(smol, max_new_tokens=24)
+    one = llm.run([ChatMessage.from_user(q)])["replies"][0].text
+    read = llm.last_prompt
+    parts = ["What is the capital", " of France?"]
+    two = llm.run([ChatMessage.from_user(content_parts=parts)])["replies"][0].text
+    assert llm.last_prompt == read and q in read and two == one and "France" in two
+    served = Message(role="user", content=[{"type": "text", "text": p} for p in parts])
+    assert served.text() == q  # the served endpoint's rule
+    pieces: list[str] = []
+    llm.run(
+        [ChatMessage.from_user(content_parts=parts)],
+        streaming_callback=lambda c: pieces.append(c.content),
+    )
+    assert "".join(pieces) == one
+    image = ImageContent(base64_image="iVBORw0KGgo=", mime_type="image/png")
+    with pytest.raises(
+        ConfigError,
+        match=r"^RagFixChatGenerator reads text only: part 1 of the user message is 'image'$",
+    ):
+        llm.run([ChatMessage.from_user(content_parts=[q, image])])
+
+
+def test_c11_a_served_model_reads_every_text_part():
+    """C11 through a stand-in server on 127.0.0.1: the remote backend under
+    ``RagFixChatGenerator`` sends the joined text parts (the prompt the server receives holds
+    the whole question)."""
+    from fake_openai import FakeOpenAI
+
+    from ragfix.backends import load_backend
+
+    with FakeOpenAI() as fake:
+        remote = load_backend(
+            "vanilla", model="openai:fake", api_base=fake.url, tokenizer="smollm2"
+        )
+        llm = RagFixChatGenerator(remote, max_new_tokens=8)
+        parts = ["What is the capital", " of France?"]
+        reply = llm.run([ChatMessage.from_user(content_parts=parts)])["replies"][0]
+        assert reply.text == "Paris"
+        assert reply.meta["prompt_tokens"] == len(remote.encode(llm.last_prompt))
+        [body] = fake.bodies
+    assert body["prompt"] == llm.last_prompt and "What is the capital of France?" in body["prompt"]

@@ -141,3 +141,110 @@ def test_core_import_stays_light_and_a_missing_extra_is_one_line():
         "ragfix.errors.MissingExtraError: the langchain integration needs langchain_classic: "
         'pip install "ragfix[langchain]"'
     )
+
+
+# ------------------------------------------------------------------ turn-3 cases
+
+Q = "What is the capital of France?"
+#: the case's stop strings, each spanning streamed pieces of the answer
+CASE_STOPS = ([" capital of"], ["France is"], ["Paris"], ["is Paris"])
+
+
+def test_c2_stream_holds_back_a_stop_string_spanning_two_pieces(smol):
+    """C2 (vllm-project/vllm#3574): ``stream(Q, stop=[" capital of"])`` gave ``'The capital'``
+    where ``invoke`` gave ``'The'``. Streaming now holds back text that may begin a stop string:
+    for every stop of the case ``stream`` gives ``invoke``'s text, which is the answer cut before
+    the stop, and no streamed piece holds any part of the stop."""
+    chat = RagFixChatModel(smol, max_new_tokens=24)
+    full = chat.invoke(Q).content
+    assert full == "The capital of France is Paris."
+    assert [c.content for c in chat.stream(Q) if c.content][:3] == ["The", " capital", " of"]
+    for stop in CASE_STOPS:
+        pieces = [c.content for c in chat.stream(Q, stop=stop) if c.content]
+        assert "".join(pieces) == chat.invoke(Q, stop=stop).content == full[: full.find(stop[0])]
+    assert [c.content for c in chat.stream(Q, stop=[" capital of"]) if c.content] == ["The"]
+
+
+def test_c2_every_split_of_the_stream_cuts_as_the_whole_text_does():
+    """C2, the rule on its own (:class:`ragfix.answering.StopStream`): every way of cutting an
+    answer into pieces, and overlapping stop strings (a longer one starting before a shorter
+    one that completes first), give :func:`~ragfix.answering.cut_at_stop` of the whole."""
+    import itertools
+
+    from ragfix.answering import StopStream, cut_at_stop
+
+    text = "The capital of France is Paris."
+    cases = [*CASE_STOPS, ["capital of France", "of"], ["is Paris.", "s"], ["xyz"], []]
+    for stops in cases:
+        for cuts in itertools.combinations(range(1, len(text)), 3):
+            pieces = [text[i:j] for i, j in zip((0, *cuts), (*cuts, len(text)), strict=True)]
+            cutter, out = StopStream(stops), ""
+            for piece in pieces:
+                out += cutter.feed(piece)
+                assert cut_at_stop(text, stops).startswith(out)  # never emitted, then cut
+            out += cutter.close()
+            assert out == cut_at_stop(text, stops), (stops, pieces)
+
+
+def test_c2_a_served_model_streams_the_same_text_as_it_answers():
+    """C2 through a stand-in server on 127.0.0.1 that streams the answer in fixed pieces: the
+    remote backend under ``RagFixChatModel``; ``stream`` equals ``invoke`` for every stop."""
+    from fake_openai import FakeOpenAI
+
+    from ragfix.backends import load_backend
+
+    pieces = ["The", " capital", " of", " France", " is", " Paris", "."]
+    with FakeOpenAI(pieces=pieces) as fake:
+        remote = load_backend(
+            "vanilla", model="openai:fake", api_base=fake.url, tokenizer="smollm2"
+        )
+        chat = RagFixChatModel(remote, max_new_tokens=24)
+        assert chat.invoke(Q).content == "".join(pieces)
+        for stop in (*CASE_STOPS, ["capital of France"], ["ca"]):
+            streamed = "".join(c.content for c in chat.stream(Q, stop=stop))
+            assert streamed == chat.invoke(Q, stop=stop).content
+        assert [c.content for c in chat.stream(Q, stop=["France is"]) if c.content] == [
+            "The",
+            " capital",
+            " of",
+            " ",
+        ]
+
+
+def test_c23b_per_call_settings_are_honoured_and_other_blocks_refused(smol):
+    """C23b (langchain-ai/langchain PR#32441): ``invoke(Q, max_tokens=3)`` and
+    ``bind(max_tokens=3)`` were ignored and an image block next to the text was dropped
+    silently. Now the per-call budget is the answer's (streamed too), other per-call keywords
+    and blocks that are not text are refused in one line, text blocks are read joined as
+    ``ragfix serve`` joins text parts, and the token counts are in ``usage_metadata``."""
+    from ragfix.serve import Message
+
+    chat = RagFixChatModel(smol, max_new_tokens=24)
+    whole = chat.invoke(Q)
+    gen = chat.last_generation
+    assert whole.usage_metadata == {
+        "input_tokens": gen.prompt_tokens,
+        "output_tokens": gen.new_tokens,
+        "total_tokens": gen.prompt_tokens + gen.new_tokens,
+    }
+    assert gen.new_tokens > 3 and gen.prompt_tokens == smol.count_tokens(chat.last_prompt)
+    three = chat.invoke(Q, max_tokens=3)
+    assert chat.last_generation.new_tokens == 3 == three.usage_metadata["output_tokens"]
+    assert three.content == "The capital of" and whole.content.startswith(three.content)
+    assert chat.bind(max_tokens=3).invoke(Q).content == three.content
+    assert chat.invoke(Q, max_new_tokens=3).content == three.content
+    assert "".join(c.content for c in chat.bind(max_tokens=3).stream(Q)) == three.content
+    assert chat.invoke(Q).content == whole.content  # the model's own setting is unchanged
+    with pytest.raises(ConfigError, match=r"^RagFixChatModel does not take temperature per call"):
+        chat.invoke(Q, temperature=0.7)
+    with pytest.raises(ConfigError, match=r"^RagFixChatModel: max_new_tokens=0: .*greater than 0"):
+        chat.invoke(Q, max_tokens=0)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ConfigError, match="content block 1 of the HumanMessage is 'image_url'"):
+        chat.invoke([HumanMessage(content=[{"type": "text", "text": Q}, image])])
+    parts = [
+        {"type": "text", "text": "What is the capital"},
+        {"type": "text", "text": " of France?"},
+    ]
+    assert chat.invoke([HumanMessage(content=parts)]).content == whole.content
+    assert Message(role="user", content=parts).text() == Q  # the served endpoint's rule

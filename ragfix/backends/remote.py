@@ -2,9 +2,11 @@
 
 ``load_backend("vanilla", model="openai:NAME", api_base=URL)`` gives a :class:`RemoteBackend`:
 vLLM, llama.cpp's server, Ollama, TGI, a hosted API or ``ragfix serve`` answer the prompts of a
-sweep, a pipeline sweep or a judge run. Requests go through the official ``openai`` client:
-up to ``concurrency`` at once, retried with exponential backoff on 408, 409, 429 and 5xx and on
-connection errors (``max_retries``), each bounded by ``timeout`` seconds. The API key is read from
+sweep, a pipeline sweep or a judge run. Requests go through the official ``openai`` client
+(its async client for :meth:`RemoteBackend.generate`): up to ``concurrency`` at once, retried
+with exponential backoff on 408, 409, 429 and 5xx and on connection errors (``max_retries``),
+each bounded by ``timeout`` seconds. Ctrl-C cancels the requests in flight at once and hands back
+the answers that had arrived (:class:`~ragfix.errors.Interrupted`). The API key is read from
 ``OPENAI_API_KEY`` (a local server needs none).
 
 How prompts travel:
@@ -23,16 +25,25 @@ Decoding is greedy (``temperature=0``); the newline stop rule is ``stop=["\\n"]`
 ``Generation.first_top_logprobs`` (a server that returns none leaves it ``None``).
 
 Token counts: with a ``tokenizer`` (the local name of the same model) prompts are counted here,
-before they are sent, and the server's own count is compared (``token_count_mismatch`` when they
-differ); without one the server's ``usage`` figures are the counts (a response without them is an
-error, never a guess), and consumers check the window after the answer
-(:attr:`~ragfix.backends.base.Backend.has_tokenizer`). The window is ``context_window`` or the
-``max_model_len`` the server reports in ``/v1/models`` (vLLM, ``ragfix serve``). A prompt the
-server refuses as too long comes back flagged ``overflow`` with no answer.
+before they are sent, and the server's own count is compared: ``prompt_cut`` when the server
+counted more than :data:`CUT_TOLERANCE` tokens fewer (it cut the prompt), else
+``token_count_mismatch`` when they differ. Without one the server's ``usage`` figures are the
+counts (a response without them is an error, never a guess), and consumers check the window after
+the answer (:attr:`~ragfix.backends.base.Backend.has_tokenizer`). The window is
+``context_window`` or the ``max_model_len`` the server reports in ``/v1/models`` (vLLM, ``ragfix
+serve``). A prompt the server refuses as too long comes back flagged ``overflow`` with no answer.
+
+Answers the server gave no text for (``content: null``, as reasoning models answer in
+``reasoning_content``; a blank one; a refusal) come back flagged ``empty_answer``, the server's
+reason in :attr:`Generation.reasons`. A response that is an ``{"error": ...}`` body or has no
+choices (both with HTTP 200) is a one-line :class:`~ragfix.errors.RagfixError` naming the
+endpoint and the server's message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import os
 import re
@@ -55,12 +66,25 @@ from ragfix.backends.base import (
     validated_options,
 )
 from ragfix.backends.hf import chat_text, template_id
-from ragfix.errors import ConfigError, ModelNotFoundError, RagfixError
+from ragfix.errors import ConfigError, Interrupted, ModelNotFoundError, RagfixError
 from ragfix.models import REMOTE_PREFIX, load_tokenizer
-from ragfix.types import OVERFLOW, TOKEN_COUNT_MISMATCH, Generation
+from ragfix.types import (
+    EMPTY_ANSWER,
+    OVERFLOW,
+    PROMPT_CUT,
+    TOKEN_COUNT_MISMATCH,
+    Generation,
+)
 
 #: alternatives asked for per answer token with ``first_logprobs`` (the most OpenAI allows)
 TOP_LOGPROBS = 20
+#: prompt tokens the server may count fewer than the tokenizer here without having cut the
+#: prompt (a BOS token or a chat template's closing newline counted on one side only); more
+#: fewer is a cut prompt (``prompt_cut``, not scored). More tokens there are never a cut (vLLM's
+#: completions endpoint adds the BOS token: one more)
+CUT_TOLERANCE = 2
+#: characters of a server's refusal kept in the reason of an ``empty_answer`` flag
+REFUSAL_CHARS = 80
 #: the environment variable holding the API key
 API_KEY_ENV = "OPENAI_API_KEY"
 #: fields of a ``/v1/models`` entry that describe the served model: its id, owner, the checkpoint
@@ -153,12 +177,7 @@ class RemoteBackend(Backend):
         self.tokenizer = load_tokenizer(self.options.tokenizer) if self.options.tokenizer else None
         self.has_tokenizer = self.tokenizer is not None
         self.preferred_batch_size = self.options.concurrency
-        self.client = OpenAI(
-            base_url=self.options.api_base,
-            api_key=os.environ.get(API_KEY_ENV) or "none",
-            max_retries=self.options.max_retries,
-            timeout=self.options.timeout,
-        )
+        self.client = OpenAI(**self._client_settings())
         self.server_model = self._server_model()
         reported = self.server_model.get("max_model_len")
         given = self.options.context_window
@@ -307,9 +326,20 @@ class RemoteBackend(Backend):
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # ------------------------------------------------------------------ requests
-    def _request(self, prompt: Prompt, max_new_tokens: int, stop: bool, **extra):
-        """One chat (``TaskPrompt``) or completions (string) request; ``extra`` are more fields
-        of the request (``stream``, log-probabilities)."""
+    def _client_settings(self) -> dict:
+        """The ``openai`` client's settings (the sync client's and each ``generate`` call's async
+        one)."""
+        return {
+            "base_url": self.options.api_base,
+            "api_key": os.environ.get(API_KEY_ENV) or "none",
+            "max_retries": self.options.max_retries,
+            "timeout": self.options.timeout,
+        }
+
+    def _request(self, client, prompt: Prompt, max_new_tokens: int, stop: bool, **extra):
+        """One chat (``TaskPrompt``) or completions (string) request through ``client`` (the
+        sync or the async ``openai`` client: the response, or a coroutine of it); ``extra`` are
+        more fields of the request (``stream``, log-probabilities)."""
         common = {
             "model": self.served,
             "max_tokens": max_new_tokens,
@@ -318,15 +348,40 @@ class RemoteBackend(Backend):
             **extra,
         }
         if isinstance(prompt, str):
-            return self.client.completions.create(prompt=prompt, **common)
+            return client.completions.create(prompt=prompt, **common)
         messages = [{"role": "user", "content": prompt.user}]
         if prompt.assistant_prefix:
             messages.append({"role": "assistant", "content": prompt.assistant_prefix})
             common["extra_body"] = {"continue_final_message": True, "add_generation_prompt": False}
-        return self.client.chat.completions.create(messages=messages, **common)
+        return client.chat.completions.create(messages=messages, **common)
 
-    def _answer(self, prompt: Prompt, max_new_tokens: int, stop: bool, logprobs: bool):
-        """One greedy answer as a :class:`Generation` (see :meth:`generate`)."""
+    def _choice(self, resp, what: str):
+        """The first choice of a response.
+
+        Raises:
+            RagfixError: an ``{"error": ...}`` body (HTTP 200) or no choices (``choices: null``
+                or ``[]``): one line naming the endpoint and the server's message.
+        """
+        where = f"{self.options.api_base} ({self.served})"
+        error = (resp.model_extra or {}).get("error")
+        if error is not None:
+            msg = error.get("message", error) if isinstance(error, dict) else error
+            first = str(msg).strip().splitlines()[0] if str(msg).strip() else "no message"
+            raise RagfixError(
+                f"{where} answered a {what} request (HTTP 200) with an error: {first}"
+            )
+        if not getattr(resp, "choices", None):
+            raise RagfixError(
+                f"{where} answered a {what} request without choices "
+                f"(choices: {json.dumps(getattr(resp, 'choices', None))}); nothing to read"
+            )
+        return resp.choices[0]
+
+    async def _answer(
+        self, client, prompt: Prompt, max_new_tokens: int, stop: bool, logprobs: bool
+    ) -> Generation:
+        """One greedy answer as a :class:`Generation` (see :meth:`generate`), through the async
+        ``client``."""
         import openai
 
         start = time.perf_counter()
@@ -339,7 +394,7 @@ class RemoteBackend(Backend):
                 else {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
             )
         try:
-            resp = self._request(prompt, max_new_tokens, stop, **extra)
+            resp = await self._request(client, prompt, max_new_tokens, stop, **extra)
         except openai.BadRequestError as e:
             if not _TOO_LONG.search(f"{e.code or ''} {e}"):
                 raise self._failed(e) from None
@@ -353,8 +408,9 @@ class RemoteBackend(Backend):
             )
         except openai.APIError as e:
             raise self._failed(e) from None
-        choice = resp.choices[0]
-        raw = choice.text if isinstance(prompt, str) else (choice.message.content or "")
+        completions = isinstance(prompt, str)
+        choice = self._choice(resp, "completions" if completions else "chat")
+        raw = choice.text if completions else choice.message.content
         usage = (
             {
                 "prompt_tokens": resp.usage.prompt_tokens,
@@ -368,22 +424,64 @@ class RemoteBackend(Backend):
                 f"{self.options.api_base} reported no usage figures for {self.served!r}, so the "
                 "prompt's tokens cannot be counted: give --tokenizer NAME"
             )
-        flags = []
+        text = answer_text(raw or "", stop)
+        flags, reasons = [], {}
         if local is not None and usage is not None and usage["prompt_tokens"] != local:
-            flags.append(TOKEN_COUNT_MISMATCH)
+            cut = usage["prompt_tokens"] < local - CUT_TOLERANCE
+            flags.append(PROMPT_CUT if cut else TOKEN_COUNT_MISMATCH)
+            if cut:
+                reasons[PROMPT_CUT] = (
+                    f"the server counted {usage['prompt_tokens']} prompt tokens, {local} here"
+                )
+        if not text:
+            flags.append(EMPTY_ANSWER)
+            reasons[EMPTY_ANSWER] = _why_empty(choice, raw, completions)
         n_prompt = usage["prompt_tokens"] if local is None else local
         return Generation(
-            text=answer_text(raw, stop),
+            text=text,
             prompt_tokens=n_prompt,
-            new_tokens=usage["completion_tokens"] if usage else len(self.tokenize(raw)),
+            new_tokens=usage["completion_tokens"] if usage else len(self.tokenize(raw or "")),
             prefill_tokens=n_prompt,
             seconds=time.perf_counter() - start,
-            first_top_logprobs=_first_top(choice.logprobs, isinstance(prompt, str))
-            if logprobs
-            else None,
+            first_top_logprobs=_first_top(choice.logprobs, completions) if logprobs else None,
             usage=usage,
             flags=flags,
+            reasons=reasons,
         )
+
+    async def _answers(
+        self, jobs: list[tuple[Prompt, int, bool]], logprobs: bool, cancel: Cancel | None
+    ) -> tuple[list[Generation] | None, dict[int, Generation]]:
+        """Every job's answer, ``concurrency`` requests in flight at once: ``(answers, {})``;
+        ``cancel`` is asked before each request is sent (:class:`~ragfix.errors.Cancelled`);
+        when cancelled (Ctrl-C), every request in flight is cancelled at once and the answers
+        that had arrived come back by job index: ``(None, {index: answer})``. A request that
+        fails for good cancels the others and its error is raised."""
+        from openai import AsyncOpenAI
+
+        gate = asyncio.Semaphore(self.options.concurrency)
+
+        async def one(client, job) -> Generation:
+            async with gate:
+                check_cancel(cancel)
+                return await self._answer(client, *job, logprobs)
+
+        async with AsyncOpenAI(**self._client_settings()) as client:
+            tasks = [asyncio.ensure_future(one(client, job)) for job in jobs]
+            try:
+                return list(await asyncio.gather(*tasks)), {}
+            except BaseException as e:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if not isinstance(e, asyncio.CancelledError):
+                    raise
+                arrived = {
+                    i: t.result()
+                    for i, t in enumerate(tasks)
+                    if not t.cancelled() and t.exception() is None
+                }
+                return None, arrived
 
     def generate(
         self,
@@ -402,21 +500,26 @@ class RemoteBackend(Backend):
         :data:`TOP_LOGPROBS` alternatives of its first token (``first_logprobs`` stays None).
         ``cancel`` is asked before each request is sent (a request in flight runs to its end).
 
+        An answer without text is flagged ``empty_answer`` with the server's reason in
+        ``reasons``; a prompt the server counted at more than :data:`CUT_TOLERANCE` tokens fewer
+        than the tokenizer here is flagged ``prompt_cut`` (fewer or more within that:
+        ``token_count_mismatch``).
+
         Raises:
-            RagfixError: a request failed for good (after its retries), or the server reported no
-                usage figures and no tokenizer was given.
+            RagfixError: a request failed for good (after its retries), the server answered an
+                error body or no choices, or it reported no usage figures and no tokenizer was
+                given.
             Cancelled: ``cancel`` was set before every request was sent.
+            Interrupted: Ctrl-C (in the main thread): the requests in flight are cancelled at
+                once; ``done`` holds the answers that had arrived, by prompt index.
         """
         jobs = [(p, *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts]
-
-        def answer(job) -> Generation:
-            check_cancel(cancel)
-            return self._answer(*job, first_logprobs)
-
-        if len(jobs) <= 1 or self.options.concurrency == 1:
-            return [answer(job) for job in jobs]
-        with ThreadPoolExecutor(min(self.options.concurrency, len(jobs))) as pool:
-            return list(pool.map(answer, jobs))
+        if not jobs:
+            return []
+        answers, arrived = _run(self._answers(jobs, first_logprobs, cancel))
+        if answers is None:
+            raise Interrupted(done=arrived)
+        return answers
 
     def stream(
         self,
@@ -436,7 +539,9 @@ class RemoteBackend(Backend):
         import openai
 
         try:
-            events = self._request(prompt, max_new_tokens, stop_at_newline, stream=True)
+            events = self._request(
+                self.client, prompt, max_new_tokens, stop_at_newline, stream=True
+            )
         except openai.APIError as e:
             raise self._failed(e) from None
         try:
@@ -477,6 +582,38 @@ class RemoteBackend(Backend):
         raise self._no_scores("scoring text (perplexity, loglikelihood, calibration)")
 
 
+def _run(coro):
+    """Run ``coro`` to its end: in this thread (Ctrl-C in the main thread cancels it), or in a
+    helper thread when this thread already runs an event loop (a notebook; Ctrl-C there waits
+    for the requests in flight)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _why_empty(choice, raw: str | None, completions: bool) -> str:
+    """What the server said about an answer without text, comma-separated: ``content null`` or
+    ``content blank``, its ``finish_reason``, a ``reasoning_content`` (or ``reasoning``) field
+    that holds text, a ``refusal`` (its first line)."""
+    said = ["content null" if raw is None else "content blank"]
+    if choice.finish_reason:
+        said.append(f"finish_reason {choice.finish_reason}")
+    if not completions:
+        message = choice.message
+        fields = {**(message.model_extra or {})}
+        for name in ("reasoning_content", "reasoning"):
+            if fields.get(name):
+                said.append(f"{name} present")
+        refusal = getattr(message, "refusal", None)
+        if refusal:
+            first = str(refusal).strip().splitlines()[0]
+            said.append(f"refusal: {first[:REFUSAL_CHARS]}")
+    return ", ".join(said)
+
+
 def _first_top(logprobs, completions: bool) -> dict[str, float] | None:
     """The first answer token's top alternatives ``{text: log-probability}`` from a response's
     ``logprobs`` (chat: ``content[0].top_logprobs``; completions: ``top_logprobs[0]``), or
@@ -494,4 +631,4 @@ def _first_top(logprobs, completions: bool) -> dict[str, float] | None:
     return _merge_top(pairs or [(first.token, first.logprob)])
 
 
-__all__ = ["API_KEY_ENV", "TOP_LOGPROBS", "RemoteBackend", "RemoteOptions"]
+__all__ = ["API_KEY_ENV", "CUT_TOLERANCE", "TOP_LOGPROBS", "RemoteBackend", "RemoteOptions"]

@@ -55,6 +55,7 @@ from ragfix.backends import BackendRef  # noqa: E402
 from ragfix.backends.base import Backend  # noqa: E402
 from ragfix.correction import Candidate, Correction, CorrectionSettings  # noqa: E402
 from ragfix.errors import ConfigError  # noqa: E402
+from ragfix.prompts import join_text_parts  # noqa: E402
 from ragfix.tasks import get_task, join_chunks, render_chunk  # noqa: E402
 from ragfix.types import Generation  # noqa: E402
 
@@ -208,13 +209,36 @@ class RagFixRanker:
         return default_from_dict(cls, data)
 
 
+def _user_text(messages: list[ChatMessage]) -> str:
+    """The text of the one user message: its text parts joined
+    (:func:`ragfix.prompts.join_text_parts`).
+
+    Raises:
+        ConfigError: not exactly one user message with text, or a part that is not text.
+    """
+    if len(messages) != 1 or not messages[0].is_from("user") or not messages[0].texts:
+        roles = ", ".join(str(m.role.value) for m in messages) or "none"
+        raise ConfigError(f"RagFixChatGenerator answers one user message, got: {roles}")
+    parts = messages[0].to_dict()["content"]  # one {kind: value} per part
+    for i, part in enumerate(parts):
+        kind = next(iter(part), "empty")
+        if kind != "text":
+            raise ConfigError(
+                f"RagFixChatGenerator reads text only: part {i} of the user message is {kind!r}"
+            )
+    return join_text_parts(messages[0].texts)
+
+
 @component
 class RagFixChatGenerator:
     """A ragfix :class:`~ragfix.backends.Backend` as a Haystack chat generator (greedy).
 
     It answers one user message (e.g. from :func:`qa_prompt_builder`), wrapped in the model's
     chat template, like :class:`ragfix.llm.RagFixLLM`; a ``streaming_callback`` receives the
-    answer piece by piece (:meth:`Backend.stream`).
+    answer piece by piece (:meth:`Backend.stream`). A message of several text parts
+    (``ChatMessage.from_user(content_parts=[...])``) is read as all of them joined as
+    ``ragfix serve`` joins text parts (:func:`ragfix.prompts.join_text_parts`: nothing between
+    them); a part that is not text (an image, a file, a tool call) is refused.
 
     Args:
         backend: a :class:`ragfix.backends.Backend`, or a :class:`ragfix.backends.BackendRef` (or
@@ -229,8 +253,8 @@ class RagFixChatGenerator:
     Raises:
         pydantic.ValidationError: an unknown setting or a value out of range (when built).
         ConfigError: ``max_new_tokens`` leaves no room for a prompt (when the backend is
-            loaded); (when run) messages other than one user message, or a prompt that does not
-            fit the window (never truncated).
+            loaded); (when run) messages other than one user message, a part that is not text,
+            or a prompt that does not fit the window (never truncated).
     """
 
     def __init__(self, backend: Backend | BackendRef | dict, **settings: Any):
@@ -276,20 +300,19 @@ class RagFixChatGenerator:
             ``replies``: one assistant message (``meta``: model, prompt and new tokens).
 
         Raises:
-            ConfigError: not exactly one user message; a prompt that does not fit the window.
+            ConfigError: not exactly one user message, a part of it that is not text, or a
+                prompt that does not fit the window.
         """
         self.warm_up()
-        if len(messages) != 1 or not messages[0].is_from("user") or messages[0].text is None:
-            roles = ", ".join(str(m.role.value) for m in messages) or "none"
-            raise ConfigError(f"RagFixChatGenerator answers one user message, got: {roles}")
+        user = _user_text(messages)
         meta: dict[str, Any] = {"model": self._answerer.backend.model_name}
         if streaming_callback is None:
-            gen = self._answerer.generate(messages[0].text)
+            gen = self._answerer.generate(user)
             text = gen.text
             meta.update(prompt_tokens=gen.prompt_tokens, new_tokens=gen.new_tokens)
         else:
             text = ""
-            for piece in self._answerer.stream(messages[0].text):
+            for piece in self._answerer.stream(user):
                 text += piece
                 streaming_callback(StreamingChunk(content=piece))
         return {"replies": [ChatMessage.from_assistant(text, meta=meta)]}

@@ -58,15 +58,24 @@ from langchain_core.messages import (  # noqa: E402
     AIMessageChunk,
     BaseMessage,
     HumanMessage,
+    UsageMetadata,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from pydantic import ConfigDict, PrivateAttr  # noqa: E402
 
-from ragfix.answering import Answerer, AnswererView, AnswerFields  # noqa: E402
+from ragfix.answering import (  # noqa: E402
+    Answerer,
+    AnswererView,
+    AnswerFields,
+    AnswerSettings,
+    StopStream,
+    cut_at_stop,
+)
 from ragfix.backends.base import Backend  # noqa: E402
 from ragfix.correction import Candidate, Correction, CorrectionFields  # noqa: E402
 from ragfix.errors import ConfigError  # noqa: E402
+from ragfix.prompts import join_text_parts  # noqa: E402
 from ragfix.tasks import get_task, join_chunks, render_chunk  # noqa: E402
 
 
@@ -168,12 +177,28 @@ class RagFixCompressor(CorrectionFields, BaseDocumentCompressor, BaseDocumentTra
         return self._apply(documents, kwargs.get("query"))
 
 
+#: the keywords one call may give (``invoke(..., max_tokens=3)``, ``bind(max_tokens=3)``), by the
+#: answer setting each sets; any other keyword is refused
+CALL_SETTINGS = {
+    "max_tokens": "max_new_tokens",
+    "max_new_tokens": "max_new_tokens",
+    "stop_at_newline": "stop_at_newline",
+}
+
+
 class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
     """A ragfix :class:`~ragfix.backends.Backend` as a LangChain chat model (greedy).
 
     It answers one user turn (a single ``HumanMessage``, e.g. from :func:`qa_prompt`), wrapped in
     the model's chat template, like :class:`ragfix.llm.RagFixLLM`; streaming goes through
-    :meth:`Backend.stream`. ``stop`` strings cut the answer after generation.
+    :meth:`Backend.stream`. A ``HumanMessage`` whose content is a list of blocks is read as its
+    text blocks (strings and ``{"type": "text"}``) joined as ``ragfix serve`` joins text parts
+    (:func:`ragfix.prompts.join_text_parts`: nothing between them). ``stop`` strings cut the
+    answer after generation; streamed, the text that may begin a stop string is held back
+    (:class:`ragfix.answering.StopStream`), so ``stream`` and ``invoke`` give the same text.
+    One call may set ``max_tokens`` (or ``max_new_tokens``) and ``stop_at_newline``
+    (:data:`CALL_SETTINGS`), given to ``invoke`` or ``bind``. An answer's token counts are its
+    message's ``usage_metadata`` (``invoke``; a streamed answer carries none).
 
     Args:
         backend: the backend that answers.
@@ -185,8 +210,9 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
 
     Raises:
         ConfigError: (at construction) ``max_new_tokens`` leaves no room for a prompt; (at a call)
-            messages other than one user turn, or a prompt that does not fit the window (never
-            truncated).
+            messages other than one user turn, a content block that is not text, a keyword
+            other than :data:`CALL_SETTINGS` or an invalid value of one, or a prompt that does
+            not fit the window (never truncated).
         pydantic.ValidationError: an unknown setting or a value out of range.
     """
 
@@ -210,17 +236,49 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
 
     @staticmethod
     def _user_turn(messages: list[BaseMessage]) -> str:
+        """The text of the one user turn (its text blocks joined).
+
+        Raises:
+            ConfigError: not one ``HumanMessage``, or a content block that is not text.
+        """
         if len(messages) != 1 or not isinstance(messages[0], HumanMessage):
             kinds = ", ".join(type(m).__name__ for m in messages) or "none"
             raise ConfigError(
                 f"RagFixChatModel answers one user turn (one HumanMessage), got: {kinds}"
             )
-        return messages[0].text
+        content = messages[0].content
+        if isinstance(content, str):
+            return content
+        texts = []
+        for i, block in enumerate(content):
+            if isinstance(block, str):
+                texts.append(block)
+            elif isinstance(block, dict) and block.get("type") == "text":
+                texts.append(str(block.get("text", "")))
+            else:
+                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+                raise ConfigError(
+                    f"RagFixChatModel reads text only: content block {i} of the HumanMessage "
+                    f"is {kind!r}"
+                )
+        return join_text_parts(texts)
 
-    @staticmethod
-    def _cut(text: str, stop: list[str] | None) -> str:
-        cuts = [text.find(s) for s in stop or [] if s and s in text]
-        return text[: min(cuts)] if cuts else text
+    def _call_settings(self, kwargs: dict[str, Any]) -> AnswerSettings | None:
+        """The settings of one call with keywords ``kwargs`` (None: the model's own).
+
+        Raises:
+            ConfigError: a keyword other than :data:`CALL_SETTINGS`, or an invalid value.
+        """
+        unknown = sorted(set(kwargs) - set(CALL_SETTINGS))
+        if unknown:
+            raise ConfigError(
+                f"RagFixChatModel does not take {', '.join(unknown)} per call (it takes "
+                f"{', '.join(CALL_SETTINGS)} and stop)"
+            )
+        if not kwargs:
+            return None
+        changes = {CALL_SETTINGS[k]: v for k, v in kwargs.items()}
+        return self._answerer.settings_for_call("RagFixChatModel", **changes)
 
     def _generate(
         self,
@@ -229,9 +287,19 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        gen = self._answerer.generate(self._user_turn(messages))
+        settings = self._call_settings(kwargs)
+        gen = self._answerer.generate(self._user_turn(messages), settings)
         meta = {"prompt_tokens": gen.prompt_tokens, "new_tokens": gen.new_tokens}
-        message = AIMessage(content=self._cut(gen.text, stop), response_metadata=meta)
+        usage = UsageMetadata(
+            input_tokens=gen.prompt_tokens,
+            output_tokens=gen.new_tokens,
+            total_tokens=gen.prompt_tokens + gen.new_tokens,
+        )
+        message = AIMessage(
+            content=cut_at_stop(gen.text, stop or []),
+            response_metadata=meta,
+            usage_metadata=usage,
+        )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _stream(
@@ -241,24 +309,32 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        pieces = self._answerer.stream(self._user_turn(messages))
-        so_far = ""
+        settings = self._call_settings(kwargs)
+        pieces = self._answerer.stream(self._user_turn(messages), settings)
+        cutter = StopStream(stop or [])
+
+        def chunk(text: str) -> ChatGenerationChunk:
+            out = ChatGenerationChunk(message=AIMessageChunk(content=text))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(text, chunk=out)
+            return out
+
         try:
             for piece in pieces:
-                kept = self._cut(so_far + piece, stop)[len(so_far) :]
+                kept = cutter.feed(piece)
                 if kept:
-                    so_far += kept
-                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=kept))
-                    if run_manager is not None:
-                        run_manager.on_llm_new_token(kept, chunk=chunk)
-                    yield chunk
-                if len(kept) < len(piece):  # a stop string was hit
+                    yield chunk(kept)
+                if cutter.stopped:  # a stop string was hit: the generation is stopped
                     return
+            rest = cutter.close()
+            if rest:
+                yield chunk(rest)
         finally:
             pieces.close()
 
 
 __all__ = [
+    "CALL_SETTINGS",
     "RagFixChatModel",
     "RagFixCompressor",
     "embeddings",

@@ -1,0 +1,186 @@
+"""A stand-in OpenAI-compatible server on 127.0.0.1 for the remote backend's tests, misbehaving the
+way real servers have (the logic of ``cases/turn3/fake_openai_server.py`` of the shared cases,
+in a thread of the test process so a test can read what it saw and change its mode).
+
+It answers the KV task correctly (the value of the prompt's key) with ``usage`` figures, on
+``/v1/chat/completions`` and ``/v1/completions`` (both also streamed, in the pieces given);
+``/v1/models`` lists the model ``fake`` with ``max_model_len`` 8192.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+#: what :class:`FakeOpenAI` does per mode (on the requests of ``only``, else answers ``ok``)
+MODES = {
+    "ok": "answers the KV task, with usage",
+    "error200": 'HTTP 200 with an {"error": ...} body and no choices',
+    "nullchoices": 'HTTP 200 with "choices": null',
+    "emptychoices": 'HTTP 200 with "choices": []',
+    "contentnull": "content null, the answer in reasoning_content (a reasoning model)",
+    "reasoninglength": 'content "", finish_reason length, reasoning_content present',
+    "refusal": "content null and a refusal",
+    "hang": "the first `answer_now` requests answered at once, the others when closed",
+}
+
+
+def kv_answer(text: str) -> str:
+    """The value of the prompt's key (``Key: "k"`` ... ``"k": "v"``), ``Paris`` without one."""
+    m = re.search(r'Key: "([^"]+)"', text)
+    if not m:
+        return "Paris"
+    m2 = re.search(rf'"{re.escape(m.group(1))}": "([^"]+)"', text)
+    return (m2.group(1) + '"') if m2 else "unknown"
+
+
+class FakeOpenAI:
+    """The server, started when built, stopped by :meth:`close` (or as a context manager).
+
+    Args:
+        mode: one of :data:`MODES`.
+        prompt_tokens: the ``usage.prompt_tokens`` it reports for a request body (default: a
+            third of the prompt's characters).
+        only: the request numbers (1-based, in arrival order) that get ``mode``; the others are
+            answered ``ok`` (default: all of them).
+        answer_now: in mode ``hang``, how many requests are answered at once.
+        pieces: what every answer is made of, streamed piece by piece (default: the KV answer,
+            streamed in one piece).
+
+    Attributes:
+        url: the ``/v1`` base URL.
+        received: request numbers in arrival order; ``answered``: those answered so far;
+            ``bodies``: the request bodies in arrival order.
+    """
+
+    def __init__(
+        self,
+        mode: str = "ok",
+        *,
+        prompt_tokens: Callable[[dict], int] | None = None,
+        only: set[int] | None = None,
+        answer_now: int = 0,
+        pieces: list[str] | None = None,
+    ) -> None:
+        assert mode in MODES, mode
+        self.mode, self.only, self.answer_now, self.pieces = mode, only, answer_now, pieces
+        self.prompt_tokens = prompt_tokens or (lambda body: max(1, len(_text(body)) // 3))
+        self.received: list[int] = []
+        self.bodies: list[dict] = []
+        self.answered: list[int] = []
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, body) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                entry = {"id": "fake", "object": "model", "owned_by": "fake"}
+                self._send(200, {"object": "list", "data": [{**entry, "max_model_len": 8192}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+                with fake.lock:
+                    k = len(fake.received) + 1
+                    fake.received.append(k)
+                    fake.bodies.append(body)
+                mode = fake.mode if fake.only is None or k in fake.only else "ok"
+                if mode == "hang" and k > fake.answer_now:
+                    fake.release.wait()
+                    return
+                try:
+                    if body.get("stream"):
+                        self._stream(body, self.path.endswith("/chat/completions"))
+                    else:
+                        self._send(200, fake.response(mode, body, self.path))
+                except (BrokenPipeError, ConnectionResetError):  # the client went away
+                    return
+                with fake.lock:
+                    fake.answered.append(k)
+
+            def _stream(self, body: dict, chat: bool) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("connection", "close")
+                self.end_headers()
+                answer = kv_answer(_text(body))
+                for piece in fake.pieces or [answer]:
+                    choice = {"index": 0, "finish_reason": None}
+                    choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+                    kind = "chat.completion.chunk" if chat else "text_completion"
+                    chunk = {"id": "x", "created": 0, "model": "fake", "choices": [choice],
+                             "object": kind}  # fmt: skip
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.close_connection = True
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def response(self, mode: str, body: dict, path: str) -> dict:
+        """The JSON body of the answer to ``body`` in ``mode``."""
+        chat = path.endswith("/chat/completions")
+        answer = "".join(self.pieces) if self.pieces else kv_answer(_text(body))
+        out = {"id": "x", "object": "chat.completion" if chat else "text_completion",
+               "created": int(time.time()), "model": "fake"}  # fmt: skip
+        if mode == "error200":
+            return {"error": {"message": "upstream model crashed", "code": 500}}
+        message: dict = {"role": "assistant", "content": answer}
+        finish = "stop"
+        if mode == "contentnull":
+            message = {"role": "assistant", "content": None, "reasoning_content": answer}
+        elif mode == "reasoninglength":
+            message = {"role": "assistant", "content": "", "reasoning_content": "Let me think"}
+            finish = "length"
+        elif mode == "refusal":
+            message = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice.update({"message": message} if chat else {"text": message["content"]})
+        out["choices"] = {"nullchoices": None, "emptychoices": []}.get(mode, [choice])
+        n = self.prompt_tokens(body)
+        out["usage"] = {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
+        return out
+
+    def wait_for(self, received: int, answered: int, timeout: float = 60.0) -> None:
+        """Block until ``received`` requests arrived and ``answered`` were answered."""
+        deadline = time.monotonic() + timeout
+        while len(self.received) < received or len(self.answered) < answered:
+            assert time.monotonic() < deadline, (self.received, self.answered)
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Release the held requests (they are dropped) and stop serving."""
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> FakeOpenAI:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _text(body: dict) -> str:
+    """A request's prompt: the chat messages' contents joined, or the completions prompt."""
+    if "messages" in body:
+        return " ".join(str(m.get("content")) for m in body["messages"])
+    return str(body.get("prompt"))

@@ -1,0 +1,257 @@
+"""The remote cases of turn 3 (``cases/turn3/README.md`` of the shared cases): ``ragfix eval
+--model openai:fake`` against a stand-in OpenAI-compatible server on 127.0.0.1
+(:mod:`fake_openai`) that misbehaves the way real servers have. No model runs: the server answers
+the KV task itself; ``--tokenizer smollm2`` loads only the tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from fake_openai import FakeOpenAI
+from typer.testing import CliRunner
+
+from ragfix.cli.app import app
+from ragfix.types import EMPTY_ANSWER, PROMPT_CUT, TOKEN_COUNT_MISMATCH
+
+#: the case's sweep: 2 KV samples x gold positions 0 and 3 of 4 pairs (4 cells)
+SWEEP = ["kv-sample", "--num-docs", "4", "--positions", "0,3", "--limit", "2"]
+
+
+def _eval(fake: FakeOpenAI, out, *extra: str):
+    args = ["eval", *SWEEP, "--model", "openai:fake", "--api-base", fake.url, "--out", str(out)]
+    return CliRunner().invoke(app, [*args, *extra])
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+
+
+def _summary(out) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _exact_count():
+    """``usage.prompt_tokens`` as the server of the same model counts a chat request: the
+    SmolLM2 chat template of its user turn, plus the assistant prefix to continue."""
+    from ragfix.backends.hf import chat_text
+    from ragfix.models import load_tokenizer
+    from ragfix.prompts import TaskPrompt
+
+    tok = load_tokenizer("smollm2")
+
+    def count(body: dict) -> int:
+        msgs = body["messages"]
+        prefix = msgs[1]["content"] if len(msgs) > 1 else ""
+        text = chat_text(tok, TaskPrompt(user=msgs[0]["content"], assistant_prefix=prefix))
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+# ------------------------------------------------------------------ C21: empty answers
+
+
+def test_c21_content_null_answers_are_flagged_with_the_servers_reason_and_not_scored(tmp_path):
+    """C21 (mindcraft-bots/mindcraft#789): a reasoning model answers ``content: null`` with the
+    answer in ``reasoning_content``. Every cell is flagged ``empty_answer`` with that reason, no
+    cell is scored, the summary and the printed table count them, and ``ragfix report`` says
+    why there is nothing to compare instead of showing a -1.000 difference."""
+    with FakeOpenAI("contentnull") as fake:
+        res = _eval(fake, tmp_path / "run")
+    assert res.exit_code == 0, res.output
+    recs = _records(tmp_path / "run")
+    reason = "content null, finish_reason stop, reasoning_content present"
+    assert len(recs) == 4
+    for r in recs:
+        assert r["flags"] == [EMPTY_ANSWER] and r["answer"] == "" and r["correct"] is False
+        assert r["extra"][EMPTY_ANSWER] == reason
+    s = _summary(tmp_path / "run")
+    assert s["cells"] == 4 and s["scored_cells"] == 0 and s["excluded_samples"] == 2
+    assert s["curves"] == {} and s["flags"] == {EMPTY_ANSWER: {"0": 2, "3": 2}}
+    assert s["empty_answer_reasons"] == {reason: 4}
+    text = " ".join(res.output.split())
+    assert "2 sample(s) have a cell that is not scored" in text and "0 of 4 cells scored" in text
+    assert f"empty_answer: 4 cell(s), the server gave no answer text ({reason}: 4)" in text
+    rep = CliRunner().invoke(app, ["report", str(tmp_path / "run")])
+    assert rep.exit_code == 2 and "no scored cell in this run" in rep.output
+    assert "empty_answer: 4 cell(s), the server gave no answer text" in rep.output
+
+
+def test_c21_an_empty_answer_leaves_its_sample_out_at_every_position_only(tmp_path):
+    """C21, one cell: the second request (sample 1, position 3) gets ``content: null``; sample 1
+    is left out at both positions, sample 2 is scored at both (the server's answers are right)."""
+    with FakeOpenAI("contentnull", only={2}) as fake:
+        res = _eval(fake, tmp_path / "run", "--concurrency", "1")
+    assert res.exit_code == 0, res.output
+    recs = _records(tmp_path / "run")
+    assert [r["flags"] for r in recs] == [[], [EMPTY_ANSWER], [], []]
+    assert [r["correct"] for r in recs] == [True, False, True, True]
+    s = _summary(tmp_path / "run")
+    assert s["scored_cells"] == 2 and s["excluded_samples"] == 1
+    curve = s["curves"]["vanilla"]["positions"]
+    assert [(p["position"], p["n"], p["accuracy"]) for p in curve] == [(0, 1, 1.0), (3, 1, 1.0)]
+
+
+def test_c21_refusals_and_reasoning_cut_by_length_name_the_servers_reason():
+    """C21, the other reasons a server gives no text: a refusal (its text kept in the reason)
+    and a reasoning model that spent the budget thinking (``content: ""``, ``finish_reason:
+    length``); the completions endpoint says ``content null`` for a ``text: null``."""
+    from ragfix.backends import load_backend
+    from ragfix.prompts import TaskPrompt
+
+    ask = TaskPrompt(user='Key: "k"\n"k": "v"', max_new_tokens=8)
+    for mode, reason in (
+        ("refusal", "content null, finish_reason stop, refusal: I can't help with that."),
+        ("reasoninglength", "content blank, finish_reason length, reasoning_content present"),
+    ):
+        with FakeOpenAI(mode) as fake:
+            remote = load_backend("vanilla", model="openai:fake", api_base=fake.url)
+            [gen] = remote.generate([ask])
+        assert gen.text == "" and gen.flags == [EMPTY_ANSWER]
+        assert gen.reasons == {EMPTY_ANSWER: reason}
+    with FakeOpenAI("contentnull") as fake:  # completions: text null
+        remote = load_backend("vanilla", model="openai:fake", api_base=fake.url)
+        [gen] = remote.generate(["a raw prompt"])
+    assert gen.flags == [EMPTY_ANSWER] and gen.reasons[EMPTY_ANSWER].startswith("content null")
+
+
+# ------------------------------------------------------------------ C20: cut prompts
+
+
+def test_c20_a_prompt_the_server_cut_is_not_scored(tmp_path):
+    """C20 (ollama/ollama#4967): the server reports 40 prompt tokens where the tokenizer here
+    counts about 420: the cell is flagged ``prompt_cut`` (not ``token_count_mismatch``), its
+    answer kept but not scored, and its sample left out, as docs/remote.md says."""
+    with FakeOpenAI(prompt_tokens=lambda body: 40) as fake:
+        res = _eval(fake, tmp_path / "run", "--tokenizer", "smollm2")
+    assert res.exit_code == 0, res.output
+    recs = _records(tmp_path / "run")
+    for r in recs:
+        assert r["flags"] == [PROMPT_CUT] and r["correct"] is False and r["answer"]
+        assert r["prompt_tokens"] > 400 and r["extra"]["usage"]["prompt_tokens"] == 40
+        assert r["extra"][PROMPT_CUT] == (
+            f"the server counted 40 prompt tokens, {r['prompt_tokens']} here"
+        )
+    s = _summary(tmp_path / "run")
+    assert s["scored_cells"] == 0 and s["flags"] == {PROMPT_CUT: {"0": 2, "3": 2}}
+    assert "prompt_cut: 4 cell(s), the server cut the prompt" in " ".join(res.output.split())
+
+
+def test_c20_a_count_within_the_tolerance_stays_a_scored_cell(tmp_path):
+    """C20, the other side: vLLM's completions endpoint adds the BOS token (one more than
+    here), and a server may count a BOS or a closing newline fewer; within
+    :data:`~ragfix.backends.remote.CUT_TOLERANCE` fewer the cell is flagged
+    ``token_count_mismatch`` and scored, one more token fewer is a cut."""
+    from ragfix.backends.remote import CUT_TOLERANCE
+
+    exact = _exact_count()
+    with FakeOpenAI(prompt_tokens=lambda body: exact(body) + 1) as fake:
+        res = _eval(fake, tmp_path / "bos", "--tokenizer", "smollm2")
+    assert res.exit_code == 0, res.output
+    recs = _records(tmp_path / "bos")
+    assert all(r["flags"] == [TOKEN_COUNT_MISMATCH] and r["correct"] for r in recs)
+    assert all(r["extra"]["usage"]["prompt_tokens"] == r["prompt_tokens"] + 1 for r in recs)
+    s = _summary(tmp_path / "bos")
+    assert s["scored_cells"] == 4 and s["curves"]["vanilla"]["mean"] == 1.0
+    for fewer, flag in ((CUT_TOLERANCE, TOKEN_COUNT_MISMATCH), (CUT_TOLERANCE + 1, PROMPT_CUT)):
+        with FakeOpenAI(prompt_tokens=lambda body, k=fewer: exact(body) - k) as fake:
+            res = _eval(fake, tmp_path / f"fewer{fewer}", "--tokenizer", "smollm2")
+        assert res.exit_code == 0, res.output
+        assert {f for r in _records(tmp_path / f"fewer{fewer}") for f in r["flags"]} == {flag}
+    with FakeOpenAI(prompt_tokens=exact) as fake:  # the same count: no flag
+        res = _eval(fake, tmp_path / "same", "--tokenizer", "smollm2")
+    assert res.exit_code == 0 and all(not r["flags"] for r in _records(tmp_path / "same"))
+
+
+# ------------------------------------------------------------------ C19: error bodies
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        ("error200", "answered a chat request (HTTP 200) with an error: upstream model crashed"),
+        ("nullchoices", "answered a chat request without choices (choices: null)"),
+        ("emptychoices", "answered a chat request without choices (choices: [])"),
+    ],
+)
+def test_c19_an_error_body_is_one_line_naming_the_endpoint_and_its_message(tmp_path, mode, said):
+    """C19 (langchain-ai/langchain PR#35236, NVIDIA/garak PR#1760): HTTP 200 with an
+    ``{"error": ...}`` body, or ``choices`` null or empty, is one line naming the endpoint and
+    what the server said (exit 2), not a ``TypeError`` traceback."""
+    with FakeOpenAI(mode) as fake:
+        res = _eval(fake, tmp_path / "run")
+        url = fake.url
+    assert res.exit_code == 2, res.output
+    lines = [x for x in res.output.splitlines() if x.startswith("error:")]
+    tail = "; nothing to read" if "choices" in said else ""
+    assert lines == [f"error: {url} (fake) {said}{tail}"]
+    assert "Traceback" not in res.output and "TypeError" not in res.output
+
+
+def test_c19_the_completions_endpoint_says_the_same():
+    """C19 on ``/v1/completions`` (a raw prompt): the same one line."""
+    from ragfix.backends import load_backend
+    from ragfix.errors import RagfixError
+
+    with FakeOpenAI("error200") as fake:
+        remote = load_backend("vanilla", model="openai:fake", api_base=fake.url)
+        with pytest.raises(RagfixError) as e:
+            remote.generate(["a raw prompt"])
+    assert str(e.value) == (
+        f"{fake.url} (fake) answered a completions request (HTTP 200) with an error: "
+        "upstream model crashed"
+    )
+
+
+# ------------------------------------------------------------------ C18: Ctrl-C
+
+
+def test_c18_ctrl_c_stops_at_once_and_keeps_the_answers_that_arrived(tmp_path):
+    """C18 (python/cpython#125886): Ctrl-C while four requests are in flight, one of them
+    answered and three held by the server: ``ragfix eval`` says so within a second, exits
+    without waiting for the held ones, keeps the answer that arrived (and says how many), and
+    the rerun computes only the other three."""
+    out = tmp_path / "run"
+    with FakeOpenAI("hang", answer_now=1) as fake:
+        cmd = [sys.executable, "-m", "ragfix.cli", "eval", *SWEEP, "--model", "openai:fake",
+               "--api-base", fake.url, "--concurrency", "4", "--out", str(out)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        lines: list[tuple[float, str]] = []
+
+        def read() -> None:
+            for line in proc.stderr:
+                lines.append((time.monotonic(), line.decode()))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            fake.wait_for(received=4, answered=1, timeout=120)
+            time.sleep(1.5)  # the answer reaches the client
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=20)
+            exited = time.monotonic() - sent
+        finally:
+            proc.kill()
+        reader.join(5)
+        said = [(t - sent, x) for t, x in lines if x.startswith("interrupted")]
+        assert rc == 130 and len(said) == 1, lines
+        assert said[0][0] < 1.0, said  # stopped and said so within a second
+        assert exited < 5.0, exited  # the rest is the interpreter's exit, not the held requests
+        assert said[0][1].startswith("interrupted: 1 cell(s) computed by this run are stored"), said
+        assert len(fake.received) == 4 and fake.answered == [1], (fake.received, fake.answered)
+    [kept] = _records(out)
+    assert kept["correct"] and not kept["flags"]
+    with FakeOpenAI() as fake:
+        res = _eval(fake, out)
+        assert res.exit_code == 0, res.output
+        assert "resuming: 1 of 4 cells already done" in res.output and len(fake.received) == 3
+    assert len(_records(out)) == 4
