@@ -204,6 +204,48 @@ def remote_cmd(
     show_tables(table, details, json_out)
 
 
+@bench.command("serve")
+def serve_cmd(
+    model: Annotated[str, typer.Option(help="model served by ragfix serve (on the CPU)")] = (
+        "smollm2"
+    ),
+    clients: Annotated[
+        str, typer.Option(help="concurrent clients, comma separated (1, the reference, always)")
+    ] = "1,4,8,16",
+    requests: Annotated[int, typer.Option(min=1, help="short-prompt requests per level")] = 32,
+    long_requests: Annotated[
+        int, typer.Option(min=1, max=60, help="long-prompt requests per level")
+    ] = 16,
+    burst_clients: Annotated[
+        int, typer.Option(min=1, help="good clients during the burst of bad requests")
+    ] = 8,
+    burst_rounds: Annotated[int, typer.Option(min=1, help="rounds of every bad request")] = 4,
+    max_seconds: Annotated[
+        float, typer.Option(min=1, help="no request starts later in a level; request timeout")
+    ] = 300.0,
+    max_batch_size: Annotated[
+        int | None, typer.Option(min=1, help="ragfix serve --max-batch-size (its default)")
+    ] = None,
+    max_wait_ms: Annotated[
+        float | None, typer.Option(min=0, help="ragfix serve --max-wait-ms (its default)")
+    ] = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """A bounded load test of `ragfix serve` on 127.0.0.1: requests/s, p50/p95 latency and
+    answers against the sequential ones, for short prompts at several client counts, during a
+    burst of malformed and oversized requests, and for long prompts (a second table)."""
+    from ragfix.cli.common import parse_numbers
+    from ragfix.eval.bench_serve import bench_serve
+
+    with user_errors(), console.status("benchmark") as status:
+        levels = parse_numbers(clients, "--clients", int)
+        tables, details = bench_serve(
+            model, levels, requests, long_requests, burst_clients, burst_rounds, max_seconds,
+            max_batch_size, max_wait_ms, status.update,
+        )  # fmt: skip
+    show_tables(tables, details, json_out, keep_all=True)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``ragfix bench`` to ``app``."""
     app.add_typer(bench, name="bench")

@@ -243,14 +243,14 @@ REMOTE_OPTIONS = OptionGroup(
 )
 
 
-def show_tables(tables, details: dict, json_out: Path | None) -> None:
-    """Print a benchmark's or tune's table (or tables); with ``--json`` keep the first as a
-    result file, ``details`` beside it."""
+def show_tables(tables, details: dict, json_out: Path | None, keep_all: bool = False) -> None:
+    """Print a benchmark's or tune's table (or tables); with ``--json`` keep the first (every
+    one with ``keep_all``) as a result file, ``details`` beside it."""
     from ragfix.eval.results import write_benchmark
     from ragfix.tables import print_tables
 
     tables = tables if isinstance(tables, list) else [tables]
     print_tables(tables, console)
     if json_out is not None:
-        write_benchmark(json_out, tables[0], **details)
+        write_benchmark(json_out, tables if keep_all else tables[0], **details)
         console.print(f"result file: {json_out}", highlight=False, soft_wrap=True)

@@ -37,24 +37,29 @@ _FILE_TABLE_KINDS = {
 }
 
 
-def write_benchmark(path: str | Path, table: TableSpec, **details) -> dict:
-    """Write a benchmark's table (cells already formatted) as a result file under ``results/``,
-    with the details of the run (settings, raw figures) beside it; atomic.
+def write_benchmark(path: str | Path, table: TableSpec | list[TableSpec], **details) -> dict:
+    """Write a benchmark's table (cells already formatted), or several tables, as a result file
+    under ``results/``, with the details of the run (settings, raw figures) beside it; atomic.
+
+    The first table's fields are the file's own (``title``, ``headers``, ``rows``, ``lines``);
+    the tables after it, if any, are kept in the same shape under ``more_tables``.
 
     Returns:
         The written object (``"kind": "ragfix-benchmark"``, rendered by the ``benchmark`` table
-        kind).
+        kind: every table, in order).
     """
-    result = {
-        "kind": BENCHMARK_KIND,
-        "title": table.title,
-        "headers": table.headers,
-        "rows": table.rows,
-        "lines": table.lines,
-        **details,
-    }
+    first, *more = table if isinstance(table, list) else [table]
+    extra = {"more_tables": [_table_fields(t) for t in more]} if more else {}
+    result = {"kind": BENCHMARK_KIND, **_table_fields(first), **extra, **details}
     atomic_write_json(path, result)
     return result
+
+
+_TABLE_FIELDS = ("title", "headers", "rows", "lines")
+
+
+def _table_fields(table: TableSpec) -> dict:
+    return {k: getattr(table, k) for k in _TABLE_FIELDS}
 
 
 def result_tables(result: dict, kind: str = "comparison") -> list[TableSpec]:
@@ -63,8 +68,8 @@ def result_tables(result: dict, kind: str = "comparison") -> list[TableSpec]:
     Args:
         kind: ``curve``, ``merit``, ``paired`` or ``comparison`` for a comparison or a
             ``summary.json`` (:func:`ragfix.eval.compare.comparison_tables`); ``benchmark`` for a
-            benchmark's file (:func:`write_benchmark`), ``ppl`` for a perplexity result
-            (:func:`ragfix.eval.ppl_tables.ppl_tables`), ``judge`` for a judge run's
+            benchmark's file (:func:`write_benchmark`: all its tables), ``ppl`` for a perplexity
+            result (:func:`ragfix.eval.ppl_tables.ppl_tables`), ``judge`` for a judge run's
             ``summary.json`` (:func:`ragfix.judge.report.judge_tables`).
 
     Raises:
@@ -83,8 +88,8 @@ def result_tables(result: dict, kind: str = "comparison") -> list[TableSpec]:
                 f"the {table_kind} table kind is for {what} result files, and only for them",
             )
     if kind == "benchmark":
-        keys = ("title", "headers", "rows", "lines")
-        return [TableSpec(**{k: result[k] for k in keys})]
+        tables = [result, *result.get("more_tables", [])]
+        return [TableSpec(**{k: t[k] for k in _TABLE_FIELDS}) for t in tables]
     if kind == "ppl":
         return ppl_tables(result)
     if kind == "judge":

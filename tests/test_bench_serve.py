@@ -1,0 +1,65 @@
+"""``ragfix bench serve``: the load test run for real, small (``ragfix serve`` over a tiny seeded
+model folder with the SmolLM2 tokenizer, 2 clients, 2 requests), its tables read cell by cell
+and its result file rendered."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import tiny_folder
+from typer.testing import CliRunner
+
+from ragfix.cli.app import app
+from ragfix.eval.bench_serve import SHORT_PROMPT_TOKENS, bad_requests, short_prompts
+
+runner = CliRunner()
+
+
+def test_bench_serve_reports_identical_answers_and_every_bad_request_refused(tmp_path):
+    from ragfix.eval.render import render_files
+
+    folder = str(tiny_folder(tmp_path / "tiny"))
+    out = tmp_path / "serve-load.json"
+    res = runner.invoke(app, [
+        "bench", "serve", "--model", folder, "--clients", "2", "--requests", "2",
+        "--long-requests", "2", "--burst-clients", "2", "--burst-rounds", "1",
+        "--max-seconds", "120", "--json", str(out),
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    short, long = result, result["more_tables"][0]
+    n_bad = len(bad_requests(folder, 2048))
+    # clients, answered, requests/s, ratio, p50, p95, same answers, bad refused
+    assert [r[0] for r in short["rows"]] == ["1", "2", "2 + burst"]
+    assert [r[1] for r in short["rows"]] == ["2/2"] * 3
+    assert [r[6] for r in short["rows"]] == ["2/2"] * 3
+    assert [r[7] for r in short["rows"]] == ["-", "-", f"{n_bad}/{n_bad}"]
+    assert short["rows"][0][3] == "1.00"
+    assert [(r[0], r[1], r[3], r[6]) for r in long["rows"]] == [
+        ("1", "2/2", "1.00", "2/2"), ("2", "2/2", long["rows"][1][3], "2/2"),
+    ]  # fmt: skip
+    m = result["measurements"]
+    assert all(k["refused"] == k["sent"] == 1 for k in m["burst"]["burst"])
+    statuses = {k["kind"]: k["statuses"] for k in m["burst"]["burst"]}
+    assert statuses["5 MB body"] == ["413"] and statuses["unknown model"] == ["404"]
+    assert statuses["prompt over the window (tokenized)"] == ["400"]
+    assert m["burst"]["answers_after"] and m["burst"]["failed"] == 0
+    assert max(m["short_prompt_tokens"]) <= SHORT_PROMPT_TOKENS
+    assert min(m["long_prompt_tokens"]) >= 380
+    assert "After it the server answered (/health, and the first prompt's sequential answer): " \
+        "yes." in " ".join(short["lines"])  # fmt: skip
+    # both tables render from the one result file
+    doc = tmp_path / "d.md"
+    doc.write_text(f"<!-- results:benchmark {out.name} -->\n<!-- /results -->\n")
+    render_files([doc])
+    text = doc.read_text()
+    assert short["title"] in text and long["title"] in text
+
+
+def test_short_prompts_fit_their_budget_in_the_chat_template(smol):
+    """Every short prompt is at most 64 tokens as the server counts it (chat template)."""
+    from ragfix.prompts import TaskPrompt
+
+    for body in short_prompts(32):
+        prompt = TaskPrompt(user=body["messages"][0]["content"])
+        assert len(smol.encode(prompt)) <= SHORT_PROMPT_TOKENS
