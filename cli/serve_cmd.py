@@ -67,7 +67,11 @@ def register(app: typer.Typer) -> None:
         ] = DEFAULT_MAX_BATCH_SIZE,
         max_wait_ms: Annotated[
             float,
-            typer.Option(min=0, help="how long a batch's first request waits for others (ms)"),
+            typer.Option(
+                min=0,
+                help="how long a batch's first request waits for others (ms), from its arrival "
+                "or, if it came while the model was busy, from when the model is free",
+            ),
         ] = DEFAULT_MAX_WAIT_MS,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",

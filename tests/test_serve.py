@@ -552,6 +552,45 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(served):
     assert streams == [text for text, _ in alone]
 
 
+def test_clients_answered_together_come_back_into_one_batch(smol):
+    """Closed-loop clients out of phase (one client first, three more while its answer runs):
+    the three that waited through that batch wait, once the model is free, for the first
+    client's next request, so every batch after the first holds all four clients (rather than
+    the one that waited always running alone); each answer equals its answer alone (text
+    identical, first-token log-probabilities within 1e-4)."""
+    app = create_app(smol, MODEL, max_wait_ms=500)
+    server = app.state.server
+    things = ("colour", "fruit", "planet", "river", "metal", "tree", "bird", "sport", "city")
+    prompts = [f"Name a {thing}. Answer with one word." for thing in things]
+    rounds = [prompts[0:3], prompts[3:5], prompts[5:7], prompts[7:9]]  # client -> its requests
+    with running(app) as url:
+
+        def ask(p):
+            out = chat(url, [{"role": "user", "content": p}], max_tokens=12, logprobs=True)
+            choice = out.json()["choices"][0]
+            return choice["message"]["content"], choice["logprobs"]["content"][0]
+
+        alone = {p: ask(p) for p in prompts}
+        server.worker.batch_sizes.clear()
+        together: dict[str, tuple] = {}
+
+        def client(mine):
+            for p in mine:
+                together[p] = ask(p)
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            first = pool.submit(client, rounds[0])
+            while not server.lock.locked():
+                time.sleep(0.001)  # the first client's request is running alone
+            rest = [pool.submit(client, r) for r in rounds[1:]]
+            for f in [first, *rest]:
+                f.result()
+    assert server.worker.batch_sizes == [1, 4, 4]
+    for p, (text, top) in alone.items():
+        assert together[p][0] == text and together[p][1]["token"] == top["token"]
+        assert together[p][1]["logprob"] == pytest.approx(top["logprob"], abs=1e-4)
+
+
 def test_a_backend_that_cannot_batch_is_queued(tmp_path):
     """Dynamic NTK RoPE scaling answers depend on batch neighbours (``supports_batching``
     False): the server runs concurrent requests one at a time, each answered as alone."""
