@@ -14,7 +14,7 @@ it chat requests, greedy, ``max_tokens`` :data:`MAX_TOKENS`, no stop rule:
   each kind ``burst_rounds`` times, every round sent at once): no good request may fail or
   change its answer, every bad one must get its own 4xx with an OpenAI error body, and then the
   server must still answer (``/health``, and the first prompt with its sequential answer);
-* long, prefill-bound prompts (:func:`long_prompts`: about 420 tokens each, a distinct KV
+* long, prefill-bound prompts (:func:`long_prompts`: about 400 tokens each, a distinct KV
   sample each) at the same client counts, in a second table, without a target.
 
 Each table's levels start after one warm-up request. A level is bounded in requests
@@ -67,7 +67,7 @@ def short_prompts(n: int) -> list[dict]:
 
 
 def long_prompts(n: int) -> list[dict]:
-    """``n`` chat request fields of KV-retrieval prompts (4 pairs, about 420 tokens): one per
+    """``n`` chat request fields of KV-retrieval prompts (4 pairs, about 400 tokens): one per
     sample of the bundled KV sample (gold pair first), the user turn and the assistant turn it
     continues (``continue_final_message``)."""
     out = []
