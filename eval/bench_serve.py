@@ -230,6 +230,16 @@ def _row(level: Level, base: float | None, ref: dict[int, str], n_prompts: int) 
     }
 
 
+async def _still_answers(client, url: str, body: dict, expected: str | None) -> bool:
+    """Whether ``/health`` answers 200 and ``body`` gets the answer ``expected`` (``False``,
+    not an exception, for a server that does not)."""
+    try:
+        health = await client.get(url.removesuffix("/v1") + "/health")
+        return health.status_code == 200 and (await _ask(client, body))[0] == expected
+    except Exception:
+        return False
+
+
 async def _table_run(
     client, bodies: list[dict], levels: list[int], max_seconds: float, progress, what: str
 ) -> tuple[list[dict], dict[int, str], list[int]]:
@@ -273,10 +283,8 @@ async def _run(
         good = asyncio.ensure_future(_level(client, short, burst_clients, max_seconds))
         burst = await _burst(client, bad, burst_rounds)
         burst_row = _row(await good, rows[0]["requests_per_s"], ref, len(short))
-        health = (await client.get(url.removesuffix("/v1") + "/health")).status_code == 200
-        after = await _ask(client, short[0])
         burst_row["burst"] = burst
-        burst_row["answers_after"] = health and 0 in ref and after[0] == ref[0]
+        burst_row["answers_after"] = await _still_answers(client, url, short[0], ref.get(0))
         long_rows, _, long_tokens = await _table_run(
             client, long, levels, max_seconds, progress, "long prompts"
         )
