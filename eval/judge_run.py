@@ -27,7 +27,7 @@ from rich.console import Console
 
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.progress import progress_bar
-from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
+from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints, interrupted
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.judge import (
     PairJudgment,
@@ -258,6 +258,9 @@ def run_judge(
             weights (the backend's identity) or another content of the pair file, or written
             before run folders recorded them (not with ``restart``).
         ModelNotFoundError, AdapterError: the model or adapter cannot be used.
+        Interrupted: Ctrl-C, once every pair both of whose replies had arrived is judged and
+            stored (:meth:`~ragfix.judge.PairwiseJudge.judge_pairs`); its message says how many
+            pairs this run stored and where. A rerun judges only the others.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
     from ragfix.backends import load_backend, validate_backend
@@ -314,11 +317,17 @@ def run_judge(
         console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
     if todo:
         finished = [done[p.pair_id] for p in pairs if p.pair_id in done]
+        stored = 0
 
         def store(res: PairJudgment) -> None:  # config.json just before the first judgment
+            nonlocal stored
             folder.append(res.model_dump(mode="json"))
+            stored += 1
 
-        _judge_missing(judge, todo, finished, store, console, backend)
+        try:
+            _judge_missing(judge, todo, finished, store, console, backend)
+        except KeyboardInterrupt:
+            raise interrupted(stored, "pair", out) from None
     records = folder.done()
     name = f"{model} · {backend}" + (f" · swap {swap}" if swap != "relabel" else "")
     mine = [records[p.pair_id] for p in pairs if p.pair_id in records]
