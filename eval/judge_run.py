@@ -3,7 +3,8 @@
 A run folder holds:
 
 * ``judgments.jsonl``: one :class:`~ragfix.judge.PairJudgment` per pair, append-only (keyed by
-  ``pair_id``); a rerun judges only the pairs not in it;
+  ``pair_id``), each stored as soon as it is judged (on Ctrl-C, also the pairs of the batch in
+  flight both of whose replies had arrived); a rerun judges only the pairs not in it;
 * ``config.json``: a :class:`JudgeConfig`: the settings (data, model, backend, options, adapter,
   judge settings), the backend's identity (weights, adapter) and the pair file's content
   fingerprint, checked on every rerun (:class:`~ragfix.eval.run.RunFolder`). It is written when

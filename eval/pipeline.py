@@ -30,7 +30,8 @@ count flagged cells per rank.
 
 Results go to a run folder (:class:`~ragfix.eval.run.RunFolder`, bound to the backend's identity
 and the content of the corpus and the question file): ``results.jsonl`` (resumable: a cell id is
-a hash of the question, rank, strategy, model, backend, retrieval settings and framework), then
+a hash of the question, rank, strategy, model, backend, retrieval settings and framework; each
+cell stored as soon as it is done, so Ctrl-C keeps every finished cell and says how many), then
 ``summary.json`` and ``curve.png`` (one curve per strategy). The summary also holds, per
 strategy, the accuracy weighted by how often the real retriever put the gold chunk at each rank
 (``retrieval_weighted``): what a user of this retriever would see on average."""

@@ -308,6 +308,8 @@ class PairwiseJudge:
             )
 
         def judged(i: int, both: tuple[Generation, Generation], share: float) -> None:
+            """Pair ``i``'s record from its replies in the original and the swapped order
+            (``share``: its seconds), handed to ``done``."""
             if any(_refused(f, g) for f, g in zip(fits[i], both, strict=True)):
                 done(i, overflowed(pairs[i]))
                 return
