@@ -3,7 +3,8 @@
 A run folder holds:
 
 * ``judgments.jsonl``: one :class:`~ragfix.judge.PairJudgment` per pair, append-only (keyed by
-  ``pair_id``); a rerun judges only the pairs not in it;
+  ``pair_id``), each stored as soon as it is judged (on Ctrl-C, also the pairs of the batch in
+  flight both of whose replies had arrived); a rerun judges only the pairs not in it;
 * ``config.json``: a :class:`JudgeConfig`: the settings (data, model, backend, options, adapter,
   judge settings), the backend's identity (weights, adapter) and the pair file's content
   fingerprint, checked on every rerun (:class:`~ragfix.eval.run.RunFolder`). It is written when
@@ -27,7 +28,7 @@ from rich.console import Console
 
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.progress import progress_bar
-from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
+from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints, interrupted
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.judge import (
     PairJudgment,
@@ -258,6 +259,9 @@ def run_judge(
             weights (the backend's identity) or another content of the pair file, or written
             before run folders recorded them (not with ``restart``).
         ModelNotFoundError, AdapterError: the model or adapter cannot be used.
+        Interrupted: Ctrl-C, once every pair both of whose replies had arrived is judged and
+            stored (:meth:`~ragfix.judge.PairwiseJudge.judge_pairs`); its message says how many
+            pairs this run stored and where. A rerun judges only the others.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
     from ragfix.backends import load_backend, validate_backend
@@ -314,11 +318,17 @@ def run_judge(
         console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
     if todo:
         finished = [done[p.pair_id] for p in pairs if p.pair_id in done]
+        stored = 0
 
         def store(res: PairJudgment) -> None:  # config.json just before the first judgment
+            nonlocal stored
             folder.append(res.model_dump(mode="json"))
+            stored += 1
 
-        _judge_missing(judge, todo, finished, store, console, backend)
+        try:
+            _judge_missing(judge, todo, finished, store, console, backend)
+        except KeyboardInterrupt:
+            raise interrupted(stored, "pair", out) from None
     records = folder.done()
     name = f"{model} · {backend}" + (f" · swap {swap}" if swap != "relabel" else "")
     mine = [records[p.pair_id] for p in pairs if p.pair_id in records]

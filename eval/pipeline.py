@@ -30,7 +30,8 @@ count flagged cells per rank.
 
 Results go to a run folder (:class:`~ragfix.eval.run.RunFolder`, bound to the backend's identity
 and the content of the corpus and the question file): ``results.jsonl`` (resumable: a cell id is
-a hash of the question, rank, strategy, model, backend, retrieval settings and framework), then
+a hash of the question, rank, strategy, model, backend, retrieval settings and framework; each
+cell stored as soon as it is done, so Ctrl-C keeps every finished cell and says how many), then
 ``summary.json`` and ``curve.png`` (one curve per strategy). The summary also holds, per
 strategy, the accuracy weighted by how often the real retriever put the gold chunk at each rank
 (``retrieval_weighted``): what a user of this retriever would see on average."""
@@ -62,7 +63,7 @@ from ragfix.connectors.jsonl import SkipCounter
 from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.progress import RunTally, progress_bar
-from ragfix.eval.run import RunConfig, input_fingerprints
+from ragfix.eval.run import RunConfig, input_fingerprints, interrupted
 from ragfix.eval.sweep import (
     OVERFLOW,
     cell_flags,
@@ -231,6 +232,10 @@ def run_pipeline_sweep(
             line).
         ConfigMismatchError: ``out`` holds a run of other settings, weights or corpus or
             question contents (not with ``restart``).
+        Interrupted: Ctrl-C: every cell finished before it is stored (cells run one at a
+            time, each stored as soon as its answer is in); its message says how many this run
+            stored and where. The cell in flight is not stored: a rerun computes it and the
+            other missing ones.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
     from ragfix.backends import load_backend, result_options, validate_backend
@@ -314,11 +319,16 @@ def run_pipeline_sweep(
                 completed=len(finished),
                 status=tally.status(),
             )
-            for cands, (q, r, s, cell) in planned:
-                rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
-                folder.append(rec.model_dump())
-                status = f"{s} {tally.add(rec.correct, rec.flags)}"
-                progress.update(task, advance=1, status=status)
+            stored = 0
+            try:
+                for cands, (q, r, s, cell) in planned:
+                    rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
+                    folder.append(rec.model_dump())
+                    stored += 1
+                    status = f"{s} {tally.add(rec.correct, rec.flags)}"
+                    progress.update(task, advance=1, status=status)
+            except KeyboardInterrupt:
+                raise interrupted(stored, "cell", out) from None
 
     stored = folder.done()
     mine = [stored[c[3]] for c in cells if c[3] in stored]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragfix.errors import ConfigMismatchError, DataError
+from ragfix.errors import ConfigMismatchError, DataError, Interrupted
 from ragfix.io import CONFIG_FILE, JsonlStore, atomic_write_json, read_run_config
 
 #: the version of the run folder layout; a ``config.json`` without it predates identity binding
@@ -220,6 +220,14 @@ class RunFolder:
         self._has_config = True
 
 
+def interrupted(stored: int, unit: str, out: str | Path) -> Interrupted:
+    """What a run raises on Ctrl-C once its work in flight has stopped and every result that had
+    arrived is stored: an :class:`~ragfix.errors.Interrupted` saying that ``stored`` results
+    (``unit``: ``"cell"``, ``"pair"``) computed by this run are in ``out`` (the CLI prints it
+    after ``interrupted:``, with how to resume)."""
+    return Interrupted(f"{stored} {unit}(s) computed by this run are stored in {out}")
+
+
 __all__ = [
     "RUN_FORMAT",
     "RunConfig",
@@ -227,4 +235,5 @@ __all__ = [
     "flat_differences",
     "folder_store",
     "input_fingerprints",
+    "interrupted",
 ]

@@ -24,9 +24,9 @@ from pathlib import Path
 from rich.console import Console
 
 from ragfix.connectors.records import parse_records
-from ragfix.errors import ConfigError, DataError, Interrupted, RagfixError, WorkerError
+from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
 from ragfix.eval.progress import RunTally, progress_bar
-from ragfix.eval.run import RunFolder, input_fingerprints
+from ragfix.eval.run import RunFolder, input_fingerprints, interrupted
 from ragfix.eval.shard import (
     assign_groups,
     distributed_state,
@@ -450,9 +450,7 @@ def run_sweep(
                         on_record=track,
                     )
         except KeyboardInterrupt:
-            raise Interrupted(
-                f"{len(stored)} cell(s) computed by this run are stored in {out}"
-            ) from None
+            raise interrupted(len(stored), "cell", out) from None
     if state is not None:
         state.wait_for_everyone()
         if rank != 0:

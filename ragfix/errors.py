@@ -82,7 +82,8 @@ class Interrupted(KeyboardInterrupt):
     Args:
         message: what was kept (a run: how many results it stored); ``str()`` of the exception.
         done: the results that had arrived, by the index of their request (a backend's
-            ``generate``: ``{prompt index: Generation}``), for the caller to keep.
+            ``generate``: ``{prompt index: Generation}``; ``PairwiseJudge.judge_pairs``:
+            ``{pair index: PairJudgment}``), for the caller to keep.
     """
 
     def __init__(self, message: str = "", done: dict | None = None) -> None:

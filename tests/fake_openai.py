@@ -5,15 +5,23 @@ in a thread of the test process so a test can read what it saw and change its mo
 It answers the KV task correctly (the value of the prompt's key) with ``usage`` figures, on
 ``/v1/chat/completions`` and ``/v1/completions`` (both also streamed, in the pieces given);
 ``/v1/models`` lists the model ``fake`` with ``max_model_len`` 8192.
+
+:func:`ctrl_c` runs a ``ragfix`` command against it in a subprocess and presses Ctrl-C once the
+server has seen the requests a test waits for.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 #: what :class:`FakeOpenAI` does per mode (on the requests of ``only``, else answers ``ok``)
@@ -177,6 +185,53 @@ class FakeOpenAI:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class CtrlC:
+    """What a command did after :func:`ctrl_c` pressed Ctrl-C.
+
+    Attributes:
+        rc: its exit code.
+        said: its stderr lines that start with ``interrupted``, each with the seconds from the
+            signal to the line.
+        exited: seconds from the signal to the exit.
+        lines: every stderr line (for the assertions' messages).
+    """
+
+    rc: int
+    said: list[tuple[float, str]]
+    exited: float
+    lines: list[str]
+
+
+def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> CtrlC:
+    """Run ``python -m ragfix.cli ARGS`` (one torch thread), send it SIGINT once ``fake`` has
+    received ``received`` requests and answered ``answered`` (and 1.5 s more, for the last answer
+    to reach the client), and wait (at most 20 s) for it to exit."""
+    cmd = [sys.executable, "-m", "ragfix.cli", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append((time.monotonic(), line.decode()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        fake.wait_for(received=received, answered=answered, timeout=120)
+        time.sleep(1.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=20)
+        exited = time.monotonic() - sent
+    finally:
+        proc.kill()
+    reader.join(5)
+    said = [(t - sent, x) for t, x in lines if x.startswith("interrupted")]
+    return CtrlC(rc, said, exited, [x for _, x in lines])
 
 
 def _text(body: dict) -> str:

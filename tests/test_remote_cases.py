@@ -6,15 +6,10 @@ the KV task itself; ``--tokenizer smollm2`` loads only the tokenizer."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
-from fake_openai import FakeOpenAI
+from conftest import data_file
+from fake_openai import FakeOpenAI, ctrl_c
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -220,33 +215,15 @@ def test_c18_ctrl_c_stops_at_once_and_keeps_the_answers_that_arrived(tmp_path):
     the rerun computes only the other three."""
     out = tmp_path / "run"
     with FakeOpenAI("hang", answer_now=1) as fake:
-        cmd = [sys.executable, "-m", "ragfix.cli", "eval", *SWEEP, "--model", "openai:fake",
-               "--api-base", fake.url, "--concurrency", "4", "--out", str(out)]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        lines: list[tuple[float, str]] = []
-
-        def read() -> None:
-            for line in proc.stderr:
-                lines.append((time.monotonic(), line.decode()))
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        try:
-            fake.wait_for(received=4, answered=1, timeout=120)
-            time.sleep(1.5)  # the answer reaches the client
-            sent = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            rc = proc.wait(timeout=20)
-            exited = time.monotonic() - sent
-        finally:
-            proc.kill()
-        reader.join(5)
-        said = [(t - sent, x) for t, x in lines if x.startswith("interrupted")]
-        assert rc == 130 and len(said) == 1, lines
-        assert said[0][0] < 1.0, said  # stopped and said so within a second
-        assert exited < 5.0, exited  # the rest is the interpreter's exit, not the held requests
-        assert said[0][1].startswith("interrupted: 1 cell(s) computed by this run are stored"), said
+        args = ["eval", *SWEEP, "--model", "openai:fake", "--api-base", fake.url,
+                "--concurrency", "4", "--out", str(out)]  # fmt: skip
+        stop = ctrl_c(fake, args, received=4, answered=1)
+        assert stop.rc == 130 and len(stop.said) == 1, stop.lines
+        assert stop.said[0][0] < 1.0, stop.said  # stopped and said so within a second
+        assert stop.exited < 5.0, stop.exited  # the interpreter's exit, not the held requests
+        assert stop.said[0][1].startswith(
+            "interrupted: 1 cell(s) computed by this run are stored"
+        ), stop.said
         assert len(fake.received) == 4 and fake.answered == [1], (fake.received, fake.answered)
     [kept] = _records(out)
     assert kept["correct"] and not kept["flags"]
@@ -255,3 +232,118 @@ def test_c18_ctrl_c_stops_at_once_and_keeps_the_answers_that_arrived(tmp_path):
         assert res.exit_code == 0, res.output
         assert "resuming: 1 of 4 cells already done" in res.output and len(fake.received) == 3
     assert len(_records(out)) == 4
+
+
+def _judgments(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "judgments.jsonl").read_text().splitlines()]
+
+
+def _judge(fake: FakeOpenAI, out, *extra: str) -> list[str]:
+    """``ragfix judge`` of the first 3 LLMBar pairs by ``openai:fake`` into ``out`` (CLI args)."""
+    data = data_file("llmbar_pairs.jsonl.gz")
+    return ["judge", str(data), "--limit", "3", "--model", "openai:fake", "--api-base", fake.url,
+            "--out", str(out), *extra]  # fmt: skip
+
+
+def test_c18_judge_ctrl_c_stores_every_pair_both_of_whose_replies_arrived(tmp_path):
+    """C18 for ``ragfix judge``: three pairs (six prompts) in one batch, one request at a time,
+    the server answering four and holding the fifth. Ctrl-C stores the two pairs both of whose
+    replies arrived (not the one with only its first), judged exactly as without the stop, says
+    so within a second, and the rerun asks only for the third pair's two orders."""
+    out = tmp_path / "run"
+    with FakeOpenAI("hang", answer_now=4) as fake:
+        args = _judge(fake, out, "--concurrency", "1", "--batch-size", "6")
+        stop = ctrl_c(fake, args, received=5, answered=4)
+        assert stop.rc == 130 and len(stop.said) == 1, stop.lines
+        assert stop.said[0][0] < 1.0 and stop.exited < 5.0, (stop.said, stop.exited)
+        said = " ".join(stop.said[0][1].split())
+        assert said.startswith(f"interrupted: 2 pair(s) computed by this run are stored in {out}")
+        assert fake.received == [1, 2, 3, 4, 5] and fake.answered == [1, 2, 3, 4]
+    assert len(_judgments(out)) == 2
+    with FakeOpenAI() as fake:
+        res = CliRunner().invoke(app, _judge(fake, out, "--batch-size", "6"))
+        assert res.exit_code == 0, res.output
+        assert "resuming: 2 of 3 pairs already judged" in res.output and len(fake.received) == 2
+    with FakeOpenAI() as fake:  # the same pairs judged without a stop
+        res = CliRunner().invoke(app, _judge(fake, tmp_path / "ref", "--batch-size", "6"))
+        assert res.exit_code == 0, res.output
+
+    def by_id(folder) -> dict:
+        return {r["pair_id"]: {**r, "seconds": None} for r in _judgments(folder)}
+
+    assert by_id(out) == by_id(tmp_path / "ref")
+
+
+def test_c18_pipeline_ctrl_c_stores_the_cells_that_finished(tmp_path):
+    """C18 for the pipeline sweep (``ragfix eval --corpus --questions``): one question x gold
+    ranks 0 and 1 x strategies none and reverse (4 cells, one request each, in turn), the
+    server answering two and holding the third. Ctrl-C stores the two finished cells, says so
+    within a second, and the rerun computes only the other two."""
+    from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(DEMO_CORPUS.read_text().splitlines(keepends=True)[:12]))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(DEMO_QUESTIONS.read_text().splitlines()[0] + "\n")
+    out = tmp_path / "run"
+
+    def args(fake: FakeOpenAI) -> list[str]:
+        return ["eval", "--corpus", str(corpus), "--questions", str(questions), "--strategy",
+                "none,reverse", "--num-docs", "3", "--positions", "0,1", "--retriever", "bm25",
+                "--model", "openai:fake", "--api-base", fake.url, "--tokenizer", "smollm2",
+                "--out", str(out)]  # fmt: skip
+
+    with FakeOpenAI("hang", answer_now=2) as fake:
+        stop = ctrl_c(fake, args(fake), received=3, answered=2)
+        assert stop.rc == 130 and len(stop.said) == 1, stop.lines
+        assert stop.said[0][0] < 1.0, stop.said
+        # the rest is the interpreter's exit (collecting LlamaIndex and torch: seconds on a busy
+        # machine); waiting for the held request would take its 120 s timeout
+        assert stop.exited < 15.0, stop.exited
+        said = " ".join(stop.said[0][1].split())
+        assert said.startswith(f"interrupted: 2 cell(s) computed by this run are stored in {out}")
+        assert fake.received == [1, 2, 3] and fake.answered == [1, 2]
+    assert len(_records(out)) == 2
+    with FakeOpenAI() as fake:
+        res = CliRunner().invoke(app, args(fake))
+        assert res.exit_code == 0, res.output
+        assert "resuming: 2 of 4 cells already done" in res.output and len(fake.received) == 2
+    assert len(_records(out)) == 4
+
+
+def test_c21_a_judge_that_answers_content_null_says_why_its_verdicts_are_invalid(tmp_path):
+    """C21 for ``ragfix judge``: a reasoning model answers every judge prompt ``content: null``.
+    Each order's verdict is invalid and keeps the server's reason, every pair is flagged
+    ``empty_judge_reply`` (not the pair's own ``empty_answer_a``), the summary counts the flag
+    and the reasons, and the printed table says why. With one such reply only that pair is
+    flagged, on that order."""
+    from ragfix.judge import EMPTY_JUDGE_REPLY
+
+    reason = "content null, finish_reason stop, reasoning_content present"
+    with FakeOpenAI("contentnull") as fake:
+        res = CliRunner().invoke(app, _judge(fake, tmp_path / "run"))
+    assert res.exit_code == 0, res.output
+    recs = _judgments(tmp_path / "run")
+    assert len(recs) == 3
+    for r in recs:
+        assert r["flags"] == [EMPTY_JUDGE_REPLY] and r["swap_verdict"] == "invalid"
+        for order in (r["original"], r["swapped"]):
+            assert order["raw"] == "" and order["slot_verdict"] == "invalid"
+            assert order["empty_reply_reason"] == reason
+    [s] = _summary(tmp_path / "run")["judges"].values()
+    assert s["flags"] == {EMPTY_JUDGE_REPLY: 3} and s["empty_reply_reasons"] == {reason: 6}
+    assert s["generated"]["invalid_rate"] == 1.0
+    text = " ".join(res.output.split())
+    assert (
+        f"3 pair(s) flagged {EMPTY_JUDGE_REPLY}: the judge model gave no reply text in 6 "
+        f"order(s), read as invalid verdicts (the server said {reason}: 6)."
+    ) in text
+    with FakeOpenAI("contentnull", only={1}) as fake:
+        res = CliRunner().invoke(app, _judge(fake, tmp_path / "one", "--concurrency", "1"))
+    assert res.exit_code == 0, res.output
+    flagged = [r for r in _judgments(tmp_path / "one") if r["flags"]]
+    assert [r["flags"] for r in flagged] == [[EMPTY_JUDGE_REPLY]]
+    reasons = [o["empty_reply_reason"] for o in (flagged[0]["original"], flagged[0]["swapped"])]
+    assert reasons == [reason, None]
+    [s] = _summary(tmp_path / "one")["judges"].values()
+    assert s["flags"] == {EMPTY_JUDGE_REPLY: 1} and s["empty_reply_reasons"] == {reason: 1}

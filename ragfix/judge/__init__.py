@@ -38,6 +38,7 @@ from ragfix.judge.metrics import (
 from ragfix.judge.prompts import STYLES, VERDICT_PREFIX, judge_prompt
 from ragfix.judge.report import plot_judges, print_judge_summary
 from ragfix.judge.verdicts import (
+    EMPTY_JUDGE_REPLY,
     VERDICTS,
     OrderJudgment,
     PairJudgment,
@@ -65,6 +66,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "EMPTY_JUDGE_REPLY",
     "STYLES",
     "VERDICTS",
     "VERDICT_KINDS",

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ragfix.backends.base import Backend, Fit
-from ragfix.errors import ConfigError
+from ragfix.errors import ConfigError, Interrupted
 from ragfix.judge.prompts import (
     ANSWER_SEPARATOR,
     STYLES,
@@ -25,6 +25,7 @@ from ragfix.judge.prompts import (
     judge_prompt,
 )
 from ragfix.judge.verdicts import (
+    EMPTY_JUDGE_REPLY,
     OrderJudgment,
     PairJudgment,
     combine,
@@ -34,7 +35,7 @@ from ragfix.judge.verdicts import (
     parse_verdict,
 )
 from ragfix.prompts import TaskPrompt
-from ragfix.types import CUT_TO_WINDOW, OVERFLOW, Generation, JudgePair, pair_id
+from ragfix.types import CUT_TO_WINDOW, EMPTY_ANSWER, OVERFLOW, Generation, JudgePair, pair_id
 
 #: how the second order of a pair is made (see :class:`PairwiseJudge`)
 SWAPS = ("relabel", "move")
@@ -169,12 +170,17 @@ class PairwiseJudge:
         from the first-step log-probabilities in the ``verdict`` style: the full distribution of
         a local backend, or the top alternatives a server returned, read by their text ``A`` /
         ``B``, a letter not among them having probability 0; none when the server returned no
-        log-probabilities).
+        log-probabilities). A reply the backend flagged ``empty_answer`` keeps its reason in
+        ``empty_reply_reason``.
 
         Raises:
             ConfigError: ``repeats > 1`` without the full first-step distribution.
         """
-        o = OrderJudgment(raw=gen.text, slot_verdict=parse_verdict(self.prefix + gen.text))
+        o = OrderJudgment(
+            raw=gen.text,
+            slot_verdict=parse_verdict(self.prefix + gen.text),
+            empty_reply_reason=gen.reasons.get(EMPTY_ANSWER) if EMPTY_ANSWER in gen.flags else None,
+        )
         if self.style != "verdict":
             return o
         lps = gen.first_logprobs
@@ -247,6 +253,12 @@ class PairwiseJudge:
         prompts by design (``truncated``) such a pair is judged on the cut prompts and flagged
         ``cut_to_window``.
 
+        A reply without text (a remote model's answer flagged ``empty_answer``, e.g. a
+        reasoning model's ``content: null``) is an ``"invalid"`` order verdict; its
+        :class:`~ragfix.judge.verdicts.OrderJudgment` keeps the server's reason
+        (``empty_reply_reason``) and the pair is flagged ``empty_judge_reply``
+        (:data:`~ragfix.judge.verdicts.EMPTY_JUDGE_REPLY`).
+
         Args:
             pairs: the pairs.
             on_result: called with each :class:`PairJudgment` as soon as it is done
@@ -254,6 +266,14 @@ class PairwiseJudge:
 
         Returns:
             one :class:`PairJudgment` per pair, in order.
+
+        Raises:
+            Interrupted: Ctrl-C during a backend's ``generate`` that hands back the replies that
+                had arrived (a remote model): every pair both of whose replies had arrived is
+                judged and handed to ``on_result`` exactly as without the stop, then this is
+                raised with ``done`` = the pairs this call finished, ``{pair index:
+                PairJudgment}``. A pair with one reply only is not judged. (A backend that
+                raises a plain ``KeyboardInterrupt`` loses its batch.)
         """
         results: dict[int, PairJudgment] = {}
         prompts: dict[int, tuple[TaskPrompt, TaskPrompt]] = {}
@@ -287,25 +307,38 @@ class PairwiseJudge:
                 size(prompts[i][0].user),
             )
 
+        def judged(i: int, both: tuple[Generation, Generation], share: float) -> None:
+            """Pair ``i``'s record from its replies in the original and the swapped order
+            (``share``: its seconds), handed to ``done``."""
+            if any(_refused(f, g) for f, g in zip(fits[i], both, strict=True)):
+                done(i, overflowed(pairs[i]))
+                return
+            flags = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
+            if any(EMPTY_ANSWER in g.flags for g in both):
+                flags.append(EMPTY_JUDGE_REPLY)
+            original, swapped = (self._order(g) for g in both)
+            if self.swap == "move":  # its letters name the answers: A is in the second slot
+                swapped = in_slot_terms(swapped)
+            res = combine(pairs[i], original, swapped, self.tie_margin, flags)
+            res.seconds = share
+            done(i, res)
+
         order = sorted(prompts, key=key)
         per_step = max(1, self.batch_size // 2)
         for start in range(0, len(order), per_step):
             chunk = order[start : start + per_step]
             began = time.perf_counter()
-            gens = iter(self._generate([tp for i in chunk for tp in prompts[i]]))
+            stop = None
+            try:
+                gens = dict(enumerate(self._generate([tp for i in chunk for tp in prompts[i]])))
+            except Interrupted as e:  # Ctrl-C: the replies that had arrived
+                gens, stop = e.done, e
             share = (time.perf_counter() - began) / len(chunk)
-            for i in chunk:
-                both = (next(gens), next(gens))
-                if any(_refused(f, g) for f, g in zip(fits[i], both, strict=True)):
-                    done(i, overflowed(pairs[i]))
-                    continue
-                cut = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
-                original, swapped = (self._order(g) for g in both)
-                if self.swap == "move":  # its letters name the answers: A is in the second slot
-                    swapped = in_slot_terms(swapped)
-                res = combine(pairs[i], original, swapped, self.tie_margin, cut)
-                res.seconds = share
-                done(i, res)
+            for k, i in enumerate(chunk):
+                if 2 * k in gens and 2 * k + 1 in gens:
+                    judged(i, (gens[2 * k], gens[2 * k + 1]), share)
+            if stop is not None:
+                raise Interrupted(stop.message, done=results) from None
         return [results[i] for i in range(len(pairs))]
 
     def judge(

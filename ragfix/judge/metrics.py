@@ -171,11 +171,13 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
 
     A pair flagged ``overflow`` (its prompt did not fit the judge's window: not judged) is left
     out of every metric (position bias, agreement, repetition stability, letter mass) and
-    counted in ``overflow_pairs`` (and in ``flags``).
+    counted in ``overflow_pairs`` (and in ``flags``). An order the judge model gave no reply
+    text for (``empty_judge_reply``) counts as an invalid verdict, as any unreadable reply.
 
     Returns:
         ``{"pairs": all records, "overflow_pairs", "labelled": records with a label, "flags":
-        {flag: records}, "generated": order_metrics, "logit": order_metrics of the per-order
+        {flag: records}, "empty_reply_reasons": {the server's reason: orders without reply
+        text}, "generated": order_metrics, "logit": order_metrics of the per-order
         argmax of p(A) vs p(B) or None, "agreement": {kind: agreement or None},
         "repetition_stability", "letter_mass", "seconds_per_pair"}``, the metrics over the
         judged pairs (their ``pairs`` / ``n`` count those). ``letter_mass`` is the mean
@@ -204,6 +206,12 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
             vs = None if any(v is None for v in vs) else vs
         agree[kind] = agreement(vs, labels) if vs is not None else None
     flags = Counter(f for r in every for f in r.get("flags", []))
+    empty = Counter(
+        o["empty_reply_reason"]
+        for r in every
+        for o in (r["original"], r["swapped"])
+        if o.get("empty_reply_reason") is not None
+    )
     samples = [o["samples"] for r in records for o in (r["original"], r["swapped"])]
     mass = (
         [o["p_a"] + o["p_b"] for r in records for o in (r["original"], r["swapped"])]
@@ -216,6 +224,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         "overflow_pairs": len(every) - len(records),
         "labelled": sum(r.get("label") is not None for r in every),
         "flags": dict(flags),
+        "empty_reply_reasons": dict(empty),
         "generated": gen,
         "logit": logit,
         "agreement": agree,

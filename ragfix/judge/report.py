@@ -11,6 +11,7 @@ from rich.console import Console
 
 from ragfix.io import atomic_write_bytes
 from ragfix.judge.metrics import VERDICT_KINDS
+from ragfix.judge.verdicts import EMPTY_JUDGE_REPLY
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed, print_tables
 
 #: ``"kind"`` of a judge run's ``summary.json`` (``ragfix judge``, :mod:`ragfix.eval.judge_run`)
@@ -49,8 +50,10 @@ def judge_tables(result: dict) -> list[TableSpec]:
 
     A judged run (a model as the judge) is two tables per judge: position bias per verdict source
     (generated verdicts, per-order argmax of the letter probabilities): consistency with its
-    counts, fairness, first-slot wins, tie and invalid rates, with the mean probability of the
-    verdict letters (and the repetition stability, the run's notes) under it; then agreement with
+    counts, fairness, first-slot wins, tie and invalid rates, with the pairs that overflow, the
+    orders the judge model gave no reply text for (``empty_judge_reply``, with the server's
+    reasons and how often each was given), the mean probability of the verdict letters (and the
+    repetition stability, the run's notes) under it; then agreement with
     the human labels per verdict kind (n, accuracy with its 95% Wilson interval, kappa, ties,
     invalid), or a line saying the data has no labels.
     """
@@ -118,6 +121,14 @@ def judge_tables(result: dict) -> list[TableSpec]:
             lines.append(
                 f"{s['overflow_pairs']} pair(s) overflow the context window: not judged, left "
                 "out of every metric."
+            )
+        empty = s.get("empty_reply_reasons") or {}
+        if empty:
+            why = "; ".join(f"{reason}: {n}" for reason, n in empty.items())
+            lines.append(
+                f"{s['flags'].get(EMPTY_JUDGE_REPLY, 0)} pair(s) flagged {EMPTY_JUDGE_REPLY}: "
+                f"the judge model gave no reply text in {sum(empty.values())} order(s), read as "
+                f"invalid verdicts (the server said {why})."
             )
         if s.get("letter_mass") is not None:
             lines.append(f"Mean p(A) + p(B) at the verdict position: {fmt_num(s['letter_mass'])}.")

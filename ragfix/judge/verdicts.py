@@ -25,6 +25,12 @@ from pydantic import BaseModel, Field
 from ragfix.errors import ConfigError
 from ragfix.types import OVERFLOW, JudgePair
 
+#: flag of a judged pair where the judge model gave no reply text in an order (a remote model's
+#: ``empty_answer``: ``content: null`` from a reasoning model, a refusal): that order's verdict is
+#: ``"invalid"`` and its :attr:`OrderJudgment.empty_reply_reason` holds the server's reason. Not
+#: the pair's own ``empty_answer_a`` / ``empty_answer_b``, which are about the answers judged.
+EMPTY_JUDGE_REPLY = "empty_judge_reply"
+
 Verdict = Literal["A", "B", "tie", "invalid"]
 VERDICTS: tuple[str, ...] = ("A", "B", "tie", "invalid")
 
@@ -187,6 +193,10 @@ class OrderJudgment(BaseModel):
             position (``verdict`` style only, else None).
         samples: slot verdicts of ``repeats`` sampled verdict tokens (``verdict`` style, when
             ``repeats > 1``).
+        empty_reply_reason: when the judge model gave no reply text (its answer flagged
+            ``empty_answer``), the server's reason (``"content null, finish_reason stop,
+            reasoning_content present"``); else None. The pair is then flagged
+            :data:`EMPTY_JUDGE_REPLY`.
     """
 
     raw: str
@@ -194,6 +204,7 @@ class OrderJudgment(BaseModel):
     p_a: float | None = None
     p_b: float | None = None
     samples: list[Verdict] = Field(default_factory=list)
+    empty_reply_reason: str | None = None
 
 
 def in_slot_terms(order: OrderJudgment) -> OrderJudgment:
@@ -222,7 +233,11 @@ class PairJudgment(BaseModel):
             ``"invalid"``, no logit verdict, and :func:`~ragfix.judge.summarize` leaves the
             pair out of every metric and counts it as ``overflow_pairs``) or
             ``cut_to_window`` (:data:`~ragfix.types.CUT_TO_WINDOW`: the same for a backend that
-            cuts long prompts by design; judged on the cut prompt and counted as usual).
+            cuts long prompts by design; judged on the cut prompt and counted as usual) or
+            ``empty_judge_reply`` (:data:`EMPTY_JUDGE_REPLY`: the judge model gave no reply text
+            in an order, whose verdict is then ``"invalid"``; the server's reason is that order's
+            ``empty_reply_reason``; counted as usual, in the summary's ``flags`` and
+            ``empty_reply_reasons``).
         original: the order (answer_a, answer_b).
         swapped: the order (answer_b, answer_a); its ``slot_verdict`` is about the slots.
         verdict_original: answer verdict of the original order alone (the single-order verdict).
