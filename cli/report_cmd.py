@@ -63,8 +63,9 @@ def register(app: typer.Typer) -> None:
         from ragfix.tables import markdown_tables, print_tables
 
         with user_errors():
-            judges = [load_judge_run(p) for p in runs if is_judge_run(p)]
-            sweeps = load_runs([p for p in runs if not is_judge_run(p)])
+            judged = {p: is_judge_run(p) for p in runs}
+            judges = [load_judge_run(p) for p in runs if judged[p]]
+            sweeps = load_runs([p for p in runs if not judged[p]])
             comparison = compare_loaded(sweeps, plot=out, title=title) if sweeps else None
             tables = comparison_tables(comparison) if comparison else []
             tables += [t for j in judges for t in judge_tables(j.summary)]

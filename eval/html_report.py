@@ -30,6 +30,8 @@ from pathlib import Path
 
 from ragfix.errors import DataError
 from ragfix.eval.compare import Run, comparison_tables
+from ragfix.eval.judge_run import JUDGMENTS_FILE
+from ragfix.eval.judge_run import PLOT_FILE as JUDGE_PLOT
 from ragfix.eval.plot import curve_figure
 from ragfix.eval.sweep import summary_counts
 from ragfix.eval.sweep_summary import SUMMARY_FILE, curve_label, flags_table, read_summary
@@ -89,7 +91,6 @@ def load_judge_run(path: str | Path) -> JudgeRun:
     """
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.pairwise import load_pairs
-    from ragfix.eval.judge_run import JUDGMENTS_FILE
     from ragfix.eval.run import folder_store
     from ragfix.models import content_fingerprint
 
@@ -245,7 +246,8 @@ def _judge_group(runs: list[JudgeRun], strings: _Strings) -> dict:
             )
             prompts = pair_prompts(pair, style, swap) if pair is not None else (None, None)
             if pair is not None:
-                row["q"], row["gold"] = pair.question, [f"human label: {pair.label}"]
+                row["q"] = pair.question
+                row["gold"] = [f"human label: {pair.label}"] if pair.label else None
             swapped = "answers moved" if swap == "move" else "answers exchanged"
             cell = {
                 "answer": f"{rec['verdict_original']} / {rec['verdict_swapped']}",
@@ -349,14 +351,13 @@ def render_report(
     by_data: dict[str, list[JudgeRun]] = {}
     for j in judges:
         by_data.setdefault(j.config.get("inputs", {}).get("data", j.name), []).append(j)
-        plot = j.folder / "judge.png"
-        tables: list[TableSpec] = judge_tables(j.summary)
-        notes = [f"{j.name}: {j.missing}"] if j.missing else []
+        plot = j.folder / JUDGE_PLOT
+        notes = [TableSpec("prompts", lines=[f"{j.name}: {j.missing}"])] if j.missing else []
         sections.append(
             {
                 "title": f"Judge run {j.name}",
                 "figure": _png_uri(plot) if plot.exists() else None,
-                "tables": tables + ([TableSpec("prompts", lines=notes)] if notes else []),
+                "tables": judge_tables(j.summary) + notes,
             }
         )
     groups += [_judge_group(js, strings) for js in by_data.values() if any(j.records for j in js)]
