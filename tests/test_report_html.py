@@ -200,6 +200,12 @@ def test_a_judge_run_shows_both_orders_rebuilt_from_its_pair_file(tmp_path, mode
         record["original"]["raw"],
         record["swapped"]["raw"],
     ]
+    page = tmp_path / "judge.html"
+    result = runner.invoke(app, ["report", str(out), "--html", str(page)])
+    assert result.exit_code == 0 and "as judge: position bias" in result.output
+    assert _payload(page.read_text()) == payload
+    result = runner.invoke(app, ["report", str(out), "--json", str(tmp_path / "c.json")])
+    assert result.exit_code == 2 and "--json writes a comparison of sweeps" in result.output
     pairs.write_text(pairs.read_text().replace('"5"', '"six"'))
     assert "has changed since the run" in load_judge_run(out).missing
 
