@@ -114,6 +114,14 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
+        log_prompts: Annotated[
+            bool,
+            typer.Option(
+                help="keep in results.jsonl the prompt each cell's model read (shown by ragfix "
+                "report --html); --no-log-prompts leaves them out of a very large run. A folder "
+                "keeps the setting it was started with"
+            ),
+        ] = True,
         remote: dict | None = None,
     ) -> None:
         """Accuracy as the gold passage moves through every position (table, summary.json,
@@ -152,6 +160,7 @@ def register(app: typer.Typer) -> None:
                     device=device,
                     dtype=dtype,
                     restart=restart,
+                    log_prompts=log_prompts,
                     console=console,
                 )
                 print_pipeline_run(summary, out, console)
@@ -179,6 +188,7 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 dtype=dtype,
                 restart=restart,
+                log_prompts=log_prompts,
                 console=console,
             )
             if summary:  # ranks other than 0 of a multi-process run report nothing

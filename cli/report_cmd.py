@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ragfix.cli.common import console, user_errors
+from ragfix.errors import ConfigError
 
 
 def register(app: typer.Typer) -> None:
@@ -28,30 +29,62 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--markdown", help="print the tables as Markdown")
         ] = False,
         title: Annotated[str | None, typer.Option(help="plot title")] = None,
+        html: Annotated[
+            Path | None,
+            typer.Option(
+                "--html",
+                help="also write one self-contained HTML page: the plot, the tables and every "
+                "cell with the prompt its model read",
+            ),
+        ] = None,
     ) -> None:
         """Figures of merit of every curve (mean, worst position, best-worst gap, with 95%
-        intervals) and their plot.
+        intervals) and their plot; a judge run's tables (position consistency, preference
+        fairness, agreement).
 
         Curves of runs with the same cells (same data, task, number of passages, record range
         and prompt layout; the model, backend or adapter may differ) are compared with the first
         one: the difference per position, the exact McNemar p-value, and paired bootstrap
         intervals of the mean and gap differences. Other runs are drawn side by side with a note
-        naming the differing settings; a run that tuned on the compared records is not paired."""
-        from ragfix.eval.compare import compare_runs, comparison_tables, write_comparison
+        naming the differing settings; a run that tuned on the compared records is not paired.
+
+        With --html, one page to browse: per position the cells of every run side by side, each
+        opening to the prompt its model read (gold passage highlighted), its answer, the gold
+        answers and the score, with filters (right only in run A or B, by flag); a judge run's
+        pairs with both orders side by side."""
+        from ragfix.eval.compare import (
+            compare_loaded,
+            comparison_tables,
+            load_runs,
+            write_comparison,
+        )
+        from ragfix.eval.html_report import is_judge_run, load_judge_run, write_html_report
+        from ragfix.judge.report import judge_tables
         from ragfix.tables import markdown_tables, print_tables
 
         with user_errors():
-            comparison = compare_runs(runs, plot=out, title=title)
-            tables = comparison_tables(comparison)
+            judged = {p: is_judge_run(p) for p in runs}
+            judges = [load_judge_run(p) for p in runs if judged[p]]
+            sweeps = load_runs([p for p in runs if not judged[p]])
+            comparison = compare_loaded(sweeps, plot=out, title=title) if sweeps else None
+            tables = comparison_tables(comparison) if comparison else []
+            tables += [t for j in judges for t in judge_tables(j.summary)]
             if markdown:
                 typer.echo(markdown_tables(tables))
             else:
                 print_tables(tables, console)
-                console.print(f"plot: {out}")
+                if comparison:
+                    console.print(f"plot: {out}", soft_wrap=True, highlight=False)
             if json_out is not None:
+                if comparison is None:
+                    raise ConfigError("--json writes a comparison of sweeps: give a sweep run")
                 write_comparison(json_out, comparison)
                 if not markdown:
-                    console.print(f"comparison: {json_out}")
+                    console.print(f"comparison: {json_out}", soft_wrap=True, highlight=False)
+            if html is not None:
+                write_html_report(html, sweeps, comparison, judges, title)
+                if not markdown:
+                    console.print(f"page: {html}", soft_wrap=True, highlight=False)
 
     @app.command("render")
     def render_cmd(

@@ -87,6 +87,8 @@ class Run:
             (:func:`ragfix.eval.sweep.summary_counts`: no sample with an unscored cell).
         continued: ``{curve label: answers that continue the context}``
             (:func:`ragfix.metrics.continues_context`), over the same cells.
+        records: every cell the run reported (overflowed ones included), as stored, in the
+            summary's order (what ``ragfix report --html`` lists).
     """
 
     name: str
@@ -95,6 +97,7 @@ class Run:
     summary: dict
     curves: dict[str, Cells]
     continued: dict[str, int]
+    records: list[dict]
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -141,12 +144,13 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
             f"{len(missing)} of the {len(ids)} cells its summary reports are not in the results "
             f"(first: {missing[0]}): rerun its `ragfix eval` command",
         )
-    records, _ = summary_counts([stored[i] for i in ids])
+    reported = [stored[i] for i in ids]
+    records, _ = summary_counts(reported)
     curves = cells_by_curve(records)
     continued = dict.fromkeys(curves, 0)
     for r in records:
         continued[curve_label(r)] += continues_context(r.get("answer", ""))
-    run = Run(name or folder.name, folder, config, summary, curves, continued)
+    run = Run(name or folder.name, folder, config, summary, curves, continued, reported)
     if not run.curves:
         why = "; ".join(unscored_lines(summary)[1:])
         raise DataError(
@@ -261,6 +265,19 @@ def _label(run: Run, curve: str) -> str:
     return f"{run.name}:{curve}"
 
 
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """:func:`load_run` of every path, each named by its folder (by the path as given where two
+    folders have the same name).
+
+    Raises:
+        DataError: see :func:`load_run`.
+    """
+    names = [Path(p).name if Path(p).is_dir() else Path(p).parent.name for p in paths]
+    return [
+        load_run(p, n if names.count(n) == 1 else str(p)) for p, n in zip(paths, names, strict=True)
+    ]
+
+
 def compare_runs(
     paths: list[str | Path],
     *,
@@ -269,8 +286,25 @@ def compare_runs(
     resamples: int = N_RESAMPLES,
     seed: int = SEED,
 ) -> dict:
-    """Compare run folders: figures of merit of every curve, and paired comparisons where the
-    cells are the same.
+    """:func:`compare_loaded` of the run folders ``paths`` (:func:`load_runs`).
+
+    Raises:
+        DataError: a folder without a readable summary, or a malformed ``tuned_on`` /
+            ``records``.
+    """
+    return compare_loaded(load_runs(paths), plot=plot, title=title, resamples=resamples, seed=seed)
+
+
+def compare_loaded(
+    runs: list[Run],
+    *,
+    plot: str | Path | None = None,
+    title: str | None = None,
+    resamples: int = N_RESAMPLES,
+    seed: int = SEED,
+) -> dict:
+    """Compare runs: figures of merit of every curve, and paired comparisons where the cells
+    are the same.
 
     Runs are grouped by :func:`config_differences` (a run joins the first group whose first run
     has the same cells); in each group every curve is paired with the group's first curve, unless
@@ -278,7 +312,7 @@ def compare_runs(
     cell. Every curve not paired gets a one-line note saying why.
 
     Args:
-        paths: run folders (or files in them); the first one's first curve is the baseline.
+        runs: the runs (:func:`load_runs`); the first one's first curve is the baseline.
         plot: draw every curve into this PNG, one panel per group of runs with the same cells.
         title: the plot's title.
         resamples, seed: bootstrap settings (:mod:`ragfix.eval.merit`).
@@ -290,12 +324,8 @@ def compare_runs(
         and ``other`` labels plus a :class:`~ragfix.eval.merit.PairedMerit`) and ``notes``.
 
     Raises:
-        DataError: a folder without a readable summary, or a malformed ``tuned_on`` / ``records``.
+        DataError: a malformed ``tuned_on`` in a run's configuration.
     """
-    names = [Path(p).name if Path(p).is_dir() else Path(p).parent.name for p in paths]
-    runs = [
-        load_run(p, n if names.count(n) == 1 else str(p)) for p, n in zip(paths, names, strict=True)
-    ]
     groups: list[list[Run]] = []
     notes: list[str] = []
     for run in runs:

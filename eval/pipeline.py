@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 from rich.console import Console
@@ -83,7 +83,7 @@ from ragfix.integrations import require_extra
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
 from ragfix.tasks import get_task, join_chunks
-from ragfix.types import UNSCORED, SweepRecord
+from ragfix.types import UNSCORED, StoredPrompt, SweepRecord
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
 ATTENTION_LAYERS = CorrectionSettings.model_fields["attention_layers"].default
@@ -119,9 +119,13 @@ class PipelineConfig(RunConfig):
         retriever: ``faiss`` or ``bm25``.
         chunk_size: chunk size in embedder tokens.
         framework: ``llamaindex``, ``langchain`` or ``haystack``.
+        log_prompts: whether each record keeps the text its model read (as
+            :class:`~ragfix.eval.sweep.SweepConfig`: not in the cell ids, a rerun with the other
+            setting refused, an older ``config.json`` without it reads as False).
     """
 
     run: Literal["pipeline"] = "pipeline"
+    ABSENT: ClassVar[dict] = {"log_prompts": False}
     corpus: str
     questions: str
     task: Literal["qa-pipeline"] = "qa-pipeline"
@@ -132,13 +136,15 @@ class PipelineConfig(RunConfig):
     retriever: Literal["faiss", "bm25"] = "faiss"
     chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
     framework: str = "llamaindex"
+    log_prompts: bool = True
 
 
 def pipeline_cell_id(
     config: PipelineConfig, question_id: str, rank: int, strategy: str, extra: dict
 ) -> str:
-    """Deterministic 16-hex id of a pipeline cell (from the request, not the bound identity)."""
-    request = config.model_dump(mode="json", exclude={"identity", "inputs"})
+    """Deterministic 16-hex id of a pipeline cell (from the request, not the bound identity
+    nor whether records keep their prompts)."""
+    request = config.model_dump(mode="json", exclude={"identity", "inputs", "log_prompts"})
     key = json.dumps([question_id, rank, strategy, request, extra], sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
@@ -195,6 +201,7 @@ def run_pipeline_sweep(
     attention_rounds: int = 1,
     framework: str = "llamaindex",
     restart: bool = False,
+    log_prompts: bool = True,
 ) -> dict:
     """Run the position sweep through a LlamaIndex, LangChain or Haystack pipeline; returns the
     summary dict.
@@ -226,6 +233,8 @@ def run_pipeline_sweep(
             cell gives the same prompt in each (``prompt_sha1`` in the records).
         restart: start ``out`` over when it holds a run of other settings, weights or inputs
             (corpus, questions), instead of refusing it.
+        log_prompts: keep in each record the text its model read (the question and gold
+            answers are kept either way); see :func:`ragfix.eval.run_sweep`.
 
     Raises:
         ConfigError, DataError, CorpusError, ProfileError, ModelNotFoundError: bad input (one
@@ -276,6 +285,7 @@ def run_pipeline_sweep(
         retriever=retriever,
         chunk_size=chunk_size,
         framework=framework,
+        log_prompts=log_prompts,
         inputs=input_fingerprints(corpus=corpus, questions=questions),
     )
     folder = sweep_folder(out, config)
@@ -323,6 +333,8 @@ def run_pipeline_sweep(
             try:
                 for cands, (q, r, s, cell) in planned:
                     rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
+                    if not log_prompts:
+                        rec = rec.model_copy(update={"prompt": None})
                     folder.append(rec.model_dump())
                     stored += 1
                     status = f"{s} {tally.add(rec.correct, rec.flags)}"
@@ -383,6 +395,23 @@ def _chunk(node) -> str:
     from llama_index.core.schema import MetadataMode
 
     return node.node.get_content(metadata_mode=MetadataMode.LLM)
+
+
+def _read_prompt(text: str, chunks: list[str], ids: list[str], q) -> StoredPrompt:
+    """The prompt a pipeline's model read (``text``, as its LLM component sent it) with the
+    spans of the ``chunks`` it holds verbatim (in prompt order, each searched after the one
+    before; a chunk the framework rewrote has no span) and the gold chunk's index among them
+    (None when it is not among them)."""
+    spans, gold, start = [], None, 0
+    for chunk, node_id in zip(chunks, ids, strict=True):
+        at = text.find(chunk.strip(), start)
+        if at < 0:
+            continue
+        if node_id == q.gold_node_id:
+            gold = len(spans)
+        start = at + len(chunk.strip())
+        spans.append((at, start))
+    return StoredPrompt(text=text, passages=spans, gold=gold)
 
 
 def _parts(node) -> tuple[str, str, str, float | None]:
@@ -463,8 +492,9 @@ class _Engines:
 
     def run(self, q, r: int, s: str, cell: str, cands: list, natural: int | None) -> SweepRecord:
         """Query strategy ``s``'s pipeline with ``cands`` as the retrieved nodes; the record of
-        cell ``cell`` (gold at retrieval rank ``r``), with the SHA-1 of the prompt the model read
-        (``prompt_sha1``: the same cell gives the same prompt in every framework). When the
+        cell ``cell`` (gold at retrieval rank ``r``), with the prompt the model read
+        (:func:`_read_prompt`) and its SHA-1 (``prompt_sha1``: the same cell gives the same
+        prompt in every framework). When the
         candidates do not fit the window in one prompt (:meth:`fits`) nothing runs: the record is
         flagged ``overflow`` (a backend that cuts long prompts by design runs it, flagged
         ``cut_to_window``)."""
@@ -499,6 +529,9 @@ class _Engines:
             correct=not UNSCORED.intersection(flags) and get_task("qa").score(answer, q.answers),
             seconds=round(secs, 4),
             flags=flags,
+            question=q.question,
+            gold_answers=q.answers,
+            prompt=_read_prompt(seen, [_chunk(by_id[i]) for i in final_ids], final_ids, q),
             extra={
                 **explained,
                 "framework": self.framework,
@@ -539,6 +572,8 @@ class _Engines:
             correct=False,
             seconds=0.0,
             flags=flags,
+            question=q.question,
+            gold_answers=q.answers,
             extra={
                 **explained,
                 "framework": self.framework,

@@ -14,15 +14,25 @@ def plot_curves(
     title: str | None = None,
     groups: list[list[str]] | None = None,
 ) -> None:
+    """:func:`curve_figure` saved as a PNG (atomically) at ``path``."""
+    atomic_write_bytes(path, curve_figure(runs, title, groups))
+
+
+def curve_figure(
+    runs: list[tuple[str, dict]],
+    title: str | None = None,
+    groups: list[list[str]] | None = None,
+    fmt: str = "png",
+) -> bytes:
     """Accuracy against gold position with the 95% interval band, one line per curve of every
-    run, saved as a PNG (atomically). Runs whose cells differ (another number of passages, other
-    data) go to separate panels side by side.
+    run, as the bytes of a ``fmt`` file (``png``, ``svg``). Runs whose cells differ (another
+    number of passages, other data) go to separate panels side by side.
 
     Args:
         runs: ``(run label, summary dict)`` pairs.
-        path: the PNG to write.
         title: the plot's title (default: model and number of passages of each panel).
         groups: run labels per panel (default: all runs in one panel).
+        fmt: the file format (matplotlib's name).
     """
     import io
 
@@ -66,6 +76,6 @@ def plot_curves(
         fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format=fmt)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,9 +51,15 @@ class RunConfig(BaseModel):
             loaded (:meth:`RunFolder.bind`).
         inputs: ``{role: content fingerprint}`` of every input file or folder (``data``,
             ``distractor_pool``, ``corpus``, ``questions``).
+
+    ``ABSENT`` (a class attribute, not a field) maps a field added after ``config.json`` files
+    were already written to what such a file stands for without it (a run made before records
+    kept their prompts: ``{"log_prompts": False}``), so :meth:`RunFolder.check` compares an old
+    folder with what it really holds.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    ABSENT: ClassVar[dict] = {}
 
     run: str
     format: int = RUN_FORMAT
@@ -163,6 +170,7 @@ class RunFolder:
                 "the weights and inputs it ran on, so its cells cannot be checked: rerun with "
                 "--restart to start it over, or use another --out folder"
             )
+        theirs = {**self.config.ABSENT, **theirs}
         mine = self.config.stored()
         if not mine["identity"]:
             theirs = {**theirs, "identity": {}}

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -51,8 +51,17 @@ from ragfix.eval.run import RunConfig, RunFolder, folder_store
 from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE
 from ragfix.io import JsonlStore
 from ragfix.metrics import degenerate_gold
+from ragfix.prompts import TaskPrompt
 from ragfix.tasks import score_answer, task_prompt
-from ragfix.types import EMPTY_ANSWER, OVERFLOW, UNSCORED, Generation, QASample, SweepRecord
+from ragfix.types import (
+    EMPTY_ANSWER,
+    OVERFLOW,
+    UNSCORED,
+    Generation,
+    QASample,
+    StoredPrompt,
+    SweepRecord,
+)
 
 DEGENERATE_GOLD = "degenerate_gold"
 
@@ -77,6 +86,11 @@ class SweepConfig(RunConfig):
         records: the record range of the data file (``"0:200"``, see
             :func:`~ragfix.connectors.records.parse_records`),
             or None for the whole file; a rerun with another range is refused.
+        log_prompts: whether each record keeps the prompt its model read
+            (:attr:`~ragfix.types.SweepRecord.prompt`); not part of the cell ids, but a rerun
+            with the other setting is refused like any other (a folder's cells either all keep
+            their prompts or none do). A ``config.json`` written before the setting existed
+            reads as False (:attr:`~ragfix.eval.run.RunConfig.ABSENT`): its records have none.
         identity, inputs: what the run ran on (:class:`~ragfix.eval.run.RunConfig`); ``inputs``
             has ``data`` and, with a pool, ``distractor_pool``.
     """
@@ -90,6 +104,8 @@ class SweepConfig(RunConfig):
     backend_options: dict = Field(default_factory=dict)
     distractor_pool: str | None = None
     records: str | None = None
+    log_prompts: bool = True
+    ABSENT: ClassVar[dict] = {"log_prompts": False}
 
     @field_validator("num_docs")
     @classmethod
@@ -171,6 +187,17 @@ def _prompt(cell: Cell):
     return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
 
 
+def stored_prompt(prompt: TaskPrompt, gold: int | None) -> StoredPrompt:
+    """What a record keeps of ``prompt`` (:class:`~ragfix.types.StoredPrompt`): its user turn,
+    assistant prefix and passage spans, ``gold`` the index of the gold passage among them."""
+    return StoredPrompt(
+        text=prompt.user,
+        assistant_prefix=prompt.assistant_prefix,
+        passages=list(prompt.passages),
+        gold=gold,
+    )
+
+
 def cell_flags(answers: list[str], flags: list[str] = ()) -> tuple[list[str], dict]:
     """``flags`` plus ``degenerate_gold`` when a gold answer is degenerate, and the ``extra``
     fields that explain them (``{"degenerate_gold": [reasons]}``)."""
@@ -190,8 +217,10 @@ def generation_extra(gen: Generation) -> dict:
 def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:
     """The record of a cell: ``flags`` plus the backend's own (:attr:`Generation.flags`), with
     :func:`generation_extra` in ``extra`` and, without a local tokenizer,
-    ``extra["token_counts"] = "server"``. A cell with an :data:`~ragfix.types.UNSCORED` flag
-    is not scored (``correct`` False)."""
+    ``extra["token_counts"] = "server"``; the sample's question and gold answers and the prompt
+    (the gold passage at ``cell.position``), which the caller drops when the run keeps no
+    prompts (:attr:`SweepConfig.log_prompts`). A cell with an :data:`~ragfix.types.UNSCORED`
+    flag is not scored (``correct`` False)."""
     flags, extra = cell_flags(cell.sample.answers, [*flags, *gen.flags])
     extra.update(generation_extra(gen))
     if not backend.has_tokenizer:
@@ -211,6 +240,9 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
         seconds=round(gen.seconds, 4),
         flags=flags,
         extra=extra,
+        question=cell.sample.question,
+        gold_answers=cell.sample.answers,
+        prompt=stored_prompt(_prompt(cell), cell.position),
     )
 
 

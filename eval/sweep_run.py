@@ -108,7 +108,8 @@ def _compute(
     on_record: Callable[[SweepRecord], None],
 ) -> None:
     """Compute ``todo`` on ``backend`` and store each record in ``folder`` as it is done
-    (``config.json`` first, before the first record), then pass it to ``on_record``.
+    (``config.json`` first, before the first record; without its prompt when the run keeps
+    none, :attr:`SweepConfig.log_prompts`), then pass it to ``on_record``.
     ``batch_size`` ``None``: the backend's preferred size (a remote model's concurrency), else
     16 on CUDA or where the cells of a sample share a prefix cache (prefilled along their token
     trie, then decoded together: the fastest exact mode on the CPU too,
@@ -118,6 +119,8 @@ def _compute(
     bs = batch_size or backend.preferred_batch_size or (16 if on_gpu or trie else 1)
 
     def store_record(rec: SweepRecord) -> None:
+        if not folder.config.log_prompts:
+            rec = rec.model_copy(update={"prompt": None})
         if world > 1:
             rec.extra["rank"] = rank
         folder.append(rec.model_dump())
@@ -271,6 +274,7 @@ def run_sweep(
     device: str = "auto",
     dtype: str = "auto",
     restart: bool = False,
+    log_prompts: bool = True,
     on_record: Callable[[SweepRecord], None] | None = None,
     console: Console | None = None,
 ) -> dict:
@@ -314,6 +318,10 @@ def run_sweep(
             own device).
         restart: start ``out`` over (its cells, configuration and summary removed) when it
             holds a run of other settings, weights or inputs, instead of refusing it.
+        log_prompts: keep in each record the prompt its model read (the user turn and the
+            passage spans, about the prompt's size a cell: leave them out of very large runs);
+            the question and gold answers are kept either way. Not part of the cell ids, but
+            part of the configuration: a folder's cells all keep their prompts or none do.
         on_record: called with each newly computed :class:`SweepRecord` once it is stored.
         console: where progress and notes go (``None``: quiet).
 
@@ -365,6 +373,7 @@ def run_sweep(
         },
         distractor_pool=str(pool) if pool else None,
         records=records,
+        log_prompts=log_prompts,
         inputs=input_fingerprints(data=path, distractor_pool=pool),
     )
     pos = parse_positions(positions, num_docs)

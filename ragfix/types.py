@@ -129,6 +129,25 @@ class Generation(BaseModel):
     reasons: dict[str, str] = Field(default_factory=dict)
 
 
+class StoredPrompt(BaseModel):
+    """The prompt a cell's model read, as a record keeps it (``ragfix report --html`` shows it).
+
+    Attributes:
+        text: the text: a sweep's user turn (the filled task template; the chat template is
+            the backend's, recorded in the run's identity), or the exact text a pipeline's LLM
+            component sent to the model (chat template included).
+        assistant_prefix: what the assistant turn was prefilled with.
+        passages: the character spans ``[start, end)`` of the passages in ``text``, in prompt
+            order, non-overlapping (a pipeline's: the chunks found verbatim in the text).
+        gold: the index in ``passages`` of the gold passage, or None when it is not among them.
+    """
+
+    text: str
+    assistant_prefix: str = ""
+    passages: list[tuple[int, int]] = Field(default_factory=list)
+    gold: int | None = None
+
+
 class SweepRecord(BaseModel):
     """One finished sweep cell, as stored (one JSON line) in ``results.jsonl``.
 
@@ -151,6 +170,11 @@ class SweepRecord(BaseModel):
     * ``degenerate_gold``: a gold answer normalises to nothing, to one character or to stopwords
       only (:func:`ragfix.metrics.degenerate_gold`; the reasons are in ``extra``); scored as
       usual, reported so a reader knows the metric is loose there.
+
+    ``question`` and ``gold_answers`` are the sample's; ``prompt`` is what the model read (kept
+    for an overflow cell too: the prompt that did not fit), or None when the run was made with
+    ``log_prompts`` off (``--no-log-prompts``). Records written before ragfix kept them have
+    none of the three.
     """
 
     cell_id: str
@@ -168,6 +192,9 @@ class SweepRecord(BaseModel):
     seconds: float
     flags: list[str] = Field(default_factory=list)
     extra: dict = Field(default_factory=dict)
+    question: str | None = None
+    gold_answers: list[str] | None = None
+    prompt: StoredPrompt | None = None
 
 
 class JudgePair(BaseModel):

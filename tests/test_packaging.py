@@ -109,3 +109,9 @@ def test_installed_cli_runs_the_demo_pipeline(venv, tmp_path):
     assert (rec["sample_id"], rec["position"], rec["num_docs"]) == ("nq-0200", 0, 2)
     assert rec["correct"] is True  # "... a presidential representative democratic republic"
     assert list((cache / "indexes").iterdir())  # the bundled corpus was indexed in the cache
+    page = tmp_path / "page.html"  # the page's template ships in the wheel
+    _run(
+        [venv / "bin" / "ragfix", "report", out, "-o", tmp_path / "c.png", "--html", page], tmp_path
+    )
+    assert '<script type="application/json" id="cells">' in page.read_text()
+    assert rec["question"] in page.read_text() and rec["prompt"]["text"]

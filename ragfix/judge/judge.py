@@ -58,6 +58,44 @@ def check_judge_settings(style: str, repeats: int, swap: str = "relabel") -> Non
         raise ConfigError("repeats > 1 samples the verdict token: it needs style 'verdict'")
 
 
+def pair_prompts(
+    pair: JudgePair, style: str = "verdict", swap: str = "relabel", max_new_tokens: int = 4
+) -> tuple[TaskPrompt, TaskPrompt]:
+    """The prompts of both orders of ``pair`` (:class:`PairwiseJudge`'s, which a judge run's
+    report rebuilds from the pair file): the original order (``answer_a`` in slot A), then the
+    swapped one (``relabel``: the answers exchange places and labels; ``move``: the two answer
+    blocks exchange places with their labels). Each has its answer blocks as passages, the
+    assistant turn prefilled with ``[[`` in the ``verdict`` style, and ``max_new_tokens``."""
+
+    q, ref = pair.question, pair.reference
+    first = order_prompt(q, pair.answer_a, pair.answer_b, ref, style, max_new_tokens)
+    if swap == "move":
+        return first, first.reordered([1, 0])
+    return first, order_prompt(q, pair.answer_b, pair.answer_a, ref, style, max_new_tokens)
+
+
+def order_prompt(
+    question: str,
+    first: str,
+    second: str,
+    reference: str | None,
+    style: str = "verdict",
+    max_new_tokens: int = 4,
+) -> TaskPrompt:
+    """The judge prompt of one order, ``first`` in slot A: the :func:`judge_prompt` user turn
+    with its answer blocks as passages, the assistant turn prefilled with ``[[`` in the
+    ``verdict`` style (the backend applies its chat template)."""
+    user = judge_prompt(question, first, second, reference, style)
+    return TaskPrompt(
+        user=user,
+        assistant_prefix=VERDICT_PREFIX if style == "verdict" else "",
+        max_new_tokens=max_new_tokens,
+        stop_at_newline=False,
+        passages=answer_spans(user),
+        passage_separator=ANSWER_SEPARATOR,
+    )
+
+
 def letter_token(backend: Backend, prefix: str, letter: str) -> int:
     """The single token the backend's tokenizer uses for ``letter`` right after ``prefix``.
 
@@ -153,17 +191,8 @@ class PairwiseJudge:
         }
 
     def prompt(self, question: str, first: str, second: str, reference: str | None) -> TaskPrompt:
-        """The judge prompt with ``first`` in slot A (the backend applies its chat template and
-        prefills the assistant turn with ``[[`` in the ``verdict`` style)."""
-        user = judge_prompt(question, first, second, reference, self.style)
-        return TaskPrompt(
-            user=user,
-            assistant_prefix=self.prefix,
-            max_new_tokens=self.max_new_tokens,
-            stop_at_newline=False,
-            passages=answer_spans(user),
-            passage_separator=ANSWER_SEPARATOR,
-        )
+        """This judge's prompt with ``first`` in slot A (:func:`order_prompt`)."""
+        return order_prompt(question, first, second, reference, self.style, self.max_new_tokens)
 
     def _order(self, gen: Generation) -> OrderJudgment:
         """One order's judgment from its generation (letter probabilities and sampled verdicts
@@ -288,11 +317,7 @@ class PairwiseJudge:
             if "identical_answers" in p.flags:
                 done(i, self._identical(p))
                 continue
-            first = self.prompt(p.question, p.answer_a, p.answer_b, p.reference)
-            if self.swap == "move":
-                both = (first, first.reordered([1, 0]))
-            else:
-                both = (first, self.prompt(p.question, p.answer_b, p.answer_a, p.reference))
+            both = pair_prompts(p, self.style, self.swap, self.max_new_tokens)
             fit = (self._fits(both[0]), self._fits(both[1]))
             if all(f.runs for f in fit):
                 prompts[i], fits[i] = both, fit

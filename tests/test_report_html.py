@@ -1,0 +1,291 @@
+"""Cells keep what their model read, and ``ragfix report --html`` shows it: the prompt of every
+sweep, pipeline and judge cell (or why it is not there), in one self-contained page, opened in a
+real headless Chromium (the Debian package; ``.ci/run`` installs it and sets
+``RAGFIX_REQUIRE_BROWSER``, so the browser test fails there instead of skipping)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import BUNDLED, tiny_folder
+from typer.testing import CliRunner
+
+from ragfix.cli.app import app
+from ragfix.connectors.litm import load_samples
+from ragfix.errors import ConfigMismatchError
+from ragfix.eval import run_judge, run_sweep
+from ragfix.eval.compare import compare_loaded, load_runs
+from ragfix.eval.html_report import load_judge_run, render_report
+from ragfix.judge.judge import pair_prompts
+from ragfix.tasks import task_prompt
+from ragfix.types import JudgePair
+
+NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
+runner = CliRunner()
+
+
+def _records(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def _payload(html: str) -> dict:
+    """The cell payload of a page (the JSON of its ``<script id="cells">``)."""
+    m = re.search(r'<script type="application/json" id="cells">(.*?)</script>', html, re.S)
+    return json.loads(m.group(1))
+
+
+def _text(payload: dict, segs) -> str:
+    return "".join(payload["strings"][i] for i, _ in segs)
+
+
+@pytest.fixture(scope="module")
+def smol_run(tmp_path_factory):
+    """The real embedded SmolLM2 on two samples of the bundled NQ sample, three documents,
+    the gold one at every position."""
+    out = tmp_path_factory.mktemp("smol") / "smol"
+    run_sweep(NQ, out, num_docs=3, limit=2, workers=1, device="cpu")
+    return out
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return tiny_folder(tmp_path / "model", seed=0)
+
+
+def test_sweep_cells_keep_the_prompt_their_model_read(smol_run):
+    samples = {s.id: s for s in load_samples(NQ, 3, 2)}
+    records = _records(smol_run)
+    assert len(records) == 6
+    for r in records:
+        s = samples[r["sample_id"]]
+        tp = task_prompt(s, s.passages_with_gold_at(r["position"]))
+        p = r["prompt"]
+        assert p["text"] == tp.user and [tuple(x) for x in p["passages"]] == list(tp.passages)
+        start, end = p["passages"][p["gold"]]
+        assert p["gold"] == r["position"] and s.gold.text in p["text"][start:end]
+        assert r["question"] == s.question and r["gold_answers"] == s.answers
+    assert json.loads((smol_run / "config.json").read_text())["log_prompts"] is True
+
+
+def test_prompts_left_out_keep_the_cells_and_are_never_mixed_with_kept_ones(tmp_path, model_dir):
+    kept, bare = tmp_path / "kept", tmp_path / "bare"
+    common = dict(model=str(model_dir), num_docs=2, limit=1, workers=1, device="cpu")
+    run_sweep(NQ, kept, **common)
+    run_sweep(NQ, bare, log_prompts=False, **common)
+    a, b = _records(kept), _records(bare)
+    assert [r["cell_id"] for r in a] == [r["cell_id"] for r in b]  # the same cells
+    assert all(r["prompt"] is None and r["question"] and r["gold_answers"] for r in b)
+    assert [r["answer"] for r in a] == [r["answer"] for r in b]
+    with pytest.raises(ConfigMismatchError, match="log_prompts: false there, true now"):
+        run_sweep(NQ, bare, **common)
+    with pytest.raises(ConfigMismatchError, match="log_prompts: true there, false now"):
+        run_sweep(NQ, kept, log_prompts=False, **common)
+    assert run_sweep(NQ, bare, log_prompts=False, **common)["cells"] == 2  # resumed as it was
+
+
+def test_a_folder_from_before_prompts_resumes_without_them_and_still_reports(tmp_path, model_dir):
+    old = tmp_path / "old"
+    common = dict(model=str(model_dir), num_docs=2, limit=1, workers=1, device="cpu")
+    run_sweep(NQ, old, **common)
+    config = json.loads((old / "config.json").read_text())
+    del config["log_prompts"]
+    (old / "config.json").write_text(json.dumps(config))
+    lines = []
+    for r in _records(old):
+        for k in ("prompt", "question", "gold_answers"):
+            del r[k]
+        lines.append(json.dumps(r) + "\n")
+    (old / "results.jsonl").write_text("".join(lines))
+    with pytest.raises(ConfigMismatchError, match="log_prompts: false there, true now"):
+        run_sweep(NQ, old, **common)
+    assert run_sweep(NQ, old, log_prompts=False, **common)["cells"] == 2
+    runs = load_runs([old])
+    page = render_report(runs, compare_loaded(runs), [])
+    cells = [c for row in _payload(page)["groups"][0]["rows"] for c in row["cells"]]
+    assert len(cells) == 2
+    assert {c["missing"] for c in cells} == {
+        "prompt not stored: the run was made before ragfix kept prompts"
+    }
+    assert "not stored (made before ragfix kept prompts)" in page
+
+
+def test_the_page_escapes_every_text(tmp_path, model_dir):
+    """A prompt, an answer and a folder name full of markup reach the page as text: the payload
+    cannot close its script element and the tables show the name escaped."""
+    from ragfix.eval.sweep_summary import write_report
+
+    run = tmp_path / "run<b>&amp"
+    common = dict(model=str(model_dir), num_docs=2, limit=1, workers=1, device="cpu")
+    run_sweep(NQ, run, **common)
+    hostile = "</script><script>alert(1)</script><b>bold</b> & &amp;"
+    records = _records(run)
+    for r in records:
+        r["answer"] = hostile
+        r["prompt"]["text"] = hostile + r["prompt"]["text"]
+        r["prompt"]["passages"] = [
+            [a + len(hostile), b + len(hostile)] for a, b in r["prompt"]["passages"]
+        ]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_report(run, records)
+    runs = load_runs([run])
+    page = render_report(runs, compare_loaded(runs), [], title="<i>t</i>")
+    assert "<script>alert(1)" not in page and "<b>bold" not in page and "<i>t</i>" not in page
+    assert "run&lt;b&gt;&amp;amp" in page and "&lt;i&gt;t&lt;/i&gt;" in page
+    payload = _payload(page)
+    cells = [c for row in payload["groups"][0]["rows"] for c in row["cells"]]
+    assert {c["answer"] for c in cells} == {hostile}
+    assert all(_text(payload, c["prompt"]).startswith(hostile) for c in cells)
+
+
+def test_pipeline_cells_keep_the_text_sent_with_the_gold_chunk(tmp_path, model_dir):
+    from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
+    from ragfix.eval.pipeline import run_pipeline_sweep
+
+    corpus, questions = tmp_path / "corpus.jsonl", tmp_path / "questions.jsonl"
+    corpus.write_text("".join(DEMO_CORPUS.read_text().splitlines(keepends=True)[:8]))
+    questions.write_text(DEMO_QUESTIONS.read_text().splitlines(keepends=True)[0])
+    out = tmp_path / "pipe"
+    run_pipeline_sweep(
+        corpus,
+        questions,
+        out,
+        ["none"],
+        top_k=3,
+        positions="0,2",
+        model=str(model_dir),
+        device="cpu",
+    )
+    records = _records(out)
+    q = json.loads(questions.read_text())
+    assert len(records) == 2
+    for r in records:
+        p = r["prompt"]
+        assert hashlib.sha1(p["text"].encode()).hexdigest() == r["extra"]["prompt_sha1"]
+        assert len(p["passages"]) == 3 and p["gold"] == r["prompt_position"]
+        start, end = p["passages"][p["gold"]]
+        assert r["question"] == q["question"] and r["gold_answers"] == q["answers"]
+        assert p["text"][start:end].strip() and q["question"] in p["text"]
+    runs = load_runs([out])
+    group = _payload(render_report(runs, compare_loaded(runs), []))["groups"][0]
+    assert group["x_axis"] == "retrieval rank" and group["positions"] == [0, 2]
+
+
+def test_a_judge_run_shows_both_orders_rebuilt_from_its_pair_file(tmp_path, model_dir):
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"question": "What is 2 + 2?", "answer_a": "4 <b>", "answer_b": "5", "label": 1},
+        {"question": "Capital of France?", "answer_a": "Rome", "answer_b": "Paris", "label": 2},
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "judge"
+    run_judge(pairs, out, model=str(model_dir), device="cpu")
+    judged = load_judge_run(out)
+    assert judged.missing == "" and len(judged.records) == 2
+    payload = _payload(render_report([], None, [judged]))
+    [group] = payload["groups"]
+    assert group["kind"] == "judge" and group["columns"] == ["judge"]
+    row = next(r for r in group["rows"] if r["q"] == "What is 2 + 2?")
+    [cell] = row["cells"]
+    pair = JudgePair(pair_id=row["key"], question="What is 2 + 2?", answer_a="4 <b>", answer_b="5")
+    first, second = pair_prompts(pair)
+    assert [_text(payload, o["prompt"]) for o in cell["orders"]] == [first.user, second.user]
+    record = next(r for r in judged.records if r["pair_id"] == row["key"])
+    assert [o["reply"] for o in cell["orders"]] == [
+        record["original"]["raw"],
+        record["swapped"]["raw"],
+    ]
+    page = tmp_path / "judge.html"
+    result = runner.invoke(app, ["report", str(out), "--html", str(page)])
+    assert result.exit_code == 0 and "as judge: position bias" in result.output
+    assert _payload(page.read_text()) == payload
+    result = runner.invoke(app, ["report", str(out), "--json", str(tmp_path / "c.json")])
+    assert result.exit_code == 2 and "--json writes a comparison of sweeps" in result.output
+    pairs.write_text(pairs.read_text().replace('"5"', '"six"'))
+    assert "has changed since the run" in load_judge_run(out).missing
+
+
+def _chromium() -> str:
+    """The system Chromium; missing, the test fails where the browser is required (CI) and is
+    skipped elsewhere."""
+    path = os.environ.get("RAGFIX_CHROMIUM") or shutil.which("chromium")
+    if path:
+        return path
+    if os.environ.get("RAGFIX_REQUIRE_BROWSER"):
+        pytest.fail("no chromium (apt-get install -y chromium): the browser test must run here")
+    pytest.skip("no chromium here (apt-get install -y chromium)")
+
+
+def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
+    smol_run, tmp_path, model_dir
+):
+    """Two runs of the same cells side by side (SmolLM2 with its prompts, a tiny model without),
+    the page opened in headless Chromium: the cell at the baseline's worst position shows the
+    prompt the model read with the gold passage highlighted, its answer and the gold answers,
+    as the record has them; a filter keeps the rows it names; a screenshot is saved."""
+    browser_path = _chromium()
+    from playwright.sync_api import sync_playwright
+
+    bare = tmp_path / "bare"
+    common = dict(model=str(model_dir), num_docs=3, limit=2, workers=1, device="cpu")
+    run_sweep(NQ, bare, log_prompts=False, **common)
+    page_file = tmp_path / "report.html"
+    result = runner.invoke(
+        app,
+        [
+            "report",
+            str(smol_run),
+            str(bare),
+            "--out",
+            str(tmp_path / "c.png"),
+            "--html",
+            str(page_file),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    worst = json.loads((smol_run / "summary.json").read_text())["curves"]["vanilla"][
+        "worst_position"
+    ]
+    records = {(r["sample_id"], r["position"]): r for r in _records(smol_run)}
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.route(
+            "**/*",
+            lambda route: (
+                route.abort() if not route.request.url.startswith("file:") else route.continue_()
+            ),
+        )  # nothing may be fetched
+        page.goto(page_file.as_uri())
+        assert page.locator(".positions button.current").get_attribute("data-pos") == str(worst)
+        assert page.locator(".positions button.worst").get_attribute("data-pos") == str(worst)
+        row = page.locator(f'details.row[data-pos="{worst}"]').first
+        key = row.get_attribute("data-key")
+        row.locator("summary").click()
+        rec = records[(key, worst)]
+        cell = row.locator('.cell[data-col="smol:vanilla"]')
+        assert cell.locator("pre.answer").text_content() == (rec["answer"] or "(empty)")
+        assert cell.locator("pre.prompt").text_content() == rec["prompt"]["text"]
+        start, end = rec["prompt"]["passages"][rec["prompt"]["gold"]]
+        assert cell.locator("mark.gold").text_content() == rec["prompt"]["text"][start:end]
+        assert cell.locator(".gold-answers").text_content() == " | ".join(rec["gold_answers"])
+        other = row.locator('.cell[data-col="bare:vanilla"]')
+        assert "--no-log-prompts" in other.locator(".missing").text_content()
+        row.scroll_into_view_if_needed()
+        shot = page.screenshot(path=str(tmp_path / "report.png"))
+        page.select_option("#relation", "wrong")
+        shown = page.locator("details.row")
+        assert all(
+            "wrong" in (shown.nth(i).locator(".badge").first.get_attribute("class") or "")
+            for i in range(shown.count())
+        )
+        browser.close()
+    assert errors == []
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "report.png").stat().st_size > 10_000
