@@ -51,7 +51,6 @@ from ragfix.eval.run import RunConfig, RunFolder, folder_store
 from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE
 from ragfix.io import JsonlStore
 from ragfix.metrics import degenerate_gold
-from ragfix.prompts import TaskPrompt
 from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import (
     EMPTY_ANSWER,
@@ -187,13 +186,23 @@ def _prompt(cell: Cell):
     return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
 
 
-def stored_prompt(prompt: TaskPrompt, gold: int | None) -> StoredPrompt:
-    """What a record keeps of ``prompt`` (:class:`~ragfix.types.StoredPrompt`): its user turn,
-    assistant prefix and passage spans, ``gold`` the index of the gold passage among them."""
+def stored_prompt(backend: Backend, cell: Cell) -> StoredPrompt:
+    """What a record keeps of the prompt ``backend`` read for ``cell``
+    (:class:`~ragfix.types.StoredPrompt`; :meth:`~ragfix.backends.Backend.read_prompt`: the
+    task prompt, or its passages as the backend rearranged them): its user turn, assistant
+    prefix and passage spans, and the index of the gold passage among them (found by its text
+    in a rearranged prompt)."""
+    prompt = _prompt(cell)
+    read = backend.read_prompt(prompt)
+    gold: int | None = cell.position
+    if read is not prompt:
+        start, end = prompt.passages[cell.position]
+        text = prompt.user[start:end]
+        gold = next((i for i, (a, b) in enumerate(read.passages) if read.user[a:b] == text), None)
     return StoredPrompt(
-        text=prompt.user,
-        assistant_prefix=prompt.assistant_prefix,
-        passages=list(prompt.passages),
+        text=read.user,
+        assistant_prefix=read.assistant_prefix,
+        passages=list(read.passages),
         gold=gold,
     )
 
@@ -218,10 +227,12 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
     """The record of a cell: ``flags`` plus the backend's own (:attr:`Generation.flags`), with
     :func:`generation_extra` in ``extra`` and, without a local tokenizer,
     ``extra["token_counts"] = "server"``; the sample's question and gold answers and the prompt
-    (the gold passage at ``cell.position``), which the caller drops when the run keeps no
-    prompts (:attr:`SweepConfig.log_prompts`). A cell with an :data:`~ragfix.types.UNSCORED`
-    flag is not scored (``correct`` False)."""
+    the backend read (:func:`stored_prompt`), which the caller drops when the run keeps no
+    prompts (:attr:`SweepConfig.log_prompts`); ``prompt_position`` is where the gold passage
+    is in that prompt. A cell with an :data:`~ragfix.types.UNSCORED` flag is not scored
+    (``correct`` False)."""
     flags, extra = cell_flags(cell.sample.answers, [*flags, *gen.flags])
+    read = stored_prompt(backend, cell)
     extra.update(generation_extra(gen))
     if not backend.has_tokenizer:
         extra["token_counts"] = "server"
@@ -229,7 +240,7 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
         cell_id=cell.cell_id,
         sample_id=cell.sample.id,
         position=cell.position,
-        prompt_position=cell.position if OVERFLOW not in flags else -1,
+        prompt_position=read.gold if OVERFLOW not in flags and read.gold is not None else -1,
         num_docs=cell.sample.num_docs,
         backend=backend.name,
         prompt_tokens=gen.prompt_tokens,
@@ -242,7 +253,7 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
         extra=extra,
         question=cell.sample.question,
         gold_answers=cell.sample.answers,
-        prompt=stored_prompt(_prompt(cell), cell.position),
+        prompt=read,
     )
 
 

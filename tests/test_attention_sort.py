@@ -147,7 +147,8 @@ def test_refusals(smol):
 
 def test_the_sweep_answers_the_sorted_prompts(smol):
     """Through the sweep (its fit check, then generation with prefix reuse): at every gold
-    position the answer is vanilla's on the sorted prompt, and the gold value is found."""
+    position the answer is vanilla's on the sorted prompt, the gold value is found, and the
+    record keeps the sorted prompt with the gold passage's place in it."""
     from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
 
     backend = AttentionSortBackend(smol.model, smol.tokenizer)
@@ -164,6 +165,12 @@ def test_the_sweep_answers_the_sorted_prompts(smol):
         )
         assert records[pos].answer == smol.generate([sorted_prompt])[0].text
         assert records[pos].correct
+        # the record keeps the prompt the model read: the sorted one, the gold passage found in it
+        kept = records[pos].prompt
+        assert kept.text == sorted_prompt.user and kept.passages == list(sorted_prompt.passages)
+        start, end = sorted_prompt.passages[kept.gold]
+        assert sample.answers[0] in sorted_prompt.user[start:end]
+        assert records[pos].prompt_position == kept.gold
 
 
 def test_forget_prompts_drops_the_memoised_sorts(smol, monkeypatch):

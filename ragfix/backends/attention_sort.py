@@ -242,6 +242,10 @@ class AttentionSortBackend(HFBackend):
             self._sorted[prompt] = prompt.reordered(order)
         return self._sorted[prompt]
 
+    def read_prompt(self, prompt: Prompt) -> TaskPrompt:
+        """See :meth:`~ragfix.backends.base.Backend.read_prompt`: the sorted prompt."""
+        return self.sorted_prompt(prompt)
+
     def forget_prompts(self) -> None:
         """See :meth:`~ragfix.backends.base.Backend.forget_prompts`: the memoised sorts go too."""
         super().forget_prompts()

@@ -177,6 +177,12 @@ class Backend(ABC):
         """The exact text the model reads for ``prompt`` (chat template applied for a
         :class:`TaskPrompt`, assistant turn opened and prefilled)."""
 
+    def read_prompt(self, prompt: Prompt) -> Prompt:
+        """The prompt whose text :meth:`format_prompt` gives the model: ``prompt`` itself, or,
+        for a backend that rearranges the passages before reading (``attention-sort``), the
+        rearranged task prompt (each passage with its label)."""
+        return prompt
+
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
