@@ -10,10 +10,14 @@ passage highlighted, its answer, the gold answers and the score; filters keep th
 one run only, or those with a flag.
 
 Where the prompt comes from: a sweep's or a pipeline sweep's record keeps it
-(:attr:`ragfix.types.SweepRecord.prompt`); a run made with ``--no-log-prompts``, or before records
-kept prompts, has none and the page says so. A judge run's prompts are rebuilt from its pair file
-(:func:`ragfix.judge.judge.pair_prompts`; what the run read, when the file's content fingerprint
-is still the one in its ``config.json``), both orders of a pair side by side.
+(:attr:`ragfix.types.SweepRecord.prompt`); a run made with ``--no-log-prompts`` has none and the
+page says so. A position sweep made before records kept prompts has its prompts rebuilt from its
+data file (:func:`rebuild_prompts`: the sweep's own cells and prompt builder, when the file's
+content fingerprint is still the one in its ``config.json`` and its backend reads the task prompt
+as it is), each labelled as rebuilt; a pipeline sweep's cannot be (its records keep only the
+prompt's SHA-1). A judge run's prompts are rebuilt from its pair file
+(:func:`ragfix.judge.judge.pair_prompts`; on the same fingerprint check), both orders of a pair
+side by side. Where prompts cannot be rebuilt, the page says why in one line.
 
 The static parts are rendered by a Jinja2 template (autoescaped); the cells are a JSON payload
 the page's script lays out on demand, always as text (never parsed as HTML). Prompt texts are
@@ -33,7 +37,7 @@ from ragfix.eval.compare import Run, comparison_tables
 from ragfix.eval.judge_run import JUDGMENTS_FILE
 from ragfix.eval.judge_run import PLOT_FILE as JUDGE_PLOT
 from ragfix.eval.plot import curve_figure
-from ragfix.eval.sweep import summary_counts
+from ragfix.eval.sweep import Cell, SweepConfig, plan_cells, stored_prompt, summary_counts
 from ragfix.eval.sweep_summary import SUMMARY_FILE, curve_label, flags_table, read_summary
 from ragfix.io import atomic_write_text
 from ragfix.judge.report import JUDGE_KIND, judge_tables
@@ -42,6 +46,15 @@ from ragfix.types import OVERFLOW
 
 #: pseudo-flags of a pipeline cell, from its ``extra`` (the filter lists them with the flags)
 PIPELINE_FLAGS = ("gold_added", "context_cut")
+
+#: what a cell of a run made before records kept prompts says when its prompt is not rebuilt
+NOT_KEPT = "prompt not stored: the run was made before ragfix kept prompts"
+
+#: what a cell of such a run says when its backend rearranges the passages before reading
+REARRANGED = (
+    "prompt not stored; this backend rearranges the passages before reading, so it cannot be "
+    "rebuilt without the model"
+)
 
 
 def is_judge_run(path: str | Path) -> bool:
@@ -119,6 +132,84 @@ def load_judge_run(path: str | Path) -> JudgeRun:
     return run
 
 
+@dataclass(frozen=True)
+class RebuiltPrompts:
+    """The prompts of a position sweep made before records kept them, as :func:`rebuild_prompts`
+    rebuilt them for the page.
+
+    Attributes:
+        cells: ``{cell id: Cell}`` of the run's data file, planned by the sweep's own
+            :func:`~ragfix.eval.sweep.plan_cells` (empty when they cannot be rebuilt).
+        label: what the page says with each rebuilt prompt: ``"rebuilt from FILE, fingerprint
+            checked"``.
+        missing: why they cannot be rebuilt, the one line a cell and the page's notes show
+            (``""`` when they are).
+    """
+
+    cells: dict = field(default_factory=dict)
+    label: str = ""
+    missing: str = ""
+
+
+def rebuild_prompts(run: Run) -> RebuiltPrompts | None:
+    """The prompts of ``run``'s cells rebuilt exactly as its sweep built them, for a position
+    sweep made before records kept prompts (``config.json`` without ``log_prompts``; None for
+    any other run: its records keep their prompts, it was made with ``--no-log-prompts``, or it
+    is a pipeline sweep, whose records keep only the prompt's SHA-1).
+
+    They are rebuilt only when they are what the model read: when the run's backend reads the
+    task prompt as it is (its class, :func:`ragfix.backends.backend_class`, does not override
+    :meth:`~ragfix.backends.Backend.read_prompt`: ``attention-sort`` rearranges the passages
+    with the model) and the data file and distractor pool have the content fingerprints of its
+    ``config.json`` (:func:`ragfix.eval.run.input_fingerprints`). The samples are read as the
+    sweep read them (:func:`ragfix.connectors.litm.load_samples`, the run's record range; every
+    sample of it, malformed records skipped, since ``--limit`` is not recorded) and planned into
+    cells by the sweep (:func:`~ragfix.eval.sweep.plan_cells`, whose cell ids hash the run's
+    settings), so a record's prompt is the one of the cell with its cell id
+    (:func:`~ragfix.eval.sweep.stored_prompt`). Otherwise ``missing`` says why.
+    """
+    from pydantic import ValidationError
+
+    from ragfix.backends import Backend, backend_class
+    from ragfix.connectors.litm import load_samples
+    from ragfix.errors import ConfigError
+    from ragfix.eval.run import input_fingerprints
+
+    config = run.config
+    if config.get("run") != "sweep" or "log_prompts" in config:
+        return None
+
+    def cannot(why: str) -> RebuiltPrompts:
+        return RebuiltPrompts(missing=f"{NOT_KEPT}, and cannot be rebuilt: {why}")
+
+    try:
+        cfg = SweepConfig.model_validate(config)
+        cls = backend_class(cfg.backend, cfg.model)
+    except ValidationError as e:
+        return cannot(f"its config.json is not a sweep's ({e.errors()[0]['msg']})")
+    except ConfigError as e:
+        return cannot(str(e))
+    if cls.read_prompt is not Backend.read_prompt:
+        return RebuiltPrompts(missing=REARRANGED)
+    try:
+        now = input_fingerprints(data=cfg.data, distractor_pool=cfg.distractor_pool)
+    except DataError as e:
+        return cannot(f"{e.path} is not there any more")
+    files = {"data": f"data file {cfg.data}", "distractor_pool": f"pool {cfg.distractor_pool}"}
+    for role, fingerprint in now.items():
+        if cfg.inputs.get(role) != fingerprint:
+            return cannot(f"the {files[role]} has changed since the run (fingerprint check)")
+    try:
+        samples = load_samples(
+            cfg.data, cfg.num_docs, None, cfg.distractor_pool, True, records=cfg.records
+        )
+    except DataError as e:
+        return cannot(str(e))
+    positions = sorted({int(r["position"]) for r in run.records})
+    cells = {c.cell_id: c for c in plan_cells(cfg, samples, positions)}
+    return RebuiltPrompts(cells, f"rebuilt from {Path(cfg.data).name}, fingerprint checked")
+
+
 class _Strings:
     """Text pieces stored once each (the payload's ``strings``), referred to by index."""
 
@@ -142,20 +233,34 @@ class _Strings:
         return out
 
 
-def _missing_prompt(record: dict, config: dict) -> str:
-    """Why a sweep record has no prompt."""
+def _missing_prompt(record: dict, config: dict, rebuilt: RebuiltPrompts | None) -> str:
+    """Why a sweep record has no prompt, stored or rebuilt (``rebuilt``: the run's
+    :func:`rebuild_prompts`)."""
     if OVERFLOW in record.get("flags", ()) and "gold_added" in record.get("extra", {}):
         return "not run: the retrieved chunks do not fit the window, no prompt was sent"
+    if rebuilt is not None:
+        return rebuilt.missing or f"{NOT_KEPT}, and its cell is not among those of its data file"
     if "log_prompts" not in config:
-        return "prompt not stored: the run was made before ragfix kept prompts"
+        return NOT_KEPT
     return "prompt not stored: the run was made with --no-log-prompts"
 
 
-def _sweep_cell(record: dict, scored: bool, config: dict, strings: _Strings) -> dict:
-    """The payload of one sweep cell."""
+def _sweep_cell(
+    record: dict,
+    scored: bool,
+    config: dict,
+    rebuilt: RebuiltPrompts | None,
+    planned: Cell | None,
+    strings: _Strings,
+) -> dict:
+    """The payload of one sweep cell: its prompt as stored or, in a run made before records
+    kept prompts, rebuilt from ``planned`` (its cell in ``rebuilt``; the prompt then labelled
+    so), else why it has none."""
     extra = record.get("extra", {})
     flags = [*record.get("flags", []), *(f for f in PIPELINE_FLAGS if extra.get(f))]
     prompt = record.get("prompt")
+    if prompt is None and planned is not None:
+        prompt = stored_prompt(planned, None).model_dump()
     facts = [
         ["prompt position", record.get("prompt_position")],
         ["prompt tokens", record.get("prompt_tokens")],
@@ -175,19 +280,29 @@ def _sweep_cell(record: dict, scored: bool, config: dict, strings: _Strings) -> 
     if prompt:
         cell["prompt"] = strings.segments(prompt["text"], prompt["passages"], prompt.get("gold"))
         cell["prefix"] = prompt.get("assistant_prefix", "")
+        if record.get("prompt") is None:
+            cell["rebuilt"] = rebuilt.label
     else:
-        cell["missing"] = _missing_prompt(record, config)
+        cell["missing"] = _missing_prompt(record, config, rebuilt)
     return cell
 
 
-def _sweep_group(group: list[Run], comparison: dict, strings: _Strings) -> dict:
+def _sweep_group(
+    group: list[Run],
+    comparison: dict,
+    rebuilt: dict[str, RebuiltPrompts | None],
+    strings: _Strings,
+) -> dict:
     """The payload of a group of runs with the same cells: its columns (``run:curve``, as the
     tables label them), one row per (sample, position) with each column's cell, and the
-    baseline curve's worst position (shown first)."""
+    baseline curve's worst position (shown first). ``rebuilt``: each run's
+    :func:`rebuild_prompts` by name (a rebuilt cell's sample also gives its row the question and
+    gold answers its record may lack)."""
     columns: list[str] = []
     rows: dict[tuple[str, int], dict] = {}
     for run in group:
         scored_ids = {r["cell_id"] for r in summary_counts(run.records)[0]}
+        prompts = rebuilt[run.name]
         labels = sorted({curve_label(r) for r in run.records})
         for label in labels:
             columns.append(f"{run.name}:{label}")
@@ -196,10 +311,13 @@ def _sweep_group(group: list[Run], comparison: dict, strings: _Strings) -> dict:
             row = rows.setdefault(
                 key, {"key": key[0], "pos": key[1], "q": None, "gold": None, "cells": {}}
             )
-            row["q"] = row["q"] or r.get("question")
-            row["gold"] = row["gold"] or r.get("gold_answers")
+            planned = prompts.cells.get(r["cell_id"]) if prompts is not None else None
+            sample = planned.sample if planned is not None else None
+            row["q"] = row["q"] or r.get("question") or (sample and sample.question)
+            row["gold"] = row["gold"] or r.get("gold_answers") or (sample and sample.answers)
             col = f"{run.name}:{curve_label(r)}"
-            row["cells"][col] = _sweep_cell(r, r["cell_id"] in scored_ids, run.config, strings)
+            scored = r["cell_id"] in scored_ids
+            row["cells"][col] = _sweep_cell(r, scored, run.config, prompts, planned, strings)
     for row in rows.values():
         row["cells"] = [row["cells"].get(c) for c in columns]
     base = next(r for r in comparison["runs"] if r["name"] == group[0].name)
@@ -281,8 +399,11 @@ def _judge_group(runs: list[JudgeRun], strings: _Strings) -> dict:
     }
 
 
-def _prompts_kept(config: dict) -> str:
-    """What a sweep run's records hold of their prompts, in words."""
+def _prompts_kept(config: dict, rebuilt: RebuiltPrompts | None) -> str:
+    """Where a sweep run's prompts come from, in words (``rebuilt``: its
+    :func:`rebuild_prompts`)."""
+    if rebuilt is not None:
+        return rebuilt.missing or rebuilt.label
     if "log_prompts" not in config:
         return "not stored (made before ragfix kept prompts)"
     return "stored" if config["log_prompts"] else "not stored (--no-log-prompts)"
@@ -338,15 +459,19 @@ def render_report(
 
     strings = _Strings()
     groups, sections = [], []
+    rebuilt = {r.name: rebuild_prompts(r) for r in runs}
     if comparison is not None:
         by_name = {r.name: r for r in runs}
         for names in comparison["groups"]:
-            groups.append(_sweep_group([by_name[n] for n in names], comparison, strings))
+            group = [by_name[n] for n in names]
+            groups.append(_sweep_group(group, comparison, rebuilt, strings))
         figure = curve_figure(
             [(r.name, r.summary) for r in runs], title, comparison["groups"], fmt="svg"
         )
         tables = comparison_tables(comparison)
         tables += [t for r in runs if (t := flags_table(r.summary)) is not None]
+        notes = [f"{n}: {p.missing}" for n, p in rebuilt.items() if p is not None and p.missing]
+        tables += [TableSpec("prompts", lines=notes)] if notes else []
         sections.append({"title": "Sweeps", "figure": _svg_uri(figure), "tables": tables})
     by_data: dict[str, list[JudgeRun]] = {}
     for j in judges:
@@ -367,7 +492,10 @@ def render_report(
         undefined=jinja2.StrictUndefined,
     )
     payload = {"strings": list(strings.index), "groups": groups}
-    sources = [_source_row(r.name, r.folder, r.config, _prompts_kept(r.config)) for r in runs]
+    sources = [
+        _source_row(r.name, r.folder, r.config, _prompts_kept(r.config, rebuilt[r.name]))
+        for r in runs
+    ]
     sources += [
         _source_row(j.name, j.folder, j.config, j.missing or "rebuilt from the pair file")
         for j in judges
@@ -394,4 +522,12 @@ def write_html_report(
     return path
 
 
-__all__ = ["JudgeRun", "is_judge_run", "load_judge_run", "render_report", "write_html_report"]
+__all__ = [
+    "JudgeRun",
+    "RebuiltPrompts",
+    "is_judge_run",
+    "load_judge_run",
+    "rebuild_prompts",
+    "render_report",
+    "write_html_report",
+]

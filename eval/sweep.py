@@ -44,7 +44,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from ragfix.backends.base import Backend, Fit
+from ragfix.backends.base import Backend, Fit, Prompt
 from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError, Interrupted
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
@@ -186,14 +186,20 @@ def _prompt(cell: Cell):
     return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
 
 
-def stored_prompt(backend: Backend, cell: Cell) -> StoredPrompt:
-    """What a record keeps of the prompt ``backend`` read for ``cell``
-    (:class:`~ragfix.types.StoredPrompt`; :meth:`~ragfix.backends.Backend.read_prompt`: the
-    task prompt, or its passages as the backend rearranged them): its user turn, assistant
-    prefix and passage spans, and the index of the gold passage among them (found by its text
-    in a rearranged prompt)."""
+def stored_prompt(cell: Cell, read_prompt: Callable[[Prompt], Prompt] | None) -> StoredPrompt:
+    """What a record keeps of the prompt a backend read for ``cell``
+    (:class:`~ragfix.types.StoredPrompt`): its user turn, assistant prefix and passage spans,
+    and the index of the gold passage among them (found by its text in a rearranged prompt).
+
+    Args:
+        cell: the cell.
+        read_prompt: the backend's :meth:`~ragfix.backends.Backend.read_prompt` (the task
+            prompt, or its passages as the backend rearranged them); None for a backend that
+            reads the task prompt as it is (what ``ragfix report --html`` rebuilds for a run
+            made before records kept their prompts), which gives the same record.
+    """
     prompt = _prompt(cell)
-    read = backend.read_prompt(prompt)
+    read = prompt if read_prompt is None else read_prompt(prompt)
     gold: int | None = cell.position
     if read is not prompt:
         start, end = prompt.passages[cell.position]
@@ -232,7 +238,7 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
     is in that prompt. A cell with an :data:`~ragfix.types.UNSCORED` flag is not scored
     (``correct`` False)."""
     flags, extra = cell_flags(cell.sample.answers, [*flags, *gen.flags])
-    read = stored_prompt(backend, cell)
+    read = stored_prompt(cell, backend.read_prompt)
     extra.update(generation_extra(gen))
     if not backend.has_tokenizer:
         extra["token_counts"] = "server"

@@ -5,6 +5,7 @@ real headless Chromium (the Debian package; ``.ci/run`` installs it and sets
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from ragfix.tasks import task_prompt
 from ragfix.types import JudgePair
 
 NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
+REBUILT = "rebuilt from nq_10docs_sample.jsonl.gz, fingerprint checked"
 runner = CliRunner()
 
 
@@ -107,12 +109,103 @@ def test_a_folder_from_before_prompts_resumes_without_them_and_still_reports(tmp
     assert run_sweep(NQ, old, log_prompts=False, **common)["cells"] == 2
     runs = load_runs([old])
     page = render_report(runs, compare_loaded(runs), [])
-    cells = [c for row in _payload(page)["groups"][0]["rows"] for c in row["cells"]]
-    assert len(cells) == 2
-    assert {c["missing"] for c in cells} == {
-        "prompt not stored: the run was made before ragfix kept prompts"
+    rows = _payload(page)["groups"][0]["rows"]
+    assert len(rows) == 2 and all(r["q"] and r["gold"] for r in rows)  # from the data file
+    assert {c["rebuilt"] for r in rows for c in r["cells"]} == {REBUILT}
+
+
+def _old_folder(run: Path, to: Path, **config) -> Path:
+    """A copy of ``run`` as a folder from before records kept prompts: no ``prompt`` in its
+    records, no ``log_prompts`` in its ``config.json``; ``config`` overrides settings there."""
+    shutil.copytree(run, to)
+    stored = json.loads((to / "config.json").read_text())
+    del stored["log_prompts"]
+    (to / "config.json").write_text(json.dumps({**stored, **config}))
+    records = [{k: v for k, v in r.items() if k != "prompt"} for r in _records(to)]
+    (to / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return to
+
+
+def _cells(folder: Path) -> tuple[dict, dict[str, dict], str]:
+    """The page of ``folder``: its payload, its cells by cell id, and the page."""
+    runs = load_runs([folder])
+    page = render_report(runs, compare_loaded(runs), [])
+    payload = _payload(page)
+    rows = payload["groups"][0]["rows"]
+    ids = {(r["sample_id"], r["position"]): r["cell_id"] for r in _records(folder)}
+    cells = {ids[(row["key"], row["pos"])]: c for row in rows for c in row["cells"]}
+    return payload, cells, page
+
+
+def test_a_sweep_from_before_prompts_shows_the_prompts_its_sweep_stores(smol_run, tmp_path):
+    """The embedded SmolLM2's run with its prompts, and the same folder without them: the page
+    of the old folder rebuilds, for every cell, the very prompt the run stored (text, passages,
+    gold passage, assistant prefix), labelled as rebuilt."""
+    old = _old_folder(smol_run, tmp_path / "old")
+    payload, cells, page = _cells(old)
+    stored = {r["cell_id"]: r["prompt"] for r in _records(smol_run)}
+    assert set(cells) == set(stored) and len(cells) == 6
+    for cid, cell in cells.items():
+        p = stored[cid]
+        assert cell["rebuilt"] == REBUILT and "missing" not in cell
+        assert _text(payload, cell["prompt"]) == p["text"]
+        assert cell["prefix"] == p["assistant_prefix"]
+        start, end = p["passages"][p["gold"]]
+        [gold] = [payload["strings"][i] for i, kind in cell["prompt"] if kind == 2]
+        assert gold == p["text"][start:end]
+        assert sum(kind > 0 for _, kind in cell["prompt"]) == len(p["passages"])
+    assert f"<td>{REBUILT}</td>" in page  # the runs table
+    assert not any("rebuilt" in c for c in _cells(smol_run)[1].values())  # stored: unlabelled
+
+
+def test_an_old_sweep_s_prompts_are_rebuilt_only_from_what_it_read(tmp_path, model_dir):
+    """Not rebuilt, with the reason in one line (each cell, the runs table, the notes): a
+    changed or removed data file, and a backend that rearranges the passages before reading
+    (attention-sort: what the model read needs the model); a run made with --no-log-prompts
+    keeps its own message."""
+    data = tmp_path / "nq.jsonl.gz"
+    shutil.copy(NQ, data)
+    common = dict(model=str(model_dir), num_docs=2, limit=2, workers=1, device="cpu")
+    run_sweep(data, tmp_path / "run", **common)
+    old = _old_folder(tmp_path / "run", tmp_path / "old")
+    assert {c.get("rebuilt") for c in _cells(old)[1].values()} == {
+        "rebuilt from nq.jsonl.gz, fingerprint checked"
     }
-    assert "not stored (made before ragfix kept prompts)" in page
+
+    sorted_ = _old_folder(tmp_path / "run", tmp_path / "sorted", backend="attention-sort")
+    rearranged = (
+        "prompt not stored; this backend rearranges the passages before reading, so it cannot "
+        "be rebuilt without the model"
+    )
+    _, cells, page = _cells(sorted_)
+    assert {c.get("missing") for c in cells.values()} == {rearranged}
+    assert not any("prompt" in c for c in cells.values())
+    assert f"sorted: {rearranged}" in page
+
+    with gzip.open(data, "rt") as f:
+        lines = f.readlines()
+    with gzip.open(data, "wt") as f:
+        f.writelines(lines[:-1])  # the run's records are all still there, but the file changed
+    changed = (
+        "prompt not stored: the run was made before ragfix kept prompts, and cannot be "
+        f"rebuilt: the data file {data} has changed since the run (fingerprint check)"
+    )
+    _, cells, page = _cells(old)
+    assert {c.get("missing") for c in cells.values()} == {changed}
+    assert page.count(f"old: {changed}") == 1  # the notes line
+    data.unlink()
+    _, cells, _ = _cells(old)
+    assert {c["missing"] for c in cells.values()} == {
+        "prompt not stored: the run was made before ragfix kept prompts, and cannot be "
+        f"rebuilt: {data} is not there any more"
+    }
+
+    shutil.copy(NQ, data)
+    run_sweep(data, tmp_path / "bare", log_prompts=False, **common)
+    _, cells, _ = _cells(tmp_path / "bare")
+    assert {c["missing"] for c in cells.values()} == {
+        "prompt not stored: the run was made with --no-log-prompts"
+    }
 
 
 def test_the_page_escapes_every_text(tmp_path, model_dir):
@@ -174,6 +267,10 @@ def test_pipeline_cells_keep_the_text_sent_with_the_gold_chunk(tmp_path, model_d
     runs = load_runs([out])
     group = _payload(render_report(runs, compare_loaded(runs), []))["groups"][0]
     assert group["x_axis"] == "retrieval rank" and group["positions"] == [0, 2]
+    _, cells, _ = _cells(_old_folder(out, tmp_path / "old"))  # only a SHA-1: never rebuilt
+    assert {c["missing"] for c in cells.values()} == {
+        "prompt not stored: the run was made before ragfix kept prompts"
+    }
 
 
 def test_a_judge_run_shows_both_orders_rebuilt_from_its_pair_file(tmp_path, model_dir):

@@ -59,14 +59,16 @@
     return true;
   }
 
-  function renderPrompt(segs, prefix) {
+  function renderPrompt(segs, prefix, rebuilt) {
     const pre = el("pre", "prompt");
     for (const [i, kind] of segs) {
       if (kind === 0) pre.append(S[i]);
       else if (kind === 2) pre.append(el("mark", "gold", S[i]));
       else pre.append(el("span", "passage", S[i]));
     }
-    const box = el("div", "prompt-box", el("div", "facts", "prompt the model read"), pre);
+    const head = el("div", "facts", "prompt the model read");
+    if (rebuilt) head.append(" (not stored: ", el("span", "rebuilt", rebuilt), ")");
+    const box = el("div", "prompt-box", head, pre);
     if (prefix) box.append(el("div", "facts", "assistant turn prefilled with: ", el("code", null, prefix)));
     return box;
   }
@@ -95,7 +97,7 @@
     box.append(el("div", "facts", "answer"), el("pre", "answer", cell.answer === "" ? "(empty)" : cell.answer));
     if (row.gold) box.append(el("div", "facts", "gold answers: ", el("span", "gold-answers", row.gold.join(" | "))));
     box.append(flagList(cell), facts(cell.facts));
-    if (cell.prompt) box.append(renderPrompt(cell.prompt, cell.prefix));
+    if (cell.prompt) box.append(renderPrompt(cell.prompt, cell.prefix, cell.rebuilt));
     else box.append(el("p", "missing", cell.missing));
     return box;
   }

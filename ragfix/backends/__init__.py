@@ -131,6 +131,22 @@ def backend_spec(name: str) -> BackendSpec:
     return _REGISTRY[name]
 
 
+def backend_class(name: str, model: str) -> type[Backend]:
+    """The class :func:`load_backend` builds for backend ``name`` over ``model``, resolved
+    without loading anything (a remote model, ``openai:NAME``, is always
+    :class:`~ragfix.backends.remote.RemoteBackend`).
+
+    Raises:
+        ConfigError: unknown backend.
+    """
+    spec = backend_spec(name)
+    if model.startswith(REMOTE_PREFIX):
+        from ragfix.backends.remote import RemoteBackend
+
+        return RemoteBackend
+    return spec.resolve()
+
+
 def validate_backend(
     name: str, adapter: str | None = None, *, model: str | None = None, **options
 ) -> BackendOptions:
@@ -211,11 +227,9 @@ def load_backend(
         raise TypeError("load_backend takes validated= or keyword options, not both")
     else:
         opts = validated
+    cls = backend_class(name, model)
     if model.startswith(REMOTE_PREFIX):
-        from ragfix.backends.remote import RemoteBackend
-
-        return RemoteBackend(model[len(REMOTE_PREFIX) :], opts)
-    cls = backend_spec(name).resolve()
+        return cls(model[len(REMOTE_PREFIX) :], opts)
     m, tok = load_model(model, device=device, dtype=dtype, **cls.load_kwargs(opts))
     info = None
     if adapter:
@@ -306,6 +320,7 @@ __all__ = [
     "BackendSpec",
     "Fit",
     "Prompt",
+    "backend_class",
     "backend_names",
     "backend_spec",
     "load_backend",
