@@ -99,23 +99,27 @@ def test_answerer_refuses_a_prompt_over_the_window_and_takes_one_at_it(smol):
 
 
 def test_server_refuses_a_prompt_over_the_window_in_openai_format(smol):
+    import asyncio
+
     from ragfix.serve import ApiError, CompletionRequest, Server
 
     server = Server(smol, "smollm2")
     n = len(smol.tokenizer(QUESTION, add_special_tokens=False).input_ids)
     req = CompletionRequest(model="smollm2", prompt=QUESTION, max_tokens=8192 - n + 1)
+
+    def check(r):
+        return asyncio.run(server.check(r, r.text(), r.max_tokens))
+
     with pytest.raises(ApiError) as e:
-        server._check(req, req.text(), req.max_tokens)
+        check(req)
     assert e.value.status == 400
     assert e.value.body()["error"] == {
         "message": f"This model's maximum context length is 8192 tokens; the prompt has {n} "
         f"tokens and max_tokens asks for {8193 - n}",
         "type": "invalid_request_error",
-        "param": "messages",
+        "param": "prompt",
         "code": "context_length_exceeded",
     }
-    at = req.model_copy(update={"max_tokens": 8192 - n})
-    assert server._check(at, at.text(), at.max_tokens) == (8192 - n, False)
+    assert check(req.model_copy(update={"max_tokens": 8192 - n})) == (n, 8192 - n)
     # no max_tokens: the server's default budget
-    plain = req.model_copy(update={"max_tokens": None})
-    assert server._check(plain, plain.text(), None) == (256, False)
+    assert check(req.model_copy(update={"max_tokens": None})) == (n, 256)
