@@ -37,6 +37,15 @@ MODES = {
 }
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, data: bytes) -> None:
+    """Answer ``handler``'s request with ``status`` and the JSON document ``data``."""
+    handler.send_response(status)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def kv_answer(text: str) -> str:
     """The value of the prompt's key (``Key: "k"`` ... ``"k": "v"``), ``Paris`` without one."""
     m = re.search(r'Key: "([^"]+)"', text)
@@ -91,12 +100,7 @@ class FakeOpenAI:
                 pass
 
             def _send(self, status: int, body) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, json.dumps(body).encode())
 
             def do_GET(self):
                 entry = {"id": "fake", "object": "model", "owned_by": "fake"}

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import BUNDLED, data_file
+from fake_openai import send_json
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -112,11 +113,7 @@ class Proxy:
                     for c in doc["choices"]:
                         c["logprobs"] = None
                     data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, data)
 
             def do_GET(self):
                 self._forward(None)
