@@ -24,7 +24,7 @@ import torch
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from ragfix.backends import load_backend
-from ragfix.backends.gali import GaliBackend, _GaliRun, paper_logits
+from ragfix.backends.gali import GaliBackend, _GaliRun, chunk_sizes, paper_logits, paper_setting
 from ragfix.eval.bench_memory import measure
 from ragfix.eval.ppl import read_texts
 from ragfix.tables import TableSpec
@@ -69,10 +69,12 @@ def bench_gali(
 ) -> tuple[list[TableSpec], dict]:
     """Prefill time and peak memory of ``gali`` against vanilla at ``ratios`` (default 1, 2, 4)
     times the trained window ``train_window``, read from the long texts of ``data`` (JSON Lines,
-    field ``text``); then one layer's attention over the last chunk of ``attn_tokens`` (default:
-    the longest length) in the paper's form and blocked by ``query_block`` and by 32.
-    ``chunk_size`` and ``local_window`` are GALI's (default: its own); ``attn_chunk`` defaults to
-    the chunk size. ``progress`` gets one line per measured length.
+    field ``text``), with the prefill time of GALI at the paper's setting scaled to ``L``
+    (:func:`~ragfix.backends.gali.paper_setting`) beside it and the prefill passes of both; then
+    one layer's attention over the last chunk of ``attn_tokens`` (default: the longest length) in
+    the paper's form and blocked by ``query_block`` and by 32. ``chunk_size`` and
+    ``local_window`` are GALI's (default: its own); ``attn_chunk`` defaults to the chunk size.
+    ``progress`` gets one line per measured length.
 
     Returns:
         ``(tables, details)``: the prefill table (the one a result file keeps) and the attention
@@ -94,6 +96,14 @@ def bench_gali(
             if v is not None
         },
     )
+    paper = GaliBackend(
+        vanilla.model,
+        vanilla.tokenizer,
+        train_window=big_l,
+        target_window=int(max(ratios) * big_l),
+        query_block=query_block,
+        **paper_setting(big_l),
+    )
     dev = vanilla.device
     text = read_texts(data)[: int(max(ratios) * big_l) * 12]
     tokens = vanilla.tokenize(text)
@@ -101,6 +111,7 @@ def bench_gali(
     with torch.no_grad():
         vanilla.model(input_ids=torch.tensor([warm], device=dev), logits_to_keep=1)
         gali.prefill_logits(warm)
+        paper.prefill_logits(warm)
 
     rows = []
     for r in ratios:
@@ -109,6 +120,7 @@ def bench_gali(
         with torch.no_grad():
             t_v, m_v = measure(lambda x=x: vanilla.model(input_ids=x, logits_to_keep=1), dev)
             t_g, m_g = measure(lambda ids=ids: gali.prefill_logits(ids), dev)
+            t_p, _ = measure(lambda ids=ids: paper.prefill_logits(ids), dev)
         rows.append(
             {
                 "kind": "prefill",
@@ -117,12 +129,22 @@ def bench_gali(
                 "vanilla_s": t_v,
                 "gali_s": t_g,
                 "time_ratio": t_g / t_v,
+                "gali_passes": len(
+                    chunk_sizes(len(ids), big_l, gali.options_resolved["chunk_size"])
+                ),
+                "paper_s": t_p,
+                "paper_time_ratio": t_p / t_v,
+                "paper_passes": len(
+                    chunk_sizes(len(ids), big_l, paper.options_resolved["chunk_size"])
+                ),
                 "vanilla_mib": m_v,
                 "gali_mib": m_g,
                 "mem_ratio": m_g / m_v if m_v else float("nan"),
             }
         )
-        progress(f"prefill {len(ids)} tokens: vanilla {t_v:.2f}s, gali {t_g:.2f}s")
+        progress(
+            f"prefill {len(ids)} tokens: vanilla {t_v:.2f}s, gali {t_g:.2f}s, paper {t_p:.2f}s"
+        )
 
     # one layer's attention for the last prefill chunk at the longest length
     cfg = vanilla.model.config
@@ -158,11 +180,24 @@ def bench_gali(
                 }
             )
 
-    opts = gali.options_resolved
+    opts, popts = gali.options_resolved, paper.options_resolved
     prefill = TableSpec(
         f"GALI prefill vs vanilla, {model}, L = {big_l}, chunk {opts['chunk_size']}, "
-        f"local window {opts['local_window']}, device {dev}",
-        ["tokens", "x L", "vanilla s", "gali s", "time x", "vanilla MiB", "gali MiB"],
+        f"local window {opts['local_window']} (paper's setting: chunk {popts['chunk_size']}, "
+        f"local window {popts['local_window']}), device {dev}",
+        [
+            "tokens",
+            "x L",
+            "vanilla s",
+            "gali s",
+            "time x",
+            "passes",
+            "paper's s",
+            "time x",
+            "passes",
+            "vanilla MiB",
+            "gali MiB",
+        ],
         [
             [
                 str(row["tokens"]),
@@ -170,6 +205,10 @@ def bench_gali(
                 f"{row['vanilla_s']:.2f}",
                 f"{row['gali_s']:.2f}",
                 f"{row['time_ratio']:.2f}",
+                str(row["gali_passes"]),
+                f"{row['paper_s']:.2f}",
+                f"{row['paper_time_ratio']:.2f}",
+                str(row["paper_passes"]),
                 f"{row['vanilla_mib']:.0f}",
                 f"{row['gali_mib']:.0f}",
             ]
@@ -178,7 +217,8 @@ def bench_gali(
         ],
         [
             f"One prefill per length after a warm-up, {torch.get_num_threads()} torch thread(s); "
-            "memory: growth of the peak resident set (CPU) or of the allocated CUDA memory."
+            "time x: against vanilla; passes: forward passes of the chunked prefill; memory: "
+            "growth of the peak resident set (CPU) or of the allocated CUDA memory."
         ],
     )
     attention = TableSpec(
@@ -197,4 +237,4 @@ def bench_gali(
             if row["kind"] == "attention"
         ],
     )
-    return [prefill, attention], {"measurements": rows, "options": opts}
+    return [prefill, attention], {"measurements": rows, "options": opts, "paper_options": popts}

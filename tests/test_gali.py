@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import data_file, fractional_queries, gali_query_positions, tiny_model
+from conftest import BUNDLED, data_file, fractional_queries, gali_query_positions, tiny_model
 from pydantic import ValidationError
 from transformers.models.llama.modeling_llama import repeat_kv
 
@@ -16,15 +16,18 @@ from ragfix.backends import load_backend
 from ragfix.backends.gali import (
     GaliBackend,
     chunk_sizes,
+    default_chunk_size,
     gali_layout,
     gali_positions,
     paper_logits,
+    paper_setting,
 )
 from ragfix.backends.rope_scaled import RopeScaledBackend
 from ragfix.backends.truncated import TruncatedBackend, truncate_middle
 from ragfix.prompts import TaskPrompt
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+BUNDLED_KV = BUNDLED / "kv_16pairs_sample.jsonl.gz"
 
 
 def _ids(n: int, seed: int = 1) -> list[int]:
@@ -310,10 +313,59 @@ def test_token_logprobs_with_positions(tok, n, big_l, w, s):
 
 
 def test_query_positions_at_the_reviewed_setting():
-    # SmolLM2 at L = 512, 4 L = 2048 tokens, GALI's defaults (chunk 187, W = 8): 405 of the 2047
-    # predicted tokens come from a query at a fractional position; with chunks of 64, 70
+    # SmolLM2 at L = 512, 4 L = 2048 tokens, the paper's setting scaled to L (chunk 187, W = 8):
+    # 405 of the 2047 predicted tokens come from a query at a fractional position; with chunks
+    # of 64, 70
+    assert paper_setting(512) == {"chunk_size": 187, "local_window": 8}
     assert fractional_queries(2048, 512, 8, 187) == 405
     assert fractional_queries(2048, 512, 8, 64) == 70
+
+
+@pytest.mark.parametrize("big_l", [64, 256, 512, 1024, 8192])
+def test_default_chunk_leaves_no_query_interpolated(big_l):
+    """The default: chunk ``s = L / 8`` and local window ``W = s``. With ``s <= W`` the integer
+    tail of the positions (never shorter than W) holds every query of a chunk, up to 4 L; a
+    chunk longer than W leaves some queries in the compressed head."""
+    s = default_chunk_size(big_l)
+    assert s == max(1, round(big_l / 8))
+    assert fractional_queries(4 * big_l, big_l, s, s) == 0
+    assert fractional_queries(4 * big_l, big_l, s // 2, s) > 0
+
+
+def test_default_setting_in_every_entry_point(smol, tmp_path):
+    """GALI's defaults (chunk L / 8, local window = chunk) are what each entry point runs:
+    the Python API (``load_backend`` and the class), ``ragfix eval``'s run config and
+    ``ragfix serve``'s model identity (``eval-ppl``: tests/test_ppl.py; ``bench gali``:
+    test_bench_gali_runs); an explicit chunk keeps its own local window default, capped at
+    ``L - 1``."""
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+    from ragfix.serve import serving
+
+    expected = {"train_window": 512, "target_window": 2048, "chunk_size": 64, "local_window": 64}
+
+    def resolved(identity: dict) -> dict:
+        return {k: identity["options"][k] for k in expected}
+
+    api = GaliBackend(smol.model, smol.tokenizer, train_window=512)
+    assert resolved(api.identity()) == expected
+    loaded = load_backend("gali", device="cpu", train_window=512)
+    assert resolved(loaded.identity()) == expected
+    wide = GaliBackend(smol.model, smol.tokenizer, train_window=64, chunk_size=100)
+    assert wide.options_resolved["local_window"] == 63
+    out = tmp_path / "run"
+    args = ["eval", str(BUNDLED_KV), "--backend", "gali", "--train-window", "512"]
+    args += ["--num-docs", "2", "--positions", "first", "--limit", "1", "--device", "cpu"]
+    res = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert resolved(json.loads((out / "config.json").read_text())["identity"]) == expected
+    serve = ["--model", "smollm2", "--backend", "gali", "--train-window", "512"]
+    with serving(*serve, "--device", "cpu") as url:
+        import httpx
+
+        [info] = httpx.get(f"{url}/models").json()["data"]
+    assert resolved(info["ragfix"]) == expected
 
 
 def test_prefill_logits_is_the_last_row_of_the_scored_text(tok):
@@ -383,4 +435,10 @@ def test_bench_gali_runs(tmp_path):
         (96, 16, 32),
     ]
     assert "chunk 16, local window 4" in result["title"] and result["options"]["chunk_size"] == 16
+    # the paper's setting beside it, scaled to L = 64: chunk 23, local window 1
+    assert "paper's setting: chunk 23, local window 1" in result["title"]
+    assert result["paper_options"]["chunk_size"] == 23
     assert [row[:2] for row in result["rows"]] == [["64", "1"], ["128", "2"]]
+    # forward passes of the chunked prefill: [64] and [64, 16 x 4] / [64, 23, 23, 18]
+    assert [(r["gali_passes"], r["paper_passes"]) for r in prefill] == [(1, 1), (5, 4)]
+    assert all(r["paper_s"] > 0 for r in prefill)

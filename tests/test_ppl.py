@@ -89,10 +89,12 @@ def test_eval_ppl_vanilla_gali_truncated(essay, tmp_path, smol):
     for n in (64, 128):
         expected = math.exp(-smol.token_logprobs(ids[:n]).double().mean().item())
         assert ppl["vanilla", n] == pytest.approx(expected, rel=1e-5)
-    # GALI's defaults at L = 64: chunks of 23, local window 1; the split matches its positions
+    # GALI's defaults at L = 64: chunks of 8 (L / 8) and a local window of 8, so no query is
+    # at an interpolated position (the paper's 23 and 1 would put some there)
     gali = {r["length"]: r for r in rows if r["method"] == "gali"}
-    assert gali[128]["options"]["chunk_size"] == 23 and gali[128]["options"]["local_window"] == 1
-    assert gali[128]["tokens_interp"] == fractional_queries(128, 64, 1, 23) > 0
+    assert gali[128]["options"]["chunk_size"] == 8 and gali[128]["options"]["local_window"] == 8
+    assert gali[128]["tokens_interp"] == fractional_queries(128, 64, 8, 8) == 0
+    assert fractional_queries(128, 64, 1, 23) > 0
     assert gali[64]["tokens_interp"] == 0 and gali[64]["ppl_interp"] is None
     for r in rows:
         assert r["tokens_interp"] + r["tokens_whole"] == r["tokens"] == r["length"] - 1

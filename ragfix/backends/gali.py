@@ -44,8 +44,27 @@ from ragfix.types import Generation
 
 #: model families whose attention module this backend knows how to replace
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-#: the paper's defaults (Llama-3-8B, L = 8192), scaled linearly for other windows
+#: the paper's setting (Llama-3-8B, L = 8192): chunk 3000, local window 128 (the benchmark's
+#: reference, scaled linearly to other windows by :func:`paper_setting`)
 PAPER_WINDOW, PAPER_CHUNK, PAPER_LOCAL_WINDOW = 8192, 3000, 128
+#: the default chunk size as a fraction of ``L`` (the local window defaults to the chunk size):
+#: the lowest perplexity at 4 L on the tune windows at L = 256, 512 and 1024 (docs/gali.md)
+DEFAULT_CHUNK_FRACTION = 1 / 8
+
+
+def default_chunk_size(train_window: int) -> int:
+    """The default chunk size ``s`` for ``L = train_window``: ``L * DEFAULT_CHUNK_FRACTION``,
+    at least 1 (the default local window is ``s`` too)."""
+    return max(1, round(train_window * DEFAULT_CHUNK_FRACTION))
+
+
+def paper_setting(train_window: int) -> dict[str, int]:
+    """The paper's chunk size and local window scaled to ``L = train_window``
+    (``3000 L / 8192`` and ``128 L / 8192``, at least 1)."""
+    return {
+        "chunk_size": max(1, PAPER_CHUNK * train_window // PAPER_WINDOW),
+        "local_window": max(1, PAPER_LOCAL_WINDOW * train_window // PAPER_WINDOW),
+    }
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -296,7 +315,7 @@ def _gali_attention_forward(attn, run: _GaliRun, hidden_states, *args, **kwargs)
 
 
 class GaliOptions(BackendOptions):
-    """Options of the ``gali`` backend (defaults from the paper, scaled to the window).
+    """Options of the ``gali`` backend (defaults tuned on the embedded model, scaled to the window).
 
     Attributes:
         train_window: ``L``, the trained window (default: the model's ``max_position_embeddings``);
@@ -304,9 +323,12 @@ class GaliOptions(BackendOptions):
         target_window: the extended window reported as ``context_window`` (default ``4 * L``, the
             paper's largest tested ratio, 8k -> 32k).
         chunk_size: prefill chunk size ``s`` after the first chunk (default
-            ``3000 * L / 8192``, the paper's 3000 at L = 8192).
+            :func:`default_chunk_size`: ``L / 8``, tuned on perplexity at 4 L; the paper's
+            ``3000 L / 8192`` is :func:`paper_setting`).
         local_window: ``W``, the minimum number of recent tokens with integer positions
-            (default ``128 * L / 8192``, at least 1).
+            (default: the chunk size, at most ``L - 1``). With ``s <= W`` every query of a
+            chunk sits in the integer tail of the positions (the tail is never shorter than
+            ``W``), so no query is at an interpolated position.
         noise: add the paper's Gaussian noise to interpolated logits.
         noise_std: ``std_base``, the noise standard deviation at token distance ``T``.
         seed: seed of the noise generator, reset for every batch; every row of a batch gets the
@@ -348,15 +370,12 @@ class GaliBackend(HFBackend):
         big_l = o.train_window or native
         if big_l > native:
             raise ConfigError(f"train_window {big_l} exceeds the model's trained window {native}")
+        chunk = o.chunk_size or default_chunk_size(big_l)
         resolved = {
             "train_window": big_l,
             "target_window": o.target_window or 4 * big_l,
-            "chunk_size": o.chunk_size or max(1, PAPER_CHUNK * big_l // PAPER_WINDOW),
-            "local_window": (
-                o.local_window
-                if o.local_window is not None
-                else max(1, PAPER_LOCAL_WINDOW * big_l // PAPER_WINDOW)
-            ),
+            "chunk_size": chunk,
+            "local_window": o.local_window if o.local_window is not None else min(chunk, big_l - 1),
         }
         if resolved["local_window"] >= big_l:
             raise ConfigError(
@@ -549,11 +568,14 @@ class GaliBackend(HFBackend):
 
 
 __all__ = [
+    "DEFAULT_CHUNK_FRACTION",
     "GaliBackend",
     "GaliLayout",
     "GaliOptions",
     "chunk_sizes",
+    "default_chunk_size",
     "gali_layout",
     "gali_positions",
     "paper_logits",
+    "paper_setting",
 ]
