@@ -105,8 +105,9 @@ def register(app: typer.Typer) -> None:
         needles: Annotated[
             int | None,
             typer.Option(
+                min=1,
                 help="pipeline mode, no question file: plant N facts in N chunks of the corpus "
-                "and ask each"
+                "and ask each",
             ),
         ] = None,
         needle_seed: Annotated[
@@ -121,14 +122,14 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         question_chunks: Annotated[
-            int, typer.Option(help="--questions-from: chunks sampled, one question each")
+            int, typer.Option(min=1, help="--questions-from: chunks sampled, one question each")
         ] = 20,
         question_seed: Annotated[
             int, typer.Option(help="--questions-from: seed of the sampled chunks")
         ] = 0,
         chunk_size: Annotated[
             int | None,
-            typer.Option(help="pipeline mode: chunk size in embedder tokens (default 64)"),
+            typer.Option(min=1, help="pipeline mode: chunk size in embedder tokens (default 64)"),
         ] = None,
         embedder: Annotated[
             str | None,

@@ -353,7 +353,9 @@ def run_pipeline_sweep(
         records = read_questions(questions, skip_invalid, skipped)  # fails before indexing
     config = PipelineConfig(
         corpus=str(Path(corpus).resolve()),
-        questions=None if questions is None else str(Path(questions).resolve()),
+        questions=None
+        if questions is None and written is None
+        else str(Path(written or questions).resolve()),
         needles=needles,
         questions_from=questions_from,
         num_docs=top_k,

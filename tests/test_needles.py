@@ -275,9 +275,9 @@ def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path
     }
     assert all(r["question"].startswith("What is the secret code of the ") for r in recs)
     res = runner.invoke(app, [*args[:4], "4", *args[5:]])
-    assert res.exit_code == 1 and "needles.count: 3 there, 4 now" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "needles.count: 3 there, 4 now" in " ".join(res.output.split())
     res = runner.invoke(app, ["eval", "--corpus", str(folder), "--out", str(out), *small])
-    assert res.exit_code == 1 and "needs one source of questions" in res.output
+    assert res.exit_code == 2 and "needs one source of questions" in res.output
 
     out = tmp_path / "written"
     pair = " How many countries does the Danube cross?\nAnswer: ten countries"
