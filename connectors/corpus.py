@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ragfix.bundled import DEMO_CORPUS, DEMO_QUESTIONS
+from ragfix.bundled import DEMO_CORPUS, DEMO_QUESTIONS, bundled_path
 from ragfix.connectors.jsonl import (
     SkipCounter,
     UniqueIds,
@@ -53,7 +53,7 @@ from ragfix.tasks import CHUNK_TEMPLATE
 DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")
 #: chunk size in embedder tokens of :func:`build_corpus` and the pipeline sweep
 DEFAULT_CHUNK_SIZE = 64
-CORPUS_FIELDS = "id, title, text"
+CORPUS_FIELDS = "id, title, text (or a Lost-in-the-Middle file's ctxs)"
 QUESTION_FIELDS = "question, answers, gold_text or gold_doc_id"
 NODE_TEXT_TEMPLATE = CHUNK_TEMPLATE.format(title="{metadata_str}", text="{content}")
 
@@ -64,9 +64,14 @@ class CorpusError(RagfixError):
 
 def resolve_demo(path: Path, kind: str) -> Path:
     """``demo`` (when no such file exists) names the bundled NQ demo corpus or its questions
-    (:data:`ragfix.bundled.DEMO_CORPUS`, :data:`~ragfix.bundled.DEMO_QUESTIONS`)."""
-    if str(path) == "demo" and not path.exists():
+    (:data:`ragfix.bundled.DEMO_CORPUS`, :data:`~ragfix.bundled.DEMO_QUESTIONS`); as a corpus,
+    ``nq-sample`` names the bundled NQ sample, read as its passages (:func:`load_documents`)."""
+    if path.exists():
+        return path
+    if str(path) == "demo":
         return DEMO_CORPUS if kind == "corpus" else DEMO_QUESTIONS
+    if kind == "corpus" and str(path) == "nq-sample":
+        return bundled_path("nq-sample")
     return path
 
 
@@ -119,11 +124,28 @@ def _read_file(path: Path) -> str:
     return "\n\n".join(d.text for d in docs)
 
 
+def _passages(path: Path, line: int, ctxs: list, seen: dict[str, int]) -> list:
+    """The documents of a Lost-in-the-Middle record's ``ctxs`` (``id``, ``title``, ``text``)
+    whose id is not in ``seen`` (a passage repeated in later records is read once)."""
+    out = []
+    for k, ctx in enumerate(ctxs):
+        if not isinstance(ctx, dict):
+            raise DataError(path, line, f"ctxs[{k}]", "expected an object with title and text")
+        text = require(ctx, "text", str, path, line)
+        doc_id = str(ctx.get("id") or f"{path.name}:{line}:{k}")
+        if doc_id not in seen:
+            seen[doc_id] = line
+            out.append(_doc(text, doc_id, str(ctx.get("title") or "")))
+    return out
+
+
 def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
     """LlamaIndex ``Document`` objects of a folder (recursive) or a JSONL corpus file.
 
     Document ids are the file paths relative to the folder (or the records' ``id``); the title is
-    the file name without extension (or the record's ``title``).
+    the file name without extension (or the record's ``title``). A Lost-in-the-Middle QA file
+    (records with ``ctxs``, e.g. ``nq-sample``: the Wikipedia passages of the bundled NQ sample)
+    is read as the corpus of its passages, each distinct passage id once.
 
     Raises:
         CorpusError: the path does not exist, or no readable document is found.
@@ -136,6 +158,9 @@ def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
     if corpus.is_file():
         seen: dict[str, int] = {}
         for line, rec in read_jsonl(corpus, skip_invalid=False, fields=CORPUS_FIELDS):
+            if "text" not in rec and "ctxs" in rec:
+                docs += _passages(corpus, line, require(rec, "ctxs", list, corpus, line), seen)
+                continue
             text = require(rec, "text", str, corpus, line)
             doc_id = str(rec.get("id") or f"{corpus.name}:{line}")
             refuse_duplicate(seen, doc_id, corpus, line, "id", f"document id {doc_id!r}")

@@ -307,3 +307,24 @@ def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path
     assert config["chunk_size"] == 256 and "questions" in config["inputs"]
     assert {r["extra"]["natural_rank"] for r in _records(out)} <= {0, 1, 2, None}
     assert _listing(folder) == before
+
+
+def test_the_bundled_nq_sample_reads_as_a_corpus_of_its_passages():
+    """The second corpus of the needle measurement: the Wikipedia passages of ``nq-sample``."""
+    import gzip
+    from pathlib import Path
+
+    from ragfix.connectors.corpus import load_documents, resolve_demo
+
+    path = resolve_demo(Path("nq-sample"), "corpus")
+    with gzip.open(path, "rt") as f:
+        ctxs = [c for line in f for c in json.loads(line)["ctxs"]]
+    docs = load_documents(path)
+    first = {}
+    for c in ctxs:
+        first.setdefault(c["id"], c)
+    assert [d.id_ for d in docs] == list(first)  # each passage once, in file order
+    assert [(d.metadata["title"], d.text) for d in docs] == [
+        (c["title"], c["text"]) for c in first.values()
+    ]
+    assert resolve_demo(Path("nq-sample"), "questions") == Path("nq-sample")
