@@ -347,15 +347,14 @@ def run_pipeline_sweep(
         resolve_model(questions_from.model)
         if not write_now:
             questions = written  # this folder's questions, checked against its config below
+    asked = written or questions  # the question file, once there is one
     skipped = SkipCounter()
     records = None
     if questions is not None:
         records = read_questions(questions, skip_invalid, skipped)  # fails before indexing
     config = PipelineConfig(
         corpus=str(Path(corpus).resolve()),
-        questions=None
-        if questions is None and written is None
-        else str(Path(written or questions).resolve()),
+        questions=None if asked is None else str(Path(asked).resolve()),
         needles=needles,
         questions_from=questions_from,
         num_docs=top_k,
@@ -379,11 +378,11 @@ def run_pipeline_sweep(
     folder = sweep_folder(out, config)
     if not restart:
         folder.check()  # another request: refused before indexing and loading
-    with (
-        console.status(f"indexing {corpus} (once per content and settings)")
-        if console
-        else (nullcontext())
-    ):
+
+    def busy(text: str):
+        return console.status(text) if console else nullcontext()
+
+    with busy(f"indexing {corpus} (once per content and settings)"):
         cor = build_corpus(
             corpus, embedder, chunk_size=chunk_size, skipped=skipped, needles=needles
         )
@@ -396,18 +395,17 @@ def run_pipeline_sweep(
             dtype=dtype,
             **(writer_options or {}),
         )
-        with (
-            console.status(f"{questions_from.model} writes questions")
-            if console
-            else (nullcontext())
-        ):
-            made = write_questions(writer, cor.nodes, questions_from)
+        with busy(f"{questions_from.model} writes questions"):
+            batch = writer.preferred_batch_size or 8
+            made = write_questions(writer, cor.nodes, questions_from, batch)
         del writer
         if not made.records:
             why = ", ".join(f"{k} {v}" for k, v in made.dropped.items())
             raise DataError(written, None, None, f"no written question passed the filter ({why})")
         atomic_write_text(written, "".join(json.dumps(r) + "\n" for r in made.records))
-        atomic_write_json(out / WRITTEN_REPORT, {"model": questions_from.model, **made.report()})
+        atomic_write_json(
+            Path(out) / WRITTEN_REPORT, {"model": questions_from.model, **made.report()}
+        )
         questions = written
         folder.config = folder.config.model_copy(
             update={"inputs": {**config.inputs, **input_fingerprints(questions=written)}}
