@@ -328,3 +328,19 @@ def test_the_bundled_nq_sample_reads_as_a_corpus_of_its_passages():
         (c["title"], c["text"]) for c in first.values()
     ]
     assert resolve_demo(Path("nq-sample"), "questions") == Path("nq-sample")
+
+
+def test_runs_of_other_needles_or_embedders_are_not_paired():
+    from ragfix.eval.compare import config_differences
+
+    base = {"run": "pipeline", "corpus": "/a/docs", "num_docs": 3, "needles": None}
+    needles = {**base, "needles": {"count": 2, "seed": 0}}
+    assert config_differences(needles, {**base, "needles": {"count": 2, "seed": 1}}) == [
+        "needles {'count': 2, 'seed': 0} vs {'count': 2, 'seed': 1}"
+    ]
+    assert config_differences(base, needles)[0].startswith("needles none vs")
+    # a run made before the embedder was recorded used the embedded default
+    assert config_differences(base, {**base, "embedder": "all-minilm-l6-v2"}) == []
+    assert config_differences(base, {**base, "embedder": "BAAI/bge-small-en"}) == [
+        "embedder none vs BAAI/bge-small-en"
+    ]
