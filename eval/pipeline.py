@@ -1,21 +1,24 @@
 """The position sweep through a real LlamaIndex, LangChain or Haystack pipeline (``ragfix eval
---corpus --questions [--framework ...]``).
+--corpus DOCS --questions Q | --needles N | --questions-from MODEL [--framework ...]``).
 
-For every question the real retriever (FAISS over all-MiniLM-L6-v2, or BM25) returns its top-k
-chunks. If the gold chunk is not among them it replaces the lowest-ranked one (``gold_added`` in
-the record). The candidate list is then permuted so the gold chunk has retrieval rank ``r`` (the
-other chunks keep their retrieval order, the scores stay in descending order), for every requested
-``r``. Each cell runs the real query engine: the candidates come out of a retriever, go through
-:class:`~ragfix.postprocessor.RagFixPostprocessor` with the cell's strategy and through LlamaIndex
-response synthesis (``compact``: the chunks packed into one prompt, one LLM call when they fit;
-LlamaIndex 0.14's ``simple_summarize`` pastes the Python repr of a list into the prompt) with
-:class:`~ragfix.llm.RagFixLLM`. With ``framework="langchain"`` the same candidates go through a
-LangChain chain (``ContextualCompressionRetriever`` with
-:class:`~ragfix.integrations.langchain.RagFixCompressor`, the ``qa`` prompt,
-:class:`~ragfix.integrations.langchain.RagFixChatModel`), with ``"haystack"`` through a Haystack
-pipeline (:class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt builder,
-:class:`~ragfix.integrations.haystack.RagFixChatGenerator`): the same correction code and the same
-prompt text, so the same cell gives the same prompt in every framework (the record's
+The questions come from a question file, from needles planted in the corpus or from a model that
+writes them about its chunks (:mod:`ragfix.connectors.synthetic`); the gold chunk of each is known.
+For every question the real retriever (FAISS over all-MiniLM-L6-v2 or the chosen embedder, or BM25)
+returns its top-k chunks; the gold chunk's rank among them is its natural rank (``natural_rank`` in
+every record, beside the swept rank ``position``). If the gold chunk is not among them it replaces
+the lowest-ranked one (``gold_added`` in the record). The candidate list is then permuted so the
+gold chunk has retrieval rank ``r`` (the other chunks keep their retrieval order, the scores stay
+in descending order), for every requested ``r``. Each cell runs the real query engine: the
+candidates come out of a retriever, go through :class:`~ragfix.postprocessor.RagFixPostprocessor`
+with the cell's strategy and through LlamaIndex response synthesis (``compact``: the chunks packed
+into one prompt, one LLM call when they fit; LlamaIndex 0.14's ``simple_summarize`` pastes the
+Python repr of a list into the prompt) with :class:`~ragfix.llm.RagFixLLM`. With
+``framework="langchain"`` the same candidates go through a LangChain chain
+(``ContextualCompressionRetriever`` with :class:`~ragfix.integrations.langchain.RagFixCompressor`,
+the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`), with ``"haystack"``
+through a Haystack pipeline (:class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt
+builder, :class:`~ragfix.integrations.haystack.RagFixChatGenerator`): the same correction code and
+the same prompt text, so the same cell gives the same prompt in every framework (the record's
 ``prompt_sha1`` is the SHA-1 of the prompt as the model read it). The record keeps the gold chunk's
 retrieval rank (``position``, the x-axis), where it ended up in the prompt (``prompt_position``),
 whether the context was cut and how many LLM calls were made. All strategies run on the same cells.
