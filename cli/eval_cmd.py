@@ -92,10 +92,51 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         corpus: Annotated[
-            Path | None, typer.Option(help="pipeline mode: a folder of documents")
+            Path | None,
+            typer.Option(
+                help="pipeline mode: a folder of documents (or a JSONL corpus; demo: the bundled "
+                "NQ passages); never written: its index lives in the ragfix cache"
+            ),
         ] = None,
         questions: Annotated[
-            Path | None, typer.Option(help="pipeline mode: questions JSONL")
+            Path | None,
+            typer.Option(help="pipeline mode: questions JSONL (question, answers, gold_text)"),
+        ] = None,
+        needles: Annotated[
+            int | None,
+            typer.Option(
+                min=1,
+                help="pipeline mode, no question file: plant N facts in N chunks of the corpus "
+                "and ask each",
+            ),
+        ] = None,
+        needle_seed: Annotated[
+            int, typer.Option(help="--needles: seed of the chunks, facts and insertion points")
+        ] = 0,
+        questions_from: Annotated[
+            str | None,
+            typer.Option(
+                help="pipeline mode, no question file: a model (smollm2, HF id, folder, "
+                "openai:NAME with --api-base) writes a question per sampled chunk; kept in the "
+                "run folder's questions.jsonl"
+            ),
+        ] = None,
+        question_chunks: Annotated[
+            int, typer.Option(min=1, help="--questions-from: chunks sampled, one question each")
+        ] = 20,
+        question_seed: Annotated[
+            int, typer.Option(help="--questions-from: seed of the sampled chunks")
+        ] = 0,
+        chunk_size: Annotated[
+            int | None,
+            typer.Option(min=1, help="pipeline mode: chunk size in embedder tokens (default 64)"),
+        ] = None,
+        embedder: Annotated[
+            str | None,
+            typer.Option(
+                help="pipeline mode: sentence-transformers model id or folder (default: the "
+                "embedded all-MiniLM-L6-v2)"
+            ),
         ] = None,
         strategy: Annotated[
             str, typer.Option(help="pipeline mode: reorder strategies, comma separated")
@@ -125,20 +166,28 @@ def register(app: typer.Typer) -> None:
         remote: dict | None = None,
     ) -> None:
         """Accuracy as the gold passage moves through every position (table, summary.json,
-        curve.png). With --corpus/--questions: the same sweep through a real LlamaIndex,
-        LangChain or Haystack pipeline (--framework), one curve per reorder strategy."""
+        curve.png). With --corpus: the same sweep through a real LlamaIndex, LangChain or
+        Haystack pipeline (--framework), one curve per reorder strategy, on --questions, on
+        --needles planted in the corpus or on questions --questions-from a model writes."""
         with user_errors():
+            from ragfix.models import REMOTE_PREFIX
+
+            writer_remote = questions_from is not None and questions_from.startswith(REMOTE_PREFIX)
+            answer_remote = model.startswith(REMOTE_PREFIX) or not writer_remote
             options = {
                 **backend_options(backend_opt, calibration, train_window),
-                **remote_options(model, remote),
+                **remote_options(model, remote if answer_remote else {}),
             }
-            if corpus is not None or questions is not None:
-                if corpus is None or questions is None:
-                    raise ConfigError("pipeline mode needs both --corpus and --questions")
+            writer = remote_options(questions_from, remote) if writer_remote else {}
+            pipeline = (questions, needles, questions_from)
+            if corpus is not None or any(x is not None for x in pipeline):
+                if corpus is None:
+                    raise ConfigError("pipeline mode needs --corpus")
                 if records is not None:
                     raise ConfigError("--records selects records of a data file, not questions")
                 if workers is not None:
                     raise ConfigError("--workers splits a data file's samples, not pipeline mode")
+                from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
                 from ragfix.eval.pipeline import print_pipeline_run, run_pipeline_sweep
 
                 summary = run_pipeline_sweep(
@@ -162,11 +211,22 @@ def register(app: typer.Typer) -> None:
                     restart=restart,
                     log_prompts=log_prompts,
                     console=console,
+                    needles=None
+                    if needles is None
+                    else NeedleSettings(count=needles, seed=needle_seed),
+                    questions_from=None
+                    if questions_from is None
+                    else QuestionsFrom(
+                        model=questions_from, chunks=question_chunks, seed=question_seed
+                    ),
+                    writer_options=writer,
+                    embedder=embedder,
+                    **({} if chunk_size is None else {"chunk_size": chunk_size}),
                 )
                 print_pipeline_run(summary, out, console)
                 return
             if data is None:
-                raise ConfigError("give a data file (or --corpus and --questions)")
+                raise ConfigError("give a data file (or --corpus and a source of questions)")
             from ragfix.eval import run_sweep
 
             summary = run_sweep(

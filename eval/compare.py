@@ -43,6 +43,7 @@ from ragfix.eval.sweep_summary import (
 )
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.metrics import continues_context
+from ragfix.models import DEFAULT_EMBEDDER
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed
 
 #: the ``kind`` of a comparison file written by ``ragfix report --json``
@@ -51,9 +52,9 @@ COMPARISON_KIND = "ragfix-comparison"
 
 #: ``config.json`` fields that decide what a cell (sample, position) is: the data and the
 #: content of every input file (``inputs``), the task, the passages per prompt, the record range
-#: and the prompt layout (distractors; a pipeline's corpus, questions, retriever, chunking and
-#: framework). Runs are paired only when they agree on all of them (a field absent from both
-#: agrees).
+#: and the prompt layout (distractors; a pipeline's corpus, its questions, needles or written
+#: questions, retriever, chunking, embedder and framework). Runs are paired only when they agree
+#: on all of them (a field absent from both agrees).
 CELL_FIELDS = (
     "data",
     "inputs",
@@ -65,6 +66,9 @@ CELL_FIELDS = (
     "questions",
     "retriever",
     "chunk_size",
+    "embedder",
+    "needles",
+    "questions_from",
     "framework",
 )
 
@@ -189,6 +193,8 @@ def _setting(name: str, config: dict):
         if stop == math.inf:
             return "all" if start == 0 else f"{start}:"
         return f"{start}:{stop}"
+    if name == "embedder" and value == DEFAULT_EMBEDDER:
+        return None  # what a pipeline run made before the embedder was recorded used
     return _file_key(value) if name in PATH_FIELDS else value
 
 

@@ -1,21 +1,24 @@
 """The position sweep through a real LlamaIndex, LangChain or Haystack pipeline (``ragfix eval
---corpus --questions [--framework ...]``).
+--corpus DOCS --questions Q | --needles N | --questions-from MODEL [--framework ...]``).
 
-For every question the real retriever (FAISS over all-MiniLM-L6-v2, or BM25) returns its top-k
-chunks. If the gold chunk is not among them it replaces the lowest-ranked one (``gold_added`` in
-the record). The candidate list is then permuted so the gold chunk has retrieval rank ``r`` (the
-other chunks keep their retrieval order, the scores stay in descending order), for every requested
-``r``. Each cell runs the real query engine: the candidates come out of a retriever, go through
-:class:`~ragfix.postprocessor.RagFixPostprocessor` with the cell's strategy and through LlamaIndex
-response synthesis (``compact``: the chunks packed into one prompt, one LLM call when they fit;
-LlamaIndex 0.14's ``simple_summarize`` pastes the Python repr of a list into the prompt) with
-:class:`~ragfix.llm.RagFixLLM`. With ``framework="langchain"`` the same candidates go through a
-LangChain chain (``ContextualCompressionRetriever`` with
-:class:`~ragfix.integrations.langchain.RagFixCompressor`, the ``qa`` prompt,
-:class:`~ragfix.integrations.langchain.RagFixChatModel`), with ``"haystack"`` through a Haystack
-pipeline (:class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt builder,
-:class:`~ragfix.integrations.haystack.RagFixChatGenerator`): the same correction code and the same
-prompt text, so the same cell gives the same prompt in every framework (the record's
+The questions come from a question file, from needles planted in the corpus or from a model that
+writes them about its chunks (:mod:`ragfix.connectors.synthetic`); the gold chunk of each is known.
+For every question the real retriever (FAISS over all-MiniLM-L6-v2 or the chosen embedder, or BM25)
+returns its top-k chunks; the gold chunk's rank among them is its natural rank (``natural_rank`` in
+every record, beside the swept rank ``position``). If the gold chunk is not among them it replaces
+the lowest-ranked one (``gold_added`` in the record). The candidate list is then permuted so the
+gold chunk has retrieval rank ``r`` (the other chunks keep their retrieval order, the scores stay
+in descending order), for every requested ``r``. Each cell runs the real query engine: the
+candidates come out of a retriever, go through :class:`~ragfix.postprocessor.RagFixPostprocessor`
+with the cell's strategy and through LlamaIndex response synthesis (``compact``: the chunks packed
+into one prompt, one LLM call when they fit; LlamaIndex 0.14's ``simple_summarize`` pastes the
+Python repr of a list into the prompt) with :class:`~ragfix.llm.RagFixLLM`. With
+``framework="langchain"`` the same candidates go through a LangChain chain
+(``ContextualCompressionRetriever`` with :class:`~ragfix.integrations.langchain.RagFixCompressor`,
+the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`), with ``"haystack"``
+through a Haystack pipeline (:class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt
+builder, :class:`~ragfix.integrations.haystack.RagFixChatGenerator`): the same correction code and
+the same prompt text, so the same cell gives the same prompt in every framework (the record's
 ``prompt_sha1`` is the SHA-1 of the prompt as the model read it). The record keeps the gold chunk's
 retrieval rank (``position``, the x-axis), where it ended up in the prompt (``prompt_position``),
 whether the context was cut and how many LLM calls were made. All strategies run on the same cells.
@@ -56,10 +59,12 @@ from ragfix.connectors.corpus import (
     DEFAULT_CHUNK_SIZE,
     build_corpus,
     locate_gold,
+    needle_questions,
     read_questions,
     resolve_demo,
 )
 from ragfix.connectors.jsonl import SkipCounter
+from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom, write_questions
 from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.progress import RunTally, progress_bar
@@ -80,6 +85,8 @@ from ragfix.eval.sweep_summary import (
     write_summary,
 )
 from ragfix.integrations import require_extra
+from ragfix.io import atomic_write_json, atomic_write_text, read_run_config
+from ragfix.models import DEFAULT_EMBEDDER, check_hub_model
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
 from ragfix.tasks import get_task, join_chunks
@@ -87,6 +94,10 @@ from ragfix.types import UNSCORED, StoredPrompt, SweepRecord
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
 ATTENTION_LAYERS = CorrectionSettings.model_fields["attention_layers"].default
+#: the run folder's file of LLM-written questions (``--questions-from``; a question file that
+#: ``--questions`` reads) and the count of what its filter dropped
+WRITTEN_QUESTIONS = "questions.jsonl"
+WRITTEN_REPORT = "questions-filter.json"
 
 
 def _fixed_retriever_class():
@@ -111,23 +122,38 @@ class PipelineConfig(RunConfig):
     built; its request fields (all but ``identity`` and ``inputs``) are hashed into the cell ids.
 
     Attributes:
-        corpus, questions: the corpus (folder or JSONL) and the question file (resolved paths);
-            their contents are ``inputs["corpus"]`` and ``inputs["questions"]``.
+        corpus: the corpus (folder or JSONL, resolved path); its content is ``inputs["corpus"]``.
+        questions: the question file (resolved path; for written questions the run folder's
+            :data:`WRITTEN_QUESTIONS`), its content ``inputs["questions"]``; ``None`` for needles.
+        needles: the needle settings (``--needles``, ``--needle-seed``), or ``None``.
+        questions_from: the question-writing settings (``--questions-from``), or ``None``.
         task: ``qa-pipeline``.
         num_docs: ``top_k``, the chunks the retriever returns.
         model, backend, backend_options: as in :class:`~ragfix.eval.sweep.SweepConfig`.
         retriever: ``faiss`` or ``bm25``.
         chunk_size: chunk size in embedder tokens.
+        embedder: the embedder (``all-minilm-l6-v2``: the embedded default; else a
+            sentence-transformers model id or folder, whose content is ``inputs["embedder"]``).
         framework: ``llamaindex``, ``langchain`` or ``haystack``.
         log_prompts: whether each record keeps the text its model read (as
             :class:`~ragfix.eval.sweep.SweepConfig`: not in the cell ids, a rerun with the other
             setting refused, an older ``config.json`` without it reads as False).
+
+    Fields added after folders were written (``ABSENT``) enter the cell ids only when they
+    differ from what an older folder stands for, so an older run resumes.
     """
 
     run: Literal["pipeline"] = "pipeline"
-    ABSENT: ClassVar[dict] = {"log_prompts": False}
+    ABSENT: ClassVar[dict] = {
+        "log_prompts": False,
+        "needles": None,
+        "questions_from": None,
+        "embedder": DEFAULT_EMBEDDER,
+    }
     corpus: str
-    questions: str
+    questions: str | None
+    needles: NeedleSettings | None = None
+    questions_from: QuestionsFrom | None = None
     task: Literal["qa-pipeline"] = "qa-pipeline"
     num_docs: int = Field(ge=1)
     model: str
@@ -135,6 +161,7 @@ class PipelineConfig(RunConfig):
     backend_options: dict = Field(default_factory=dict)
     retriever: Literal["faiss", "bm25"] = "faiss"
     chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
+    embedder: str = DEFAULT_EMBEDDER
     framework: str = "llamaindex"
     log_prompts: bool = True
 
@@ -143,10 +170,27 @@ def pipeline_cell_id(
     config: PipelineConfig, question_id: str, rank: int, strategy: str, extra: dict
 ) -> str:
     """Deterministic 16-hex id of a pipeline cell (from the request, not the bound identity
-    nor whether records keep their prompts)."""
+    nor whether records keep their prompts; a later field at its ``ABSENT`` value left out)."""
     request = config.model_dump(mode="json", exclude={"identity", "inputs", "log_prompts"})
+    request = {k: v for k, v in request.items() if k not in config.ABSENT or v != config.ABSENT[k]}
     key = json.dumps([question_id, rank, strategy, request, extra], sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def check_question_source(questions, needles, questions_from) -> None:
+    """Exactly one source of questions for a pipeline sweep.
+
+    Raises:
+        ConfigError: none or several of a question file, needles and a question-writing model.
+    """
+    flags = ("--questions", "--needles", "--questions-from")
+    sources = (questions, needles, questions_from)
+    given = [f for f, v in zip(flags, sources, strict=True) if v is not None]
+    if len(given) != 1:
+        raise ConfigError(
+            "pipeline mode needs one source of questions: --questions FILE, --needles N or "
+            f"--questions-from MODEL (given: {' and '.join(given) or 'none'})"
+        )
 
 
 def candidates_with_gold_at(retrieved: list, gold, rank: int) -> list:
@@ -181,7 +225,7 @@ def retrieval_weighted(summary: dict, natural: Counter) -> dict[str, float]:
 
 def run_pipeline_sweep(
     corpus: Path,
-    questions: Path,
+    questions: Path | None,
     out: Path,
     strategies: list[str],
     top_k: int = 10,
@@ -202,13 +246,25 @@ def run_pipeline_sweep(
     framework: str = "llamaindex",
     restart: bool = False,
     log_prompts: bool = True,
+    needles: NeedleSettings | None = None,
+    questions_from: QuestionsFrom | None = None,
+    writer_options: dict | None = None,
+    embedder: str | None = None,
 ) -> dict:
     """Run the position sweep through a LlamaIndex, LangChain or Haystack pipeline; returns the
     summary dict.
 
+    The questions come from one of ``questions`` (a file), ``needles`` (facts planted in the
+    corpus, :func:`~ragfix.connectors.synthetic.plant_needles`) or ``questions_from`` (written
+    by a model, :func:`~ragfix.connectors.synthetic.write_questions`, into the run folder's
+    :data:`WRITTEN_QUESTIONS`, kept for reruns and reuse with ``--questions``; what its filter
+    dropped goes to :data:`WRITTEN_REPORT` and the summary's ``written_questions``).
+
     Args:
-        corpus: a document folder or JSONL corpus (``demo``: the bundled NQ demo corpus).
-        questions: the question file (``demo``: the bundled NQ demo questions).
+        corpus: a document folder or JSONL corpus (``demo``: the bundled NQ demo corpus); never
+            written (its index lives in the ragfix cache:
+            :func:`~ragfix.connectors.corpus.index_dir`).
+        questions: the question file (``demo``: the bundled NQ demo questions), or ``None``.
         out: run folder (``results.jsonl``, ``summary.json``, ``curve.png``); resumable.
         strategies: reorder strategies to compare (see :mod:`ragfix.reorder`).
         top_k: chunks the retriever returns (the number of documents in the prompt).
@@ -235,10 +291,18 @@ def run_pipeline_sweep(
             (corpus, questions), instead of refusing it.
         log_prompts: keep in each record the text its model read (the question and gold
             answers are kept either way); see :func:`ragfix.eval.run_sweep`.
+        needles: plant and ask needles (no ``limit``); the settings are part of the run config
+            and the index key, so a rerun asks the same needles.
+        questions_from: the model, number of chunks and seed of written questions; written once
+            per folder (again with ``restart``).
+        writer_options: the writing model's backend options (a served model's ``api_base``...).
+        embedder: the sentence-transformers model id or folder of the index (``None``: the
+            embedded all-MiniLM-L6-v2).
 
     Raises:
-        ConfigError, DataError, CorpusError, ProfileError, ModelNotFoundError: bad input (one
-            line).
+        ConfigError, DataError, CorpusError, NeedleError, ProfileError, ModelNotFoundError: bad
+            input (one line), e.g. not exactly one source of questions, or no written question
+            passing the filter.
         ConfigMismatchError: ``out`` holds a run of other settings, weights or corpus or
             question contents (not with ``restart``).
         Interrupted: Ctrl-C: every cell finished before it is stored (cells run one at a
@@ -252,7 +316,12 @@ def run_pipeline_sweep(
 
     options = dict(backend_options or {})
     adapter = str(adapter) if adapter else None
-    corpus, questions = resolve_demo(corpus, "corpus"), resolve_demo(questions, "questions")
+    corpus = resolve_demo(Path(corpus), "corpus")
+    if questions is not None:
+        questions = resolve_demo(Path(questions), "questions")
+    check_question_source(questions, needles, questions_from)
+    if needles is not None and limit is not None:
+        raise ConfigError("--limit picks questions of a file: --needles N sets their number")
     strategies = [check_strategy(s) for s in dict.fromkeys(strategies)]
     if not strategies:
         raise ConfigError("--strategy: give at least one strategy")
@@ -270,11 +339,27 @@ def run_pipeline_sweep(
             raise ConfigError("strategy bias-profile needs --profile (a sweep's summary.json)")
         accuracies = load_profile(profile, model, top_k)
     ranks = parse_positions(positions, top_k)
+    if embedder is not None and not Path(embedder).is_dir():
+        check_hub_model(embedder)
+    written = Path(out) / WRITTEN_QUESTIONS if questions_from is not None else None
+    write_now = written is not None and (
+        restart or read_run_config(out) is None or not written.exists()
+    )
+    if written is not None:
+        validate_backend("vanilla", model=questions_from.model, **(writer_options or {}))
+        resolve_model(questions_from.model)
+        if not write_now:
+            questions = written  # this folder's questions, checked against its config below
+    asked = written or questions  # the question file, once there is one
     skipped = SkipCounter()
-    records = read_questions(questions, skip_invalid, skipped)  # a bad file fails before indexing
+    records = None
+    if questions is not None:
+        records = read_questions(questions, skip_invalid, skipped)  # fails before indexing
     config = PipelineConfig(
         corpus=str(Path(corpus).resolve()),
-        questions=str(Path(questions).resolve()),
+        questions=None if asked is None else str(Path(asked).resolve()),
+        needles=needles,
+        questions_from=questions_from,
         num_docs=top_k,
         model=model,
         backend=backend,
@@ -284,17 +369,55 @@ def run_pipeline_sweep(
         },
         retriever=retriever,
         chunk_size=chunk_size,
+        embedder=embedder or DEFAULT_EMBEDDER,
         framework=framework,
         log_prompts=log_prompts,
-        inputs=input_fingerprints(corpus=corpus, questions=questions),
+        inputs=input_fingerprints(
+            corpus=corpus,
+            questions=questions,
+            embedder=embedder if embedder and Path(embedder).is_dir() else None,
+        ),
     )
     folder = sweep_folder(out, config)
     if not restart:
         folder.check()  # another request: refused before indexing and loading
-    with console.status(f"indexing {corpus} (only when it changed)") if console else nullcontext():
-        cor = build_corpus(corpus, chunk_size=chunk_size, skipped=skipped)
+
+    def busy(text: str):
+        return console.status(text) if console else nullcontext()
+
+    with busy(f"indexing {corpus} (once per content and settings)"):
+        cor = build_corpus(
+            corpus, embedder, chunk_size=chunk_size, skipped=skipped, needles=needles
+        )
     base = cor.retriever(retriever, top_k)
-    qs = locate_gold(questions, records, cor.nodes, limit, skip_invalid, skipped)
+    if write_now:
+        writer = load_backend(
+            "vanilla",
+            model=questions_from.model,
+            device=device,
+            dtype=dtype,
+            **(writer_options or {}),
+        )
+        with busy(f"{questions_from.model} writes questions"):
+            batch = writer.preferred_batch_size or 8
+            made = write_questions(writer, cor.nodes, questions_from, batch)
+        del writer
+        if not made.records:
+            why = ", ".join(f"{k} {v}" for k, v in made.dropped.items())
+            raise DataError(written, None, None, f"no written question passed the filter ({why})")
+        atomic_write_text(written, "".join(json.dumps(r) + "\n" for r in made.records))
+        atomic_write_json(
+            Path(out) / WRITTEN_REPORT, {"model": questions_from.model, **made.report()}
+        )
+        questions = written
+        folder.config = folder.config.model_copy(
+            update={"inputs": {**config.inputs, **input_fingerprints(questions=written)}}
+        )
+        records = read_questions(written, skip_invalid, skipped)
+    if needles is not None:
+        qs = needle_questions(cor.needles)
+    else:
+        qs = locate_gold(questions, records, cor.nodes, limit, skip_invalid, skipped)
     if skipped.count and console is not None:
         console.print(
             f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
@@ -357,6 +480,8 @@ def run_pipeline_sweep(
         "framework": framework,
         "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
         "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
+        "question_source": "needles" if needles else "written" if questions_from else "file",
+        "index": str(cor.where),
         "context_cut_cells": sum(1 for r in mine if r.get("extra", {}).get("context_cut")),
         "strategy_settings": {
             "profile": accuracies,
@@ -364,6 +489,8 @@ def run_pipeline_sweep(
             "attention_layers": ATTENTION_LAYERS,
         },
     }
+    if written is not None and (Path(out) / WRITTEN_REPORT).exists():
+        extra["written_questions"] = json.loads((Path(out) / WRITTEN_REPORT).read_text())
     scored, counts = summary_counts(mine)
     summary = build_summary(out, scored, {**extra, **counts})
     summary["retrieval_weighted"] = retrieval_weighted(summary, natural)
@@ -372,10 +499,22 @@ def run_pipeline_sweep(
 
 
 def print_pipeline_run(summary: dict, out: Path, console: Console) -> None:
-    """What ``ragfix eval --corpus --questions`` prints for a finished pipeline sweep: the
-    per-rank tables, the flagged cells, the strategies and where the files are."""
+    """What ``ragfix eval --corpus`` prints for a finished pipeline sweep: what the filter of
+    written questions dropped, the per-rank tables, the flagged cells, the strategies and where
+    the files are."""
     c = summary["config"]
+    w = summary.get("written_questions")
+    if w:
+        drops = ", ".join(f"{k} {v}" for k, v in w["dropped"].items())
+        console.print(
+            f"questions written by {w['model']}: {w['kept']} of {w['asked']} kept; dropped: "
+            f"{drops} ({out / WRITTEN_QUESTIONS})",
+            highlight=False,
+            soft_wrap=True,
+        )
     title = f"{c['model']} · {c['backend']} · top-{c['num_docs']} · {c['retriever']} · "
+    if c.get("needles"):
+        title += f"{c['needles']['count']} needles · "
     print_summary(summary, console, title=title + c["framework"])
     print_flags(summary, console)
     print_strategies(summary, console)

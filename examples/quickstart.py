@@ -19,7 +19,7 @@ DOCS = DEMO_CORPUS  # or your folder of .txt / .md / .pdf / .html files
 TOP_K = 10
 
 # 1. Index the documents: chunked (64 embedder tokens, as the sweep below: one index), embedded
-#    by the embedded MiniLM, FAISS, persisted next to them.
+#    by the embedded MiniLM, FAISS, kept in the ragfix cache (never in the folder).
 index = build_corpus(DOCS).index
 
 # 2. Ask with the embedded SmolLM2; RagFixPostprocessor goes last among the postprocessors.

@@ -14,8 +14,11 @@ The LlamaIndex path in four names (``examples/quickstart.py`` runs it end to end
     )
 
 * :func:`build_corpus` (:mod:`ragfix.connectors.corpus`): a folder of ``.txt``/``.md``/``.pdf``/
-  ``.html`` files or a JSONL corpus, chunked, embedded and indexed (persisted; rebuilt only when
-  something changed); ``.index`` is the LlamaIndex ``VectorStoreIndex``, ``.nodes`` its chunks.
+  ``.html`` files or a JSONL corpus, chunked, embedded and indexed (kept in the ragfix cache, keyed
+  by the corpus's content and the settings; the corpus is never written); ``.index`` is the
+  LlamaIndex ``VectorStoreIndex``, ``.nodes`` its chunks; with ``needles=NeedleSettings(count=N)``
+  N facts are planted first and ``.needles`` lists them.
+* :class:`NeedleSettings` (:mod:`ragfix.connectors.synthetic`): how needles are planted.
 * :func:`embedder`: the embedded all-MiniLM-L6-v2 as a LlamaIndex embedding model (for an index
   built your own way: ``VectorStoreIndex.from_documents(docs, embed_model=embedder())``).
 * :class:`RagFixPostprocessor`, :class:`RagFixLLM`, :func:`text_qa_template`: the LlamaIndex
@@ -30,6 +33,7 @@ _LAZY = {
     "RagFixLLM": "ragfix.llm",
     "build_corpus": "ragfix.connectors.corpus",
     "embedder": "ragfix.connectors.corpus",
+    "NeedleSettings": "ragfix.connectors.synthetic",
 }
 __all__ = list(_LAZY)
 

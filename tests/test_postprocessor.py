@@ -153,12 +153,15 @@ def test_query_engine_passes_nodes_in_strategy_order(folder, smol):
     assert bm25[0].node.metadata["doc_id"] == "doc4.html"
 
 
-def test_each_chunking_keeps_its_own_index(folder, tmp_path):
+def test_each_chunking_keeps_its_own_index(folder, tmp_path, monkeypatch):
     # issue 14: build_corpus and the sweep chunk alike by default, and an index built with other
-    # settings is kept beside it instead of being rebuilt each time the settings alternate
+    # settings is kept beside it instead of being rebuilt each time the settings alternate;
+    # issue 33: in the ragfix cache, keyed by content, never in the user's folder
     from ragfix.connectors.corpus import DEFAULT_CHUNK_SIZE
 
-    folder = shutil.copytree(folder, tmp_path / "docs", ignore=shutil.ignore_patterns(".ragfix*"))
+    monkeypatch.setenv("RAGFIX_CACHE", str(tmp_path / "cache"))
+    folder = shutil.copytree(folder, tmp_path / "docs")
+    listing = sorted(folder.rglob("*"))
 
     a = build_corpus(folder, chunk_overlap=0)
     b = build_corpus(folder, chunk_size=16, chunk_overlap=0)
@@ -166,21 +169,30 @@ def test_each_chunking_keeps_its_own_index(folder, tmp_path):
     again = build_corpus(folder, chunk_size=DEFAULT_CHUNK_SIZE, chunk_overlap=0)
     assert not again.rebuilt and [n.node_id for n in again.nodes] == [n.node_id for n in a.nodes]
     assert not build_corpus(folder, chunk_size=16, chunk_overlap=0).rebuilt
-    assert sorted(p.name.split("-")[0] for p in (folder / ".ragfix-index").iterdir()) == [
+    assert sorted(p.name.split("-")[0] for p in a.where.parent.iterdir()) == [
         "chunk16",
         f"chunk{DEFAULT_CHUNK_SIZE}",
     ]
+    assert a.where.parent.parent == tmp_path / "cache" / "indexes"
+    assert sorted(folder.rglob("*")) == listing  # nothing written into the corpus
+    # a copy of the same files shares the index; an edited file gets a new one
+    copy = shutil.copytree(folder, tmp_path / "copy" / "docs")
+    assert not build_corpus(copy, chunk_overlap=0).rebuilt
+    (copy / "doc0.txt").write_text(CITY_TEXTS[0] + " It lies on the Spree.")
+    edited = build_corpus(copy, chunk_overlap=0)
+    assert edited.rebuilt and edited.where.parent != a.where.parent
+    assert "Spree" in edited.nodes[0].get_content()
 
 
-def test_a_bad_question_file_fails_before_the_corpus_is_indexed(folder, tmp_path):
+def test_a_bad_question_file_fails_before_the_corpus_is_indexed(folder, tmp_path, monkeypatch):
     from ragfix.eval.pipeline import run_pipeline_sweep
 
+    monkeypatch.setenv("RAGFIX_CACHE", str(tmp_path / "cache"))
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"question": "capital of Kenya?", "answers": "Nairobi"}) + "\n")
-    folder = shutil.copytree(folder, tmp_path / "docs", ignore=shutil.ignore_patterns(".ragfix*"))
     with pytest.raises(DataError, match=r"q.jsonl:1: answers: expected list"):
         run_pipeline_sweep(folder, q, tmp_path / "run", ["none"], top_k=2)
-    assert not (folder / ".ragfix-index").exists()
+    assert not (tmp_path / "cache" / "indexes").exists()
 
 
 def test_questions_with_missing_gold_are_clear_errors(folder, tmp_path):
