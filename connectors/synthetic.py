@@ -9,8 +9,9 @@
   chunk's far end from the needle are dropped until it has no more embedder tokens than the
   corpus's largest chunk, so the needle does not dominate its embedding. Each needle is asked as
   ``What is the secret code of the <key>?``, answer the value, gold chunk known by construction.
-  The other needles stay in the index (distractors of the same form, as RULER's multi-key
-  needles).
+  The pipeline sweep leaves the other needles' chunks out of each needle question's retrieval
+  (:func:`ragfix.eval.pipeline.run_pipeline_sweep`): every question is answered among the
+  corpus's own chunks, as if its needle were the only one planted.
 * Written questions: the model reads each of ``chunks`` seeded sampled chunks and writes a
   question and a short answer (:data:`WRITE_PROMPT`). A pair is kept when it parses, its answer
   (normalised, :func:`~ragfix.metrics.normalize_answer`, whole words) occurs in its chunk and in

@@ -389,7 +389,8 @@ def run_pipeline_sweep(
         cor = build_corpus(
             corpus, embedder, chunk_size=chunk_size, skipped=skipped, needles=needles
         )
-    base = cor.retriever(retriever, top_k)
+    needle_ids = frozenset(n.node_id for n in cor.needles)
+    base = cor.retriever(retriever, top_k + max(len(needle_ids) - 1, 0))
     if write_now:
         writer = load_backend(
             "vanilla",
@@ -439,7 +440,7 @@ def run_pipeline_sweep(
     todo = [c for c in cells if c[3] not in done]
     if len(todo) < len(cells) and console is not None:
         console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
-    retrieved = {q.id: _retrieve(base, q) for q in qs}
+    retrieved = {q.id: _retrieve(base, q, top_k, needle_ids) for q in qs}
     if todo:
         engines = ENGINES[framework](b, strategies, accuracies, top_k, attention_rounds)
         planned = engines.plan(todo, retrieved, {n.node_id: n for n in cor.nodes})
@@ -521,10 +522,16 @@ def print_pipeline_run(summary: dict, out: Path, console: Console) -> None:
     print_run_files(out, console)
 
 
-def _retrieve(retriever, q) -> tuple[list, int | None]:
-    """The retriever's top-k for question ``q`` and the gold chunk's rank among them (None when
-    it was not retrieved)."""
-    res = retriever.retrieve(q.question)
+def _retrieve(retriever, q, top_k: int, needles: frozenset[str] = frozenset()) -> tuple:
+    """The retriever's top-``top_k`` for question ``q`` and the gold chunk's rank among them
+    (None when it was not retrieved). The chunks of ``needles`` other than ``q``'s own gold are
+    left out (the retriever returns ``top_k + len(needles) - 1``), so a needle question is
+    answered among the corpus's own chunks, as if its needle were the only one planted."""
+    res = [
+        n
+        for n in retriever.retrieve(q.question)
+        if n.node.node_id == q.gold_node_id or n.node.node_id not in needles
+    ][:top_k]
     ids = [n.node.node_id for n in res]
     return res, ids.index(q.gold_node_id) if q.gold_node_id in ids else None
 

@@ -162,7 +162,8 @@ def test_needle_sweep_records_natural_rank_and_refuses_other_needles(folder, tmp
     cor = build_corpus(folder, needles=NeedleSettings(count=2))
     assert not cor.rebuilt and str(cor.where) == summary["index"]
     # the natural rank, computed here from the embeddings alone (cosine, as FAISS inner product
-    # over normalised vectors)
+    # over normalised vectors), among the corpus's chunks and the question's own needle: the
+    # other needle's chunk is never retrieved with it, nor in the prompt
     from llama_index.core.schema import MetadataMode
 
     emb = embedder()
@@ -172,9 +173,12 @@ def test_needle_sweep_records_natural_rank_and_refuses_other_needles(folder, tmp
     ids = [n.node_id for n in cor.nodes]
     for needle in cor.needles:
         q = np.array(emb.get_query_embedding(needle.question))
-        order = [ids[i] for i in np.argsort(-(chunks @ q))]
+        others = {n.node_id for n in cor.needles} - {needle.node_id}
+        order = [ids[i] for i in np.argsort(-(chunks @ q)) if ids[i] not in others]
         rank = order.index(needle.node_id)
         mine = [r for r in recs if r["question"] == needle.question]
+        other_sentences = [n.sentence for n in cor.needles if n is not needle]
+        assert not any(t in json.dumps(r["prompt"]) for r in mine for t in other_sentences)
         assert len(mine) == 2 and {r["gold_answers"][0] for r in mine} == {needle.value}
         expected = rank if rank < 3 else None
         assert {r["extra"]["natural_rank"] for r in mine} == {expected}
