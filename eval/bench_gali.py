@@ -79,31 +79,25 @@ def bench_gali(
     Returns:
         ``(tables, details)``: the prefill table (the one a result file keeps) and the attention
         table; ``details`` = ``{"measurements": rows (kind ``prefill`` or ``attention``),
-        "options": GALI's resolved options}``.
+        "options": GALI's resolved options, "paper_options": the paper's setting's}``.
     """
     ratios = [float(r) for r in (ratios or (1, 2, 4))]
     vanilla = load_backend("vanilla", model=model, device=device)
     big_l = train_window
-    gali = GaliBackend(
-        vanilla.model,
-        vanilla.tokenizer,
-        train_window=big_l,
-        target_window=int(max(ratios) * big_l),
-        query_block=query_block,
-        **{
-            k: v
-            for k, v in (("chunk_size", chunk_size), ("local_window", local_window))
-            if v is not None
-        },
-    )
-    paper = GaliBackend(
-        vanilla.model,
-        vanilla.tokenizer,
-        train_window=big_l,
-        target_window=int(max(ratios) * big_l),
-        query_block=query_block,
-        **paper_setting(big_l),
-    )
+
+    def gali_with(**opts) -> GaliBackend:
+        return GaliBackend(
+            vanilla.model,
+            vanilla.tokenizer,
+            train_window=big_l,
+            target_window=int(max(ratios) * big_l),
+            query_block=query_block,
+            **opts,
+        )
+
+    chosen = {"chunk_size": chunk_size, "local_window": local_window}
+    gali = gali_with(**{k: v for k, v in chosen.items() if v is not None})
+    paper = gali_with(**paper_setting(big_l))
     dev = vanilla.device
     text = read_texts(data)[: int(max(ratios) * big_l) * 12]
     tokens = vanilla.tokenize(text)
