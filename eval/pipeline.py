@@ -391,14 +391,21 @@ def run_pipeline_sweep(
         )
     needle_ids = frozenset(n.node_id for n in cor.needles)
     base = cor.retriever(retriever, top_k + max(len(needle_ids) - 1, 0))
+    b = load_backend(
+        backend, model=model, device=device, dtype=dtype, adapter=adapter, validated=validated
+    )
     if write_now:
-        writer = load_backend(
-            "vanilla",
-            model=questions_from.model,
-            device=device,
-            dtype=dtype,
-            **(writer_options or {}),
-        )
+        # the answering model writes the questions too when it is the same plain model
+        same = (questions_from.model, backend, adapter) == (model, "vanilla", None)
+        writer = b
+        if not (same and not writer_options):
+            writer = load_backend(
+                "vanilla",
+                model=questions_from.model,
+                device=device,
+                dtype=dtype,
+                **(writer_options or {}),
+            )
         with busy(f"{questions_from.model} writes questions"):
             batch = writer.preferred_batch_size or 8
             made = write_questions(writer, cor.nodes, questions_from, batch)
@@ -424,9 +431,6 @@ def run_pipeline_sweep(
             f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
             highlight=False,
         )
-    b = load_backend(
-        backend, model=model, device=device, dtype=dtype, adapter=adapter, validated=validated
-    )
     folder.bind(b.identity(), restart=restart)
     done = folder.done()
 
