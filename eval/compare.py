@@ -28,6 +28,7 @@ from ragfix.eval.merit import (
     Cells,
     curve_merit,
     paired_merit,
+    retrieval_weighted_merit,
     significance,
 )
 from ragfix.eval.plot import plot_curves
@@ -38,6 +39,7 @@ from ragfix.eval.sweep_summary import (
     cells_by_curve,
     curve_label,
     curve_table,
+    natural_ranks,
     read_summary,
     unscored_lines,
 )
@@ -390,6 +392,7 @@ def compare_loaded(
                     for c, cells in r.curves.items()
                 },
                 "continued": r.continued,
+                **_retrieval_weighted(r, resamples, seed),
             }
             for r in runs
         ],
@@ -397,6 +400,20 @@ def compare_loaded(
         "paired": paired,
         "notes": notes,
     }
+
+
+def _retrieval_weighted(run: Run, resamples: int, seed: int) -> dict:
+    """``{"retrieval_weighted": {curve: RetrievalWeighted}}`` of a pipeline sweep's run (its
+    records carry the gold chunk's natural rank), ``{}`` of any other run."""
+    ranks = natural_ranks(run.records)
+    if ranks is None:
+        return {}
+    out = {}
+    for c, cells in run.curves.items():
+        m = retrieval_weighted_merit(cells, ranks, resamples=resamples, seed=seed)
+        if m is not None:
+            out[c] = m.model_dump()
+    return {"retrieval_weighted": out}
 
 
 def _differences(a: Run, b: Run) -> list[str]:
@@ -440,6 +457,8 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
                 )
     if kind in ("merit", "comparison"):
         tables.append(_merit_table(comparison))
+        if any(run.get("retrieval_weighted") for run in comparison["runs"]):
+            tables.append(_retrieval_table(comparison))
     if kind in ("paired", "comparison"):
         tables += [_paired_table(p, comparison) for p in comparison["paired"]]
         if comparison["notes"]:
@@ -495,6 +514,22 @@ def _merit_table(comparison: dict) -> TableSpec:
             f"(`Document [...`): {'; '.join(counts)}."
         )
     return TableSpec("figures of merit", headers, rows, lines)
+
+
+def _retrieval_table(comparison: dict) -> TableSpec:
+    rows = []
+    for run in comparison["runs"]:
+        for c, m in run.get("retrieval_weighted", {}).items():
+            ci = fmt_ci(m["ci"]) if m["ci"] else "-"
+            rows.append([f"{run['name']}:{c}", f"{m['retrieved']} of {m['questions']}"])
+            rows[-1] += [fmt_num(m["accuracy"]), ci]
+    line = (
+        "Each rank's accuracy weighted by how often the retriever itself ranked the gold chunk "
+        "there (questions whose gold chunk it missed left out): what a user of this retriever "
+        "sees on average. 95% interval: percentile bootstrap over questions."
+    )
+    headers = ["curve", "gold retrieved", "retrieval-weighted", "95% CI"]
+    return TableSpec("retrieval-weighted accuracy", headers, rows, [line])
 
 
 def _paired_table(pair: dict, comparison: dict) -> TableSpec:

@@ -259,3 +259,73 @@ def paired_merit(
         significant=overall.p_value < ALPHA,
         bootstrap=boot,
     )
+
+
+class RetrievalWeighted(BaseModel):
+    """A rank curve weighted by where the real retriever put the gold chunk (pipeline sweeps).
+
+    ``accuracy`` = sum over ranks r of ``n_r * acc(r)`` / sum of ``n_r``, where ``n_r`` is the
+    number of questions whose gold chunk the retriever ranked r (0-based) and ``acc(r)`` the
+    curve's accuracy at swept rank r: what a user of this retriever sees on average, among the
+    ``retrieved`` of ``questions`` questions whose gold chunk it returned (the others are left
+    out). ``ci``: percentile bootstrap over questions, each resample recomputing both the rank
+    counts and the curve (``None`` with fewer than two questions).
+    """
+
+    accuracy: float
+    ci: Interval | None
+    retrieved: int
+    questions: int
+    bootstrap: Bootstrap
+
+
+def retrieval_weighted_merit(
+    cells: Cells,
+    natural_rank: dict[str, int | None],
+    *,
+    resamples: int = N_RESAMPLES,
+    seed: int = SEED,
+) -> RetrievalWeighted | None:
+    """The retrieval-weighted accuracy of one rank curve, with its interval.
+
+    Args:
+        cells: ``{(sample_id, swept rank): correct}``.
+        natural_rank: ``{sample_id: the gold chunk's rank in the retriever's own order}``,
+            ``None`` for a question whose gold chunk the retriever missed.
+        resamples, seed: the bootstrap's draws (0: no interval) and seed.
+
+    Returns:
+        ``None`` when no question of ``cells`` has its natural rank among the swept ranks.
+    """
+    boot = Bootstrap(resamples=resamples, seed=seed)
+    samples = sorted({sid for sid, _ in cells})
+    positions = sorted({pos for _, pos in cells})
+    p_index = {p: j for j, p in enumerate(positions)}
+    at = np.zeros((len(samples), len(positions)))
+    for i, sid in enumerate(samples):
+        rank = natural_rank.get(sid)
+        if rank in p_index:
+            at[i, p_index[rank]] = 1.0
+    if not at.any():
+        return None
+    correct, present = _matrix(cells, samples, positions)
+
+    def weighted(weights: np.ndarray) -> np.ndarray:
+        acc = _accuracy(weights, correct, present)
+        counts = weights @ at
+        counts = np.where(np.isnan(acc), 0.0, counts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.nansum(counts * acc, axis=-1) / counts.sum(axis=-1)
+
+    value = float(weighted(np.ones((1, len(samples))))[0])
+    ci = None
+    if len(samples) > 1 and resamples > 0:
+        values = weighted(_resample(len(samples), boot))
+        ci = _interval(values[~np.isnan(values)], boot)
+    return RetrievalWeighted(
+        accuracy=value,
+        ci=ci,
+        retrieved=int(at.sum()),
+        questions=len(samples),
+        bootstrap=boot,
+    )

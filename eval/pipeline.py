@@ -67,6 +67,7 @@ from ragfix.connectors.jsonl import SkipCounter
 from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom, write_questions
 from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
+from ragfix.eval.merit import retrieval_weighted_merit
 from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.run import RunConfig, input_fingerprints, interrupted
 from ragfix.eval.sweep import (
@@ -79,6 +80,8 @@ from ragfix.eval.sweep import (
 )
 from ragfix.eval.sweep_summary import (
     build_summary,
+    cells_by_curve,
+    natural_ranks,
     print_flags,
     print_run_files,
     print_summary,
@@ -208,19 +211,6 @@ def candidates_with_gold_at(retrieved: list, gold, rank: int) -> list:
     if all(s is not None for s in scores):
         scores = sorted(scores, reverse=True)
     return [NodeWithScore(node=n.node, score=s) for n, s in zip(order, scores, strict=True)]
-
-
-def retrieval_weighted(summary: dict, natural: Counter) -> dict[str, float]:
-    """Per curve, accuracy averaged over ranks weighted by how often the real retriever put the
-    gold chunk at each rank (questions whose gold was not retrieved are left out)."""
-    total = sum(v for k, v in natural.items() if k is not None)
-    out = {}
-    for label, c in summary["curves"].items():
-        acc = {p["position"]: p["accuracy"] for p in c["positions"]}
-        w = sum(natural[r] for r in acc if r in natural)
-        if total and w:
-            out[label] = sum(natural[r] * acc[r] for r in acc if r in natural) / w
-    return out
 
 
 def run_pipeline_sweep(
@@ -498,7 +488,12 @@ def run_pipeline_sweep(
         extra["written_questions"] = json.loads((Path(out) / WRITTEN_REPORT).read_text())
     scored, counts = summary_counts(mine)
     summary = build_summary(out, scored, {**extra, **counts})
-    summary["retrieval_weighted"] = retrieval_weighted(summary, natural)
+    ranks = natural_ranks(scored) or {}
+    summary["retrieval_weighted"] = {
+        label: m.accuracy
+        for label, cells in cells_by_curve(scored).items()
+        if (m := retrieval_weighted_merit(cells, ranks, resamples=0)) is not None
+    }
     write_summary(out, summary)
     return summary
 

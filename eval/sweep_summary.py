@@ -64,6 +64,18 @@ def cells_by_curve(records: list[dict]) -> dict[str, dict[tuple[str, int], bool]
     return dict(sorted(out.items()))
 
 
+def natural_ranks(records: list[dict]) -> dict[str, int | None] | None:
+    """``{sample_id: the gold chunk's rank in the retriever's own order}`` of a pipeline sweep's
+    records (``extra.natural_rank``; ``None`` where the retriever missed it), or ``None`` when
+    no record carries one (a sweep over fixed passages)."""
+    ranks = {
+        r["sample_id"]: r["extra"]["natural_rank"]
+        for r in records
+        if "natural_rank" in r.get("extra", {})
+    }
+    return ranks or None
+
+
 def build_summary(out: Path, records: list[dict], extra: dict | None = None) -> dict:
     """The ``summary.json`` content: the run's config, cell counts, curves and the ids of the
     cells it reports (``cell_ids``: those of ``records`` unless ``extra`` gives them, e.g. with

@@ -68,6 +68,14 @@ def test_sweep_through_the_pipeline(small_corpus, tmp_path, smol):
     assert added == {"nq-0200": False, "nq-0201": True}
     assert set(summary["curves"]) == {"vanilla/none", "vanilla/reverse"}
     assert summary["x_axis"] == "retrieval rank" and summary["gold_added"] == 1
+    # retrieval-weighted: each question whose gold chunk the retriever ranked r (a swept rank)
+    # contributes the curve's accuracy at r, computed here from the records
+    ranks = {r["sample_id"]: r["extra"]["natural_rank"] for r in recs}
+    for s in ("none", "reverse"):
+        ok = {(r["sample_id"], r["position"]): r["correct"] for r in recs if r["strategy"] == s}
+        hits = [sum(ok[q, k] for q in ranks) / 2 for k in ranks.values() if k in (0, 2)]
+        got = summary["retrieval_weighted"].get(f"vanilla/{s}")
+        assert got == (pytest.approx(sum(hits) / len(hits)) if hits else None)
     assert (out / "curve.png").stat().st_size > 0
     config = json.loads((out / "config.json").read_text())
     assert (config["retriever"], config["chunk_size"], config["framework"]) == (

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from ragfix.cli.app import app
 from ragfix.errors import DataError, RagfixError
 from ragfix.eval.compare import compare_runs, comparison_tables, record_range
-from ragfix.eval.merit import curve_merit, paired_merit
+from ragfix.eval.merit import curve_merit, paired_merit, retrieval_weighted_merit
 from ragfix.eval.render import render_files
 from ragfix.eval.sweep_summary import write_report
 from ragfix.metrics import wilson_interval
@@ -133,6 +133,32 @@ def test_report_prints_merit_and_paired_tables_and_writes_json(tmp_path):
     assert md.exit_code == 0, md.output
     assert "**figures of merit**" in md.output and "|---|---:|" in md.output
     assert "| 1 | 10 | 0.200 | 0.900 | +0.700 | 7 | 0 | 0.0156 | significant |" in md.output
+
+
+def test_retrieval_weighted_accuracy_and_its_table(tmp_path):
+    # BASE_COUNTS per swept rank: acc(0) = .8, acc(1) = .2, acc(2) = .5. The retriever itself
+    # ranked the gold chunk of s0-s5 at 0, of s6-s7 at 2, missed it for s8-s9:
+    #   (6 * .8 + 2 * .5) / 8 = .725 over 8 of 10 questions
+    cells = _cells(BASE_COUNTS)
+    natural = {f"s{i}": 0 if i < 6 else 2 if i < 8 else None for i in range(10)}
+    m = retrieval_weighted_merit(cells, natural)
+    assert m.accuracy == pytest.approx(0.725) and (m.retrieved, m.questions) == (8, 10)
+    assert m.ci.low <= m.accuracy <= m.ci.high
+    assert retrieval_weighted_merit(cells, natural) == m  # seeded
+    # natural ranks outside the swept ranks weigh nothing; none inside: no value at all
+    assert retrieval_weighted_merit(cells, {"s0": 7}) is None
+    assert retrieval_weighted_merit(cells, natural, resamples=0).ci is None
+    # a pipeline run's records carry the natural rank: the comparison and its merit table have it
+    folder = _run(tmp_path / "pipe", BASE_COUNTS)
+    recs = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["extra"] = {"natural_rank": natural[r["sample_id"]]}
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cmp = compare_runs([folder, _run(tmp_path / "plain", BASE_COUNTS)])
+    rw = cmp["runs"][0]["retrieval_weighted"]["vanilla"]
+    assert rw["accuracy"] == pytest.approx(0.725) and "retrieval_weighted" not in cmp["runs"][1]
+    table = next(t for t in comparison_tables(cmp, "merit") if t.title.startswith("retrieval"))
+    assert table.rows == [["pipe:vanilla", "8 of 10", "0.725", table.rows[0][3]]]
 
 
 def test_answers_that_continue_the_document_list_are_counted(tmp_path):
