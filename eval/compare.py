@@ -315,12 +315,14 @@ def compare_loaded(
     are the same.
 
     Runs are grouped by :func:`config_differences` (a run joins the first group whose first run
-    has the same cells); in each group every curve is paired with the group's first curve, unless
-    one of the two runs tuned on the compared records (:func:`tuned_conflict`) or they share no
+    has the same cells); in each group every curve is paired with the baseline curve of the
+    group's first run (its first curve; a reorder run's ``/none`` curve), unless one of the two
+    runs tuned on the compared records (:func:`tuned_conflict`) or they share no
     cell. Every curve not paired gets a one-line note saying why.
 
     Args:
-        runs: the runs (:func:`load_runs`); the first one's first curve is the baseline.
+        runs: the runs (:func:`load_runs`); the first one's first curve is the baseline (its
+            ``/none`` curve when it compares reorder strategies).
         plot: draw every curve into this PNG, one panel per group of runs with the same cells.
         title: the plot's title.
         resamples, seed: bootstrap settings (:mod:`ragfix.eval.merit`).
@@ -353,7 +355,8 @@ def compare_loaded(
     paired = []
     for group in groups:
         base_run = group[0]
-        base_curve, base_cells = next(iter(base_run.curves.items()))
+        base_curve = _baseline_curve(base_run)
+        base_cells = base_run.curves[base_curve]
         base = _label(base_run, base_curve)
         for run in group:
             for curve, cells in run.curves.items():
@@ -400,6 +403,12 @@ def compare_loaded(
         "paired": paired,
         "notes": notes,
     }
+
+
+def _baseline_curve(run: Run) -> str:
+    """The curve the others are paired with: a reorder run's no-reordering curve
+    (``<backend>/none``), else the run's first curve."""
+    return next((c for c in run.curves if c.endswith("/none")), next(iter(run.curves)))
 
 
 def _retrieval_weighted(run: Run, resamples: int, seed: int) -> dict:

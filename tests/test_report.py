@@ -161,6 +161,28 @@ def test_retrieval_weighted_accuracy_and_its_table(tmp_path):
     assert table.rows == [["pipe:vanilla", "8 of 10", "0.725", table.rows[0][3]]]
 
 
+def test_a_reorder_run_is_paired_against_its_no_reordering_curve(tmp_path):
+    folder = _run(tmp_path / "pipe", BASE_COUNTS)
+    recs = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines()]
+    other = {(sid, pos): ok for (sid, pos), ok in _cells(OTHER_COUNTS).items()}
+    for r in recs:
+        r["extra"] = {"gold_added": False}
+    recs += [
+        {**r, "cell_id": r["cell_id"] + "-litm", "strategy": "lost-in-the-middle",
+         "correct": other[r["sample_id"], r["position"]]}
+        for r in recs
+    ]  # fmt: skip
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    write_report(folder, recs)
+    (pair,) = compare_runs([folder])["paired"]
+    # "lost-in-the-middle" sorts first, but the baseline is the run without reordering
+    assert (pair["baseline"], pair["other"]) == (
+        "pipe:vanilla/none",
+        "pipe:vanilla/lost-in-the-middle",
+    )
+    assert pair["mean_diff"] == pytest.approx(0.8 / 3)
+
+
 def test_answers_that_continue_the_document_list_are_counted(tmp_path):
     def copies_at_middle(sid, pos):  # 10 answers at position 1 copy the context, in two styles
         return "  Document [4](Title: X) ..." if pos == 1 else "Paris"
