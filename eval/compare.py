@@ -530,14 +530,15 @@ def _retrieval_table(comparison: dict) -> TableSpec:
     for run in comparison["runs"]:
         for c, m in run.get("retrieval_weighted", {}).items():
             ci = fmt_ci(m["ci"]) if m["ci"] else "-"
-            rows.append([f"{run['name']}:{c}", f"{m['retrieved']} of {m['questions']}"])
+            ranks = ", ".join(f"{r}: {n}" for r, n in m["ranks"].items())
+            rows.append([f"{run['name']}:{c}", f"{m['retrieved']} of {m['questions']}", ranks])
             rows[-1] += [fmt_num(m["accuracy"]), ci]
     line = (
         "Each rank's accuracy weighted by how often the retriever itself ranked the gold chunk "
         "there (questions whose gold chunk it missed left out): what a user of this retriever "
         "sees on average. 95% interval: percentile bootstrap over questions."
     )
-    headers = ["curve", "gold retrieved", "retrieval-weighted", "95% CI"]
+    headers = ["curve", "gold retrieved", "at rank: questions", "retrieval-weighted", "95% CI"]
     return TableSpec("retrieval-weighted accuracy", headers, rows, [line])
 
 

@@ -268,14 +268,16 @@ class RetrievalWeighted(BaseModel):
     number of questions whose gold chunk the retriever ranked r (0-based) and ``acc(r)`` the
     curve's accuracy at swept rank r: what a user of this retriever sees on average, among the
     ``retrieved`` of ``questions`` questions whose gold chunk it returned (the others are left
-    out). ``ci``: percentile bootstrap over questions, each resample recomputing both the rank
-    counts and the curve (``None`` with fewer than two questions).
+    out); ``ranks`` = ``{r: n_r}`` over the swept ranks. ``ci``: percentile bootstrap over
+    questions, each resample recomputing both the rank counts and the curve (``None`` with
+    fewer than two questions).
     """
 
     accuracy: float
     ci: Interval | None
     retrieved: int
     questions: int
+    ranks: dict[int, int]
     bootstrap: Bootstrap
 
 
@@ -327,5 +329,6 @@ def retrieval_weighted_merit(
         ci=ci,
         retrieved=int(at.sum()),
         questions=len(samples),
+        ranks={p: int(n) for p, n in zip(positions, at.sum(axis=0), strict=True) if n},
         bootstrap=boot,
     )

@@ -143,6 +143,7 @@ def test_retrieval_weighted_accuracy_and_its_table(tmp_path):
     natural = {f"s{i}": 0 if i < 6 else 2 if i < 8 else None for i in range(10)}
     m = retrieval_weighted_merit(cells, natural)
     assert m.accuracy == pytest.approx(0.725) and (m.retrieved, m.questions) == (8, 10)
+    assert m.ranks == {0: 6, 2: 2}
     assert m.ci.low <= m.accuracy <= m.ci.high
     assert retrieval_weighted_merit(cells, natural) == m  # seeded
     # natural ranks outside the swept ranks weigh nothing; none inside: no value at all
@@ -158,7 +159,7 @@ def test_retrieval_weighted_accuracy_and_its_table(tmp_path):
     rw = cmp["runs"][0]["retrieval_weighted"]["vanilla"]
     assert rw["accuracy"] == pytest.approx(0.725) and "retrieval_weighted" not in cmp["runs"][1]
     table = next(t for t in comparison_tables(cmp, "merit") if t.title.startswith("retrieval"))
-    assert table.rows == [["pipe:vanilla", "8 of 10", "0.725", table.rows[0][3]]]
+    assert table.rows == [["pipe:vanilla", "8 of 10", "0: 6, 2: 2", "0.725", table.rows[0][4]]]
 
 
 def test_a_reorder_run_is_paired_against_its_no_reordering_curve(tmp_path):
