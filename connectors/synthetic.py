@@ -14,11 +14,12 @@
   corpus's own chunks, as if its needle were the only one planted.
 * Written questions: the model reads each of ``chunks`` seeded sampled chunks and writes a
   question and a short answer (:data:`WRITE_PROMPT`). A pair is kept when it parses, its answer
-  (normalised, :func:`~ragfix.metrics.normalize_answer`, whole words) occurs in its chunk and in
-  no other chunk, its question shares no 8-word shingle with the chunk (it does not quote it) and
-  no kept question is the same after normalisation; every drop is counted by reason
-  (:data:`DROP_REASONS`). The kept pairs are question-file records (``question``, ``answers``,
-  ``gold_text``: what :func:`~ragfix.connectors.corpus.read_questions` reads).
+  (normalised, :func:`~ragfix.metrics.normalize_answer`, whole words) occurs in its chunk, in
+  no other chunk and not in its question (which would give it away), its question shares no
+  8-word shingle with the chunk (it does not quote it) and no kept question is the same after
+  normalisation; every drop is counted by reason (:data:`DROP_REASONS`). The kept pairs are
+  question-file records (``question``, ``answers``, ``gold_text``: what
+  :func:`~ragfix.connectors.corpus.read_questions` reads).
 """
 
 from __future__ import annotations
@@ -267,6 +268,7 @@ DROP_REASONS = (
     "unparsed",
     "answer_not_in_chunk",
     "answer_in_other_chunk",
+    "answer_in_question",
     "quotes_chunk",
     "duplicate",
 )
@@ -368,6 +370,8 @@ def write_questions(
                 reason = "answer_not_in_chunk"
             elif any(occurs(a, p) for j, p in enumerate(padded) if j != i):
                 reason = "answer_in_other_chunk"
+            elif occurs(a, _padded(q)):
+                reason = "answer_in_question"
             elif shingles(q, QUOTE_WORDS) & shingles(texts[i], QUOTE_WORDS):
                 reason = "quotes_chunk"
             elif normalize_answer(q) in seen:

@@ -249,8 +249,17 @@ def test_written_questions_are_filtered_and_every_drop_counted(folder, tmp_path,
     ]
     by_q = {r["question"]: r["answers"] for r in made.records}
     assert by_q["How many countries does the Danube cross?"] == ["ten countries"]
-    assert made.asked == 7 and made.dropped == {reason: 1 for reason in DROP_REASONS}
+    assert made.asked == 7 and made.dropped == {
+        **dict.fromkeys(DROP_REASONS, 1),
+        "answer_in_question": 0,
+    }
     assert made.report() == {"asked": 7, "kept": 2, "dropped": made.dropped}
+    # a question that holds its own answer gives it away: dropped
+    replies = {d: r for d, (r, _) in WRITTEN.items()}
+    replies["rivers.md"] = " Which river crosses ten countries?\nAnswer: ten countries"
+    made = write_questions(_Scripted([replies[d] for d in asked]), cor.nodes, settings)
+    assert made.dropped["answer_in_question"] == 1
+    assert [r["question"] for r in made.records] == ["What leavens sourdough?"]
     assert parse_written(" What?\nAnswer: yes") == ("What?", "yes")
     assert parse_written('Question: What?  Answer: "yes"\nmore') == ("What?", "yes")
     assert parse_written("no answer here") is None
