@@ -396,6 +396,7 @@ def compare_loaded(
                 },
                 "continued": r.continued,
                 **_retrieval_weighted(r, resamples, seed),
+                **{k: r.summary[k] for k in ("written_questions",) if k in r.summary},
             }
             for r in runs
         ],
@@ -522,6 +523,14 @@ def _merit_table(comparison: dict) -> TableSpec:
             "Answers that continue the document list instead of answering "
             f"(`Document [...`): {'; '.join(counts)}."
         )
+    for run in comparison["runs"]:
+        w = run.get("written_questions")
+        if w:
+            drops = ", ".join(f"{k} {v}" for k, v in w["dropped"].items())
+            lines.append(
+                f"{run['name']}: questions written by {w['model']}, {w['kept']} of "
+                f"{w['asked']} kept; dropped: {drops}."
+            )
     return TableSpec("figures of merit", headers, rows, lines)
 
 

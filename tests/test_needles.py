@@ -22,6 +22,7 @@ from ragfix.connectors.synthetic import (
     write_questions,
 )
 from ragfix.errors import ConfigError, ConfigMismatchError
+from ragfix.eval.compare import compare_runs, comparison_tables
 from ragfix.eval.pipeline import WRITTEN_QUESTIONS, WRITTEN_REPORT, run_pipeline_sweep
 from ragfix.types import Generation
 
@@ -318,6 +319,10 @@ def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path
     config = json.loads((out / "config.json").read_text())
     assert config["questions_from"] == {"model": "openai:fake", "chunks": 20, "seed": 0}
     assert config["chunk_size"] == 256 and "questions" in config["inputs"]
+    (merit,) = [t for t in comparison_tables(compare_runs([out]), "merit") if "merit" in t.title]
+    assert "written: questions written by openai:fake, 1 of 7 kept; dropped: unparsed 0, " in (
+        " ".join(merit.lines)
+    )
     assert {r["extra"]["natural_rank"] for r in _records(out)} <= {0, 1, 2, None}
     assert _listing(folder) == before
 
