@@ -396,7 +396,7 @@ def compare_loaded(
                 },
                 "continued": r.continued,
                 **_retrieval_weighted(r, resamples, seed),
-                **{k: r.summary[k] for k in ("written_questions",) if k in r.summary},
+                **({"written_questions": w} if (w := r.summary.get("written_questions")) else {}),
             }
             for r in runs
         ],

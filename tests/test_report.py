@@ -59,6 +59,14 @@ def _run(folder: Path, counts, backend="vanilla", answer=lambda sid, pos: "", **
     return folder
 
 
+def _edit_records(folder: Path, edit) -> list[dict]:
+    """Rewrite a run folder's results.jsonl as ``edit(records)`` returns them."""
+    path = folder / "results.jsonl"
+    records = edit([json.loads(x) for x in path.read_text().splitlines()])
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
 def test_figures_of_merit_of_one_curve():
     m = curve_merit(_cells(BASE_COUNTS))
     assert (m.samples, m.cells) == (10, 30)
@@ -151,10 +159,10 @@ def test_retrieval_weighted_accuracy_and_its_table(tmp_path):
     assert retrieval_weighted_merit(cells, natural, resamples=0).ci is None
     # a pipeline run's records carry the natural rank: the comparison and its merit table have it
     folder = _run(tmp_path / "pipe", BASE_COUNTS)
-    recs = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines()]
-    for r in recs:
-        r["extra"] = {"natural_rank": natural[r["sample_id"]]}
-    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _edit_records(
+        folder,
+        lambda recs: [{**r, "extra": {"natural_rank": natural[r["sample_id"]]}} for r in recs],
+    )
     cmp = compare_runs([folder, _run(tmp_path / "plain", BASE_COUNTS)])
     rw = cmp["runs"][0]["retrieval_weighted"]["vanilla"]
     assert rw["accuracy"] == pytest.approx(0.725) and "retrieval_weighted" not in cmp["runs"][1]
@@ -164,17 +172,17 @@ def test_retrieval_weighted_accuracy_and_its_table(tmp_path):
 
 def test_a_reorder_run_is_paired_against_its_no_reordering_curve(tmp_path):
     folder = _run(tmp_path / "pipe", BASE_COUNTS)
-    recs = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines()]
-    other = {(sid, pos): ok for (sid, pos), ok in _cells(OTHER_COUNTS).items()}
-    for r in recs:
-        r["extra"] = {"gold_added": False}
-    recs += [
-        {**r, "cell_id": r["cell_id"] + "-litm", "strategy": "lost-in-the-middle",
-         "correct": other[r["sample_id"], r["position"]]}
-        for r in recs
-    ]  # fmt: skip
-    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    write_report(folder, recs)
+    other = _cells(OTHER_COUNTS)
+
+    def with_litm(recs):
+        recs = [{**r, "extra": {"gold_added": False}} for r in recs]
+        return recs + [
+            {**r, "cell_id": r["cell_id"] + "-litm", "strategy": "lost-in-the-middle",
+             "correct": other[r["sample_id"], r["position"]]}
+            for r in recs
+        ]  # fmt: skip
+
+    write_report(folder, _edit_records(folder, with_litm))
     (pair,) = compare_runs([folder])["paired"]
     # "lost-in-the-middle" sorts first, but the baseline is the run without reordering
     assert (pair["baseline"], pair["other"]) == (
