@@ -580,8 +580,10 @@ def test_clients_answered_together_come_back_into_one_batch(smol):
 
         with cf.ThreadPoolExecutor(4) as pool:
             first = pool.submit(client, rounds[0])
-            while not server.lock.locked():
-                time.sleep(0.001)  # the first client's request is running alone
+            # the first client's request is running alone once its batch is counted (the lock
+            # alone may still be the last answer's above, held a moment after it was sent)
+            while not server.worker.batch_sizes:
+                time.sleep(0.001)
             rest = [pool.submit(client, r) for r in rounds[1:]]
             for f in [first, *rest]:
                 f.result()
