@@ -36,6 +36,28 @@ def sweep_cmd(
     show_tables(table, details, json_out)
 
 
+@bench.command("families")
+def families_cmd(
+    families: Annotated[
+        str, typer.Option(help="model families, comma separated (default: all six)")
+    ] = "",
+    json_out: JsonOpt = None,
+) -> None:
+    """Which backend runs on which model family: every backend on a tiny random-config model
+    of each family, fp32 and bf16, sdpa and eager, through every generation and scoring path."""
+    from ragfix.eval.families import FAMILIES, bench_families
+
+    with user_errors(), console.status("benchmark") as status:
+        chosen = [f.strip() for f in families.split(",") if f.strip()] or list(FAMILIES)
+        unknown = sorted(set(chosen) - set(FAMILIES))
+        if unknown:
+            from ragfix.errors import ConfigError
+
+            raise ConfigError(f"unknown families {unknown}; choose from: {', '.join(FAMILIES)}")
+        table, details = bench_families(chosen, status.update)
+    show_tables(table, details, json_out)
+
+
 @bench.command("threads")
 def threads_cmd(
     threads: Annotated[str, typer.Option(help="torch thread counts, comma separated")] = "1,2",

@@ -270,13 +270,45 @@ def register(app: typer.Typer) -> None:
             )
             print_run(summary, out, "smollm2 · vanilla · 8 KV pairs")
 
+    def show_model_check(name: str) -> None:
+        from ragfix.eval.families import check_model
+
+        family, verdicts = check_model(name)
+        windows = sorted({w for w in family.windows if w is not None})
+        console.print(
+            f"{name}: {family.name}, {len(family.windows)} layers"
+            + (
+                f", sliding window {windows} on {sum(w is not None for w in family.windows)}"
+                if windows
+                else ""
+            )
+            + (", fused qkv" if family.fused_qkv else "")
+            + (f", partial rotary {family.partial_rotary}" if family.partial_rotary < 1 else ""),
+            highlight=False,
+            soft_wrap=True,
+        )
+        t = Table(title=f"backends on {name}")
+        for col in ("backend", "supported", "why not"):
+            t.add_column(col, overflow="fold")
+        for backend, refusal in verdicts:
+            t.add_row(backend, "no" if refusal else "yes", refusal or "")
+        console.print(t)
+
     @app.command("models")
     def models_cmd(
         prepare: Annotated[
             bool, typer.Option(help="convert the embedded default model now (once)")
         ] = True,
+        check: Annotated[
+            str | None,
+            typer.Option(
+                help="a model (hub id, folder, .gguf): which backends it supports and why not, "
+                "read from its config (no weights loaded)"
+            ),
+        ] = None,
     ) -> None:
-        """Show the installed and cached models; prepare the embedded default."""
+        """Show the installed and cached models; prepare the embedded default. With --check
+        MODEL: the backends that model's family supports, and the reason for each refusal."""
         from ragfix.models import (
             ModelNotFoundError,
             ensure_converted,
@@ -284,6 +316,10 @@ def register(app: typer.Typer) -> None:
             smollm2_gguf_path,
         )
 
+        if check is not None:
+            with user_errors():
+                show_model_check(check)
+            return
         with user_errors():
             if prepare:
                 try:

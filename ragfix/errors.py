@@ -75,6 +75,11 @@ class IncompatibleMethodsError(RagfixError):
     """Two methods that cannot be combined on the same model (e.g. two attention patches)."""
 
 
+class UnsupportedModelError(ConfigError):
+    """A backend that cannot run on a model's family (``"gali does not support Gemma 3
+    (gemma3_text): ..."``), raised from the model's config before any weights are loaded."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, raised once the work in flight has stopped (a ``KeyboardInterrupt``: code that
     knows only that still sees one).
@@ -104,5 +109,6 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "RagfixError",
+    "UnsupportedModelError",
     "WorkerError",
 ]

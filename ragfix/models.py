@@ -381,6 +381,21 @@ def checkpoint_dir(spec: ModelSpec) -> str:
     return str(ensure_converted(spec.path)) if spec.source == "gguf" else spec.path
 
 
+def load_config(name: str):
+    """The ``transformers`` config of model ``name`` without its weights (a GGUF file is
+    converted once, as for :func:`load_model`).
+
+    Raises:
+        ModelNotFoundError: the name cannot be resolved or read.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(checkpoint_dir(resolve_model(name)))
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """``"auto"`` gives CUDA when available, else CPU; any other string is passed to torch."""
     if device == "auto":

@@ -214,12 +214,15 @@ def load_backend(
     Raises:
         ConfigError: unknown backend, a missing adapter, or a method or adapter asked of a
             remote model.
+        UnsupportedModelError: the method cannot run on the model's family (read from its
+            config, before any weights are loaded).
         pydantic.ValidationError: invalid backend options (before any weights are loaded).
         RagfixError: a remote endpoint that cannot be reached.
         ModelNotFoundError: the model cannot be found.
         AdapterError: the adapter belongs to other weights or does not attach.
     """
-    from ragfix.models import load_model
+    from ragfix.backends.family import read_family
+    from ragfix.models import load_config, load_model
 
     if validated is None:
         opts = validate_backend(name, adapter, model=model, **options)
@@ -230,6 +233,7 @@ def load_backend(
     cls = backend_class(name, model)
     if model.startswith(REMOTE_PREFIX):
         return cls(model[len(REMOTE_PREFIX) :], opts)
+    cls.check_family(read_family(load_config(model)), opts)
     m, tok = load_model(model, device=device, dtype=dtype, **cls.load_kwargs(opts))
     info = None
     if adapter:

@@ -31,6 +31,7 @@ import torch
 from pydantic import Field
 
 from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.family import full_cache
 from ragfix.backends.hf import HFBackend, chat_text
 from ragfix.backends.set_based import OUTSIDE
 from ragfix.errors import RagfixError
@@ -116,8 +117,6 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
             passage spans, a tokenizer without offsets, or a model whose attention returns no
             weights.
     """
-    from transformers import DynamicCache
-
     if not isinstance(backend, HFBackend):
         raise RagfixError(
             f"backend {backend.name!r} exposes no attention weights; attention-sort needs a "
@@ -132,7 +131,7 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
     if first == len(ids) or first == 0:
         raise RagfixError("attention-sort needs text after the passages (the question) to read")
     model, dev = backend.model, backend.device
-    cache = DynamicCache(config=model.config)
+    cache = full_cache()  # every key of every layer: a sliding layer's weights cover them all
     model(input_ids=torch.tensor([ids[:first]], device=dev), cache=cache)
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")

@@ -42,12 +42,14 @@ inside it) is left out of the softmax and keeps nothing, so ``M`` is kept exactl
 
 Batched with left padding, decoding over the run's own cache of rotated keys and values; the
 layers left alone, and in a calibrated layer the rows before the batch's first reader, run
-through ``scaled_dot_product_attention``, the rest with explicit probabilities. Llama, Mistral,
-Qwen2 and Qwen3 attention modules (Qwen3's q/k norms applied before RoPE); the model's rotary
-embedding as it is (a RoPE variant composes), an adapter composes (merged into the weights
-before). Refuses, in one line: a prompt without passage spans or without its content-free form,
-a model whose attention another method already patches, and a sequence longer than a sliding
-attention window (the attention here is full causal). No prefix reuse.
+through ``scaled_dot_product_attention``, the rest with explicit probabilities. Every family
+through :mod:`ragfix.backends.family`: the module's own projections and q/k norms, the
+decoder's ``position_embeddings`` for the layer and the family's ``apply_rotary_pos_emb`` (a RoPE
+variant composes), the module's ``scaling``; a sliding-window layer's queries see only the last
+``window`` tokens before them. An adapter composes (merged into the weights before). Refuses, in
+one line: a family whose attention logits are soft-capped (before any weights are loaded), a
+prompt without passage spans or without its content-free form, and a model whose attention
+another method already patches. No prefix reuse.
 """
 
 from __future__ import annotations
@@ -62,11 +64,17 @@ from pydantic import Field
 
 from ragfix.backends.attention_sort import passage_tokens
 from ragfix.backends.base import BackendOptions, Prompt
-from ragfix.backends.gali import SUPPORTED_MODEL_TYPES
+from ragfix.backends.family import (
+    Family,
+    apply_rotary,
+    layer_window,
+    project_qkv,
+    window_band,
+)
 from ragfix.backends.hf import LayoutBackend, chat_text
-from ragfix.backends.patching import apply_rotary, attention_modules, project_qkv, routed
+from ragfix.backends.patching import attention_modules, routed
 from ragfix.backends.set_based import OUTSIDE, PAD
-from ragfix.errors import ConfigError, RagfixError
+from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 
 #: the paper's temperature (Appendix B)
@@ -109,15 +117,6 @@ class ReaderLayout:
     prompt: TaskPrompt
 
 
-def _sliding_window(config) -> int | None:
-    """The sliding attention window of a model's layers, or None when every layer is full."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if window is None or (types is not None and "sliding_attention" not in types):
-        return None
-    return int(window)
-
-
 class _CalibratedRun:
     """State of one prefill/decode run over a left-padded batch of layouts: per token its
     passage (``blocks``), whether it reads (``reader``) and its position; per layer the rotated
@@ -156,7 +155,6 @@ class _CalibratedRun:
         self.layers = backend.layers
         self.temperature = backend.options.temperature
         self.heads = backend.options.heads
-        self.window = backend.window
         self.measure = biases is None
         self.measured: dict[int, torch.Tensor] = {}
         self.bias: dict[int, torch.Tensor] = {}
@@ -167,27 +165,14 @@ class _CalibratedRun:
                     table[b, :, : bias[layer].shape[1]] = bias[layer]
                 self.bias[layer] = table  # [B, H, n]
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._check_window()
 
     def _onehot(self, blocks: torch.Tensor) -> torch.Tensor:
         slots = torch.arange(self.n, device=blocks.device)
         return (blocks[..., None] == slots).float()
 
-    def _check_window(self) -> None:
-        longest = int((self.blocks != PAD).sum(1).max())
-        if self.window is not None and longest > self.window:
-            raise RagfixError(
-                f"calibrated-attention attends over the whole sequence and this model's layers "
-                f"slide a {self.window}-token window: {longest} tokens are too many"
-            )
-
     def grow(self, c: int) -> None:
         """Add ``c`` generated tokens: readers outside the passages, positions after each row's
-        last.
-
-        Raises:
-            RagfixError: the sequence outgrows a sliding attention window.
-        """
+        last."""
         b, dev = self.blocks.shape[0], self.blocks.device
         steps = torch.arange(1, c + 1, device=dev)[None]
         self.positions = torch.cat([self.positions, self.positions[:, -1:] + steps], dim=1)
@@ -195,7 +180,6 @@ class _CalibratedRun:
         self.blocks = torch.cat([self.blocks, more], dim=1)
         self.reader = torch.cat([self.reader, torch.ones_like(more, dtype=torch.bool)], dim=1)
         self.onehot = torch.cat([self.onehot, self._onehot(more)], dim=1)
-        self._check_window()
 
     def attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The step's attention over every cached key (see the module docstring).
@@ -221,7 +205,7 @@ class _CalibratedRun:
         qi = torch.arange(start, total, device=q.device)[None, :, None]
         ki = torch.arange(total, device=q.device)[None, None, :]
         blocks = self.blocks[:, :total]
-        seen = (ki <= qi) & (blocks[:, None, :] != PAD)
+        seen = (ki <= qi) & (blocks[:, None, :] != PAD) & window_band(qi, ki, layer_window(attn))
         seen |= (ki == qi) & (blocks[:, start:, None] == PAD)  # a padding query sees itself
         readers = self.reader[:, start:total]  # [B, c]
         split = c
@@ -283,8 +267,8 @@ class _CalibratedRun:
 def _calibrated_attention_forward(
     attn, run: _CalibratedRun, hidden_states, position_embeddings=None, *args, **kwargs
 ):
-    """Replacement ``forward`` of a Llama/Mistral/Qwen2/Qwen3 attention module during a run:
-    projects q/k/v (Qwen3's q/k norms applied), rotates them with the decoder's
+    """Replacement ``forward`` of an attention module during a run: projects q/k/v as the family
+    does (:func:`~ragfix.backends.family.project_qkv`), rotates them with the decoder's
     ``position_embeddings`` and attends as :meth:`_CalibratedRun.attend` does over ``run``'s
     cache. Returns ``(output [B, c, hidden], None)``."""
     q, k, v = project_qkv(attn, hidden_states)
@@ -303,27 +287,30 @@ class CalibratedAttentionBackend(LayoutBackend):
 
     Attributes:
         layers: the indices of the calibrated layers.
-        window: the model's sliding attention window, or None.
 
     Raises:
         pydantic.ValidationError: an invalid option (``temperature <= 0``).
-        ConfigError: a model family other than Llama, Mistral, Qwen2 and Qwen3.
+        UnsupportedModelError: a family with soft-capped attention logits.
     """
 
     name: ClassVar[str] = "calibrated-attention"
     options_model: ClassVar[type[BackendOptions]] = CalibratedAttentionOptions
 
+    @classmethod
+    def check_family(cls, family: Family, options: BackendOptions) -> None:
+        """The calibration rescales plain softmax probabilities.
+
+        Raises:
+            UnsupportedModelError: soft-capped attention logits.
+        """
+        if family.softcap:
+            raise family.refuse("calibrated-attention", "its attention logits are soft-capped")
+
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)
-        if model.config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"calibrated-attention supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
-                f"{model.config.model_type!r}"
-            )
         self.attentions = attention_modules(model)
         count = len(self.attentions)
         self.layers = frozenset(range(count // 2 if self.options.layers == "upper" else 0, count))
-        self.window = _sliding_window(model.config)
         self._biases: dict[str, dict[int, torch.Tensor]] = {}
 
     def _content_free(self, prompt: Prompt) -> TaskPrompt:
@@ -420,7 +407,6 @@ class CalibratedAttentionBackend(LayoutBackend):
             (readers) to ``[B, 1, vocab]`` logits over the run's cache.
 
         Raises:
-            RagfixError: a sequence longer than a sliding attention window.
             IncompatibleMethodsError: another method already patches the attention.
         """
         biases = [self.positional_bias(lay.prompt) for lay in layouts]

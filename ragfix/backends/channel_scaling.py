@@ -34,25 +34,15 @@ import torch
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from ragfix.backends.base import BackendOptions
+from ragfix.backends.family import Family, apply_rotary, model_family
 from ragfix.backends.hf import HFBackend
-from ragfix.backends.patching import (
-    AttentionPatch,
-    apply_rotary,
-    attention_modules,
-    patch_attention,
-)
+from ragfix.backends.patching import AttentionPatch, attention_modules, patch_attention
 from ragfix.errors import ConfigError, DataError
 from ragfix.io import atomic_write_json
 from ragfix.models import content_fingerprint, model_identity, weights_differ
 
-#: attention classes the patch understands (transformers 5 module layout: q/k/v/o_proj, RoPE)
-SUPPORTED_ATTENTION = (
-    "LlamaAttention",
-    "MistralAttention",
-    "Qwen2Attention",
-    "Qwen3Attention",
-    "GemmaAttention",
-)
+#: families whose attention modules the patch understands (separate q/k/v/o_proj, RoPE)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
 #: attention implementations the patch computes correctly
 SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -301,6 +291,23 @@ class ChannelScaling:
         self.remove()
 
 
+def check_channel_family(family: Family) -> None:
+    """Refuse a family the patch does not understand.
+
+    Raises:
+        UnsupportedModelError: a family outside :data:`SUPPORTED_MODEL_TYPES` (Phi-3 fuses the
+            projections the rank-1 correction acts on into one ``qkv_proj``).
+    """
+    if family.model_type not in SUPPORTED_MODEL_TYPES:
+        why = (
+            "it fuses q, k and v into one qkv_proj, and the rank-1 correction acts on q_proj and "
+            "k_proj"
+            if family.fused_qkv
+            else f"the patch knows the attention of {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+        raise family.refuse("channel-scaled", why)
+
+
 def apply_channel_scaling(
     model, channel: int, layers: list[int], factor: float, rows: int = 1
 ) -> ChannelScaling:
@@ -325,12 +332,8 @@ def apply_channel_scaling(
     """
     cfg = model.config
     impl = cfg._attn_implementation
-    mods = attention_modules(model) if hasattr(getattr(model, "model", None), "layers") else []
-    kind = type(mods[0]).__name__ if mods else type(model).__name__
-    if not mods or kind not in SUPPORTED_ATTENTION:
-        raise ConfigError(
-            f"channel scaling supports {', '.join(SUPPORTED_ATTENTION)}; this model has {kind}"
-        )
+    check_channel_family(model_family(model))
+    mods = attention_modules(model)
     if impl not in SUPPORTED_IMPLEMENTATIONS:
         raise ConfigError(
             f"channel scaling supports attn_implementation {' or '.join(SUPPORTED_IMPLEMENTATIONS)}"
@@ -555,6 +558,11 @@ class ChannelScalingBackend(HFBackend):
     options_model = ChannelScalingOptions
     #: the cache holds scaled keys, but the prompt rows after a reused prefix need unscaled ones
     supports_prefix_reuse = False
+
+    @classmethod
+    def check_family(cls, family: Family, options: BackendOptions) -> None:
+        """See :func:`check_channel_family`."""
+        check_channel_family(family)
 
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)

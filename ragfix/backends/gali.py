@@ -37,13 +37,14 @@ import torch
 from pydantic import Field
 
 from ragfix.backends.base import BackendOptions, Cancel, Prompt, check_cancel
+from ragfix.backends.family import Family, project_qkv
 from ragfix.backends.hf import HFBackend, greedy_steps
-from ragfix.backends.patching import project_qkv, routed
+from ragfix.backends.patching import routed
 from ragfix.errors import ConfigError
 from ragfix.types import Generation
 
 #: model families whose attention module this backend knows how to replace
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 #: the paper's setting (Llama-3-8B, L = 8192): chunk 3000, local window 128 (the benchmark's
 #: reference, scaled linearly to other windows by :func:`paper_setting`)
 PAPER_WINDOW, PAPER_CHUNK, PAPER_LOCAL_WINDOW = 8192, 3000, 128
@@ -301,16 +302,6 @@ def _gali_attention_forward(attn, run: _GaliRun, hidden_states, *args, **kwargs)
         k = torch.cat([run.keys[i], k], dim=2)
         v = torch.cat([run.values[i], v], dim=2)
     run.keys[i], run.values[i] = k, v
-    window = (
-        attn.sliding_window
-        if hasattr(attn, "sliding_window")
-        else getattr(attn.config, "sliding_window", None)
-    )
-    if window is not None and k.shape[2] > window:
-        raise ValueError(
-            f"sequence of {k.shape[2]} tokens exceeds layer {i}'s sliding window ({window}): "
-            "gali does not implement sliding-window attention"
-        )
     return attn.o_proj(run.attend(attn, q, k, v)), None
 
 
@@ -358,13 +349,33 @@ class GaliBackend(HFBackend):
     options_model = GaliOptions
     supports_prefix_reuse = False
 
+    @classmethod
+    def check_family(cls, family: Family, options: BackendOptions) -> None:
+        """GALI runs on one RoPE base over whole heads, every layer full (see the module
+        docstring).
+
+        Raises:
+            UnsupportedModelError: a family outside :data:`SUPPORTED_MODEL_TYPES`, partial
+                rotary, or sliding-window layers.
+        """
+        if family.model_type not in SUPPORTED_MODEL_TYPES:
+            raise family.refuse(
+                "gali",
+                "its interpolated attention logits are written for one RoPE base over whole "
+                f"heads (families: {', '.join(SUPPORTED_MODEL_TYPES)})",
+            )
+        if family.partial_rotary < 1:
+            raise family.refuse("gali", "RoPE rotates only part of each head")
+        if family.sliding:
+            raise family.refuse(
+                "gali",
+                "its layers slide a window, and gali interpolates positions over the whole "
+                "sequence (no sliding-window attention)",
+            )
+
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)
         cfg = model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"gali supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not {cfg.model_type!r}"
-            )
         o = self.options
         native = int(cfg.max_position_embeddings)
         big_l = o.train_window or native

@@ -32,6 +32,7 @@ from ragfix.backends.base import (
     check_cancel,
     validated_options,
 )
+from ragfix.backends.family import Family, full_cache, model_family
 from ragfix.models import model_identity
 from ragfix.types import Generation
 
@@ -148,6 +149,8 @@ class HFBackend(Backend):
     Raises:
         pydantic.ValidationError: an unknown or invalid option.
         TypeError: both ``options`` and keyword options, or ``options`` of another backend.
+        UnsupportedModelError: the method cannot run on the model's family
+            (:meth:`check_family`).
     """
 
     name: ClassVar[str] = "vanilla"
@@ -159,6 +162,19 @@ class HFBackend(Backend):
         implementation the method needs). None for most backends."""
         return {}
 
+    @classmethod
+    def check_family(cls, family: Family, options: BackendOptions) -> None:
+        """Refuse, in one line, a model family this method cannot run on with ``options``
+        (read from the model's config alone: :func:`~ragfix.backends.family.read_family`, so
+        :func:`~ragfix.backends.load_backend` asks before loading any weights). The base runs on
+        every family.
+
+        Raises:
+            UnsupportedModelError: the method cannot run on ``family``; the message names the
+                method, the family and the reason.
+        """
+        return None
+
     def __init__(
         self,
         model,
@@ -168,10 +184,11 @@ class HFBackend(Backend):
         options: BackendOptions | None = None,
         **kwargs,
     ):
+        self.options = validated_options(self.options_model, options, kwargs)
+        self.check_family(model_family(model), self.options)
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter
-        self.options = validated_options(self.options_model, options, kwargs)
         self._reuse_cache = None
         self._reuse_ids: list[int] = []
         if not tokenizer.chat_template:
@@ -369,11 +386,11 @@ class HFBackend(Backend):
         """Crop the KV cache kept between prefix-reusing calls (created on first use) to its
         longest common token prefix with ``ids``; return that prefix's length. The cache is then
         recorded as holding exactly those tokens, so a forward interrupted after this call never
-        leaves it claiming tokens it does not hold."""
-        from transformers import DynamicCache
-
+        leaves it claiming tokens it does not hold. Every layer keeps every key
+        (:func:`~ragfix.backends.family.full_cache`): a sliding-window layer could not be cropped
+        back once its window is full."""
         if self._reuse_cache is None:
-            self._reuse_cache = DynamicCache(config=self.model.config)
+            self._reuse_cache = full_cache()
             self._reuse_ids = []
         common = 0
         for a, c in zip(ids, self._reuse_ids, strict=False):
@@ -478,9 +495,10 @@ class HFBackend(Backend):
         trie-shaped prefill and one batched decode.
 
         Prefill: each prompt minus its last token runs over one batch-1 KV cache (kept between
-        calls), cropped to the prefix it shares with the tokens the cache holds and extended by
-        the rest; its row is copied, right aligned, into a ``StaticCache`` of ``B`` rows and
-        ``W + max_new_tokens`` slots (``W``: the longest prompt). Decode: ``model.generate`` on
+        calls; every layer keeps every key, :func:`~ragfix.backends.family.full_cache`), cropped
+        to the prefix it shares with the tokens the cache holds and extended by the rest; its row
+        is copied, right aligned, into a cache of ``B`` rows and ``W - 1`` slots (``W``: the
+        longest prompt) that the decode extends. Decode: ``model.generate`` on
         the left-padded prompts ``[B, W]`` and that cache, one batch, each row stopping at its
         own stop rule. Answers equal :meth:`_generate_ids` up to floating-point differences.
         ``cancel`` stops the decode between steps (the caller checks it).
@@ -489,15 +507,9 @@ class HFBackend(Backend):
         before (the first row: with the cache's previous tokens), plus one; over a depth-first
         order of the prompts' token trie each distinct prefix is computed once.
 
-        Memory: ``B x (W + max_new_tokens)`` tokens of keys and values in every layer
-        (SmolLM2-135M in fp32: 45 KiB a token), besides one row's prefill cache.
-
-        Raises:
-            RuntimeError: from transformers, a sliding-window layer cropped after its window was
-                filled (a prompt longer than the model's sliding window).
+        Memory: ``B x (W + max_new_tokens)`` tokens of keys and values in every layer, sliding
+        layers included (SmolLM2-135M in fp32: 45 KiB a token), besides one row's prefill cache.
         """
-        from transformers import StaticCache
-
         start = time.perf_counter()
         slots = max(len(x) for x in batch) - 1  # the cached positions of the longest prompt
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> batch keys, values
@@ -514,18 +526,17 @@ class HFBackend(Backend):
             prefill.append(len(body) - common + 1)
             for i, layer in enumerate(cache.layers):
                 if not getattr(layer, "is_initialized", False) or layer.keys.shape[-2] == 0:
-                    continue  # nothing cached yet (a one-token prompt) or a KV-sharing layer
-                n = layer.keys.shape[-2]  # len(body); a sliding layer's last window-1 tokens
+                    continue  # nothing cached yet (a one-token prompt)
+                n = layer.keys.shape[-2]  # len(body)
                 if i not in kv:
                     shape = (len(batch), layer.keys.shape[1], slots, layer.keys.shape[-1])
                     kv[i] = tuple(layer.keys.new_zeros(shape) for _ in range(2))
                 keys, values = kv[i]
                 keys[row, :, slots - n :].copy_(layer.keys[0])
                 values[row, :, slots - n :].copy_(layer.values[0])
-        rows = StaticCache(config=self.model.config, max_cache_len=slots + max_new_tokens + 1)
-        for i, layer in enumerate(rows.layers):
-            if i in kv:
-                layer.update(*kv.pop(i))  # update copies: free the staging tensors per layer
+        rows = full_cache()
+        for i in sorted(kv):
+            rows.update(*kv.pop(i), i)
         ids, mask = self._left_pad(batch)
         out = self.model.generate(
             input_ids=ids,

@@ -10,7 +10,6 @@ the rotary embedding (RoPE scaling) compose with these patches.
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -92,33 +91,6 @@ def routed(owner: str, modules: Sequence, forward: Callable, run) -> Iterator[No
         yield
 
 
-def project_qkv(attn, hidden_states):
-    """The pre-RoPE queries, keys and values of a Llama/Mistral/Qwen2/Qwen3 attention module
-    (Qwen3's q/k norms applied), for a method that computes the attention itself.
-
-    Args:
-        attn: the attention module.
-        hidden_states: ``[B, c, hidden]``.
-
-    Returns:
-        ``q [B, H, c, d]``, ``k [B, Hkv, c, d]``, ``v [B, Hkv, c, d]``.
-    """
-    bsz, c, _ = hidden_states.shape
-    shape = (bsz, c, -1, attn.head_dim)
-    q = attn.q_proj(hidden_states).view(shape)
-    k = attn.k_proj(hidden_states).view(shape)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    v = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
-    return q.transpose(1, 2), k.transpose(1, 2), v
-
-
-def apply_rotary(attn):
-    """The ``apply_rotary_pos_emb(q, k, cos, sin)`` of the attention module's model family (the
-    function its own forward rotates queries and keys with)."""
-    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
-
-
 def attention_modules(model) -> list:
     """The self-attention modules of the decoder layers, in order."""
     return [layer.self_attn for layer in model.get_decoder().layers]
@@ -126,9 +98,7 @@ def attention_modules(model) -> list:
 
 __all__ = [
     "AttentionPatch",
-    "apply_rotary",
     "attention_modules",
     "patch_attention",
-    "project_qkv",
     "routed",
 ]

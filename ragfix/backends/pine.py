@@ -32,9 +32,14 @@ passages by construction (up to floating point and ties in importance).
 
 Like the official code, attention is computed explicitly in this module (any
 ``attn_implementation``), one prompt of a batch at a time inside each layer (the MLPs and
-projections run batched); Llama, Mistral, Qwen2 and Qwen3 attention modules (Qwen3's q/k norms
-applied before RoPE). Refuses prompts without passage spans, and a model whose attention another
-method already patches, in one line.
+projections run batched). Every family reaches it through :mod:`ragfix.backends.family`: the
+module's own projections and q/k norms, each layer's RoPE table (Gemma 3's local and global
+bases), its ``scaling``; in a sliding-window layer a query sees, on top of PINE's rule, only the
+keys less than ``window`` positions from its own at the positions it gives them (re-assigned by
+importance: the order invariance holds; the official code has no sliding windows). Refuses, in
+one line: a family whose RoPE rotates only part of each head or whose attention logits are
+soft-capped (before any weights are loaded), prompts without passage spans, and a model whose
+attention another method already patches.
 """
 
 from __future__ import annotations
@@ -45,7 +50,14 @@ from typing import ClassVar
 import torch
 
 from ragfix.backends.base import BackendOptions
-from ragfix.backends.patching import attention_modules, project_qkv, routed
+from ragfix.backends.family import (
+    Family,
+    layer_window,
+    project_qkv,
+    rotary_tables,
+    window_band,
+)
+from ragfix.backends.patching import attention_modules, routed
 from ragfix.backends.set_based import (
     OUTSIDE,
     PAD,
@@ -98,9 +110,9 @@ class _PineRun:
         #: per layer, per query head: keys before RoPE, keys at base positions, values
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.start = 0  # index of the step's first query
-        self.rotary = backend.rotary
+        self.model = backend.model
         self.device = backend.device
-        self._tables = None
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def grow(self, c: int) -> None:
         """Add ``c`` generated tokens: outside the passages, positions after each row's last."""
@@ -111,16 +123,14 @@ class _PineRun:
         more = torch.full((b, c), OUTSIDE, device=self.device, dtype=self.blocks.dtype)
         self.blocks = torch.cat([self.blocks, more], dim=1)
 
-    def tables(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` ``[N, d]`` of the model's rotary embedding, up to the largest base
+    def tables(self, dtype, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[N, d]`` of layer ``layer``'s rotary embedding, up to the largest base
         position plus the passages' summed length (a query rotated forward by a shift)."""
         top = int(self.base.max()) + 1 + max(int(x.sum()) for x in self.lengths)
-        if self._tables is None or self._tables[0].shape[0] < top or self._tables[0].dtype != dtype:
-            probe = torch.empty(0, device=self.device, dtype=dtype)
-            pos = torch.arange(top, device=self.device)[None]
-            cos, sin = self.rotary(probe, pos)
-            self._tables = (cos[0], sin[0])
-        return self._tables
+        have = self._tables.get(layer)
+        if have is None or have[0].shape[0] < top or have[0].dtype != dtype:
+            self._tables[layer] = rotary_tables(self.model, layer, top, dtype, self.device)
+        return self._tables[layer]
 
     def attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """PINE attention of the step's queries over every cached key.
@@ -136,7 +146,8 @@ class _PineRun:
         bsz, heads, c, d = q.shape
         groups = heads // k.shape[1]
         out = torch.zeros(bsz, heads, c, d, device=q.device, dtype=q.dtype)
-        cos, sin = self.tables(q.dtype)
+        cos, sin = self.tables(q.dtype, attn.layer_idx)
+        window = layer_window(attn)
         # the step's new keys and values, per query head, and the keys at their base positions
         # (which never change): appended to this layer's cache of them
         new_k = k.repeat_interleave(groups, dim=1)  # [B, H, c, d]
@@ -153,13 +164,17 @@ class _PineRun:
         self.heads[attn.layer_idx] = parts
         keys, rotated, values = parts
         for b in range(bsz):
-            out[b] = self._row(attn.scaling, b, q[b], keys[b], rotated[b], values[b], cos, sin)
+            out[b] = self._row(
+                attn.scaling, window, b, q[b], keys[b], rotated[b], values[b], cos, sin
+            )
         return out.transpose(1, 2).reshape(bsz, c, heads * d)
 
-    def _row(self, scaling, b, q, k, k_rot, v, cos, sin) -> torch.Tensor:
+    def _row(self, scaling, window, b, q, k, k_rot, v, cos, sin) -> torch.Tensor:
         """One row's output ``[H, c, d]`` from its queries ``q [H, c, d]``, its keys per query
         head before RoPE (``k``) and at their base positions (``k_rot``), ``[H, T, d]``, and
-        values ``v [H, T, d]``; see the module docstring for the three kinds of query.
+        values ``v [H, T, d]``; see the module docstring for the three kinds of query. In a
+        sliding layer (``window`` tokens, else ``None``) each query sees only the keys less than
+        ``window`` positions from its own, at the positions it gives them.
 
         A key of passage ``j`` shifted back by ``s`` scores ``<R(m) q, R(n - s) k> =
         <R(m + s) q, R(n) k>`` (RoPE is a rotation by position): the keys are rotated once, at
@@ -181,12 +196,16 @@ class _PineRun:
         first = int(region[0]) if len(region) else total
         keys_seen = blocks != PAD
         index = torch.arange(total, device=q.device)
+        keys_seen = keys_seen.expand(c, total)
 
         members = [(blocks == j).nonzero().squeeze(-1) for j in range(n)]
 
         def attend(rows, shifts, seen):
             # rows [r] query indices into q; shifts [H, r|1, n] per passage; seen [H|1, r, T]
             m = base[qi[rows]]
+            if window is not None:  # over the positions the query gives the keys
+                at = base[None, None] - torch.where(in_region, shifts[:, :, doc_of_key], 0)
+                seen = seen & window_band(m[None, :, None], at, window)
             q0 = _rope(q[:, rows], cos[m], sin[m])  # [H, r, d]
             logits = q0 @ k_rot.transpose(-1, -2)  # [H, r, T]: right for keys outside passages
             for j, keys in enumerate(members):
@@ -202,7 +221,7 @@ class _PineRun:
         # prefix queries: ordinary causal attention at base positions
         prefix = local[(qblocks == OUTSIDE) & (qi < first)]
         if len(prefix):
-            attend(prefix, none, ((index[None] <= qi[prefix, None]) & keys_seen)[None])
+            attend(prefix, none, ((index[None] <= qi[prefix, None]) & keys_seen[prefix])[None])
         # passage queries: the other passages before the query's own, ranked by its importance
         if (qblocks >= 0).any():
             qr, kr = q[:, region - self.start], k[:, region]  # the passage region, without RoPE
@@ -219,7 +238,7 @@ class _PineRun:
                 if not len(rows):
                     continue
                 key_pos = base[None] - torch.where(in_region, shifts[:, p][:, doc_of_key], 0)
-                seen = (key_pos[:, None] <= base[qi[rows]][None, :, None]) & keys_seen
+                seen = (key_pos[:, None] <= base[qi[rows]][None, :, None]) & keys_seen[rows]
                 attend(rows, shifts[:, p][:, None], seen)
         # queries after the passages: per head and query, passages ranked by its importance
         after = local[(qblocks == OUTSIDE) & (qi > first)] if len(region) else local[:0]
@@ -227,14 +246,15 @@ class _PineRun:
             w = (q[:, after] @ k[:, region].transpose(-1, -2)) * scaling  # [H, a, R]
             w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
             shifts = passage_shifts((w @ onehot) / lengths, lengths)  # [H, a, n]
-            attend(after, shifts, ((index[None] <= qi[after, None]) & keys_seen)[None])
+            attend(after, shifts, ((index[None] <= qi[after, None]) & keys_seen[after])[None])
         return out
 
 
 def _pine_attention_forward(attn, run: _PineRun, hidden_states, *args, **kwargs):
-    """Replacement ``forward`` of a Llama/Mistral/Qwen2/Qwen3 attention module during a PINE run:
-    projects q/k/v (Qwen3's q/k norms applied) and attends as PINE does over ``run``'s cache
-    (which the step's keys and values join). Returns ``(output [B, c, hidden], None)``."""
+    """Replacement ``forward`` of an attention module during a PINE run: projects q/k/v as the
+    family does (:func:`~ragfix.backends.family.project_qkv`) and attends as PINE does over
+    ``run``'s cache (which the step's keys and values join). Returns ``(output [B, c, hidden],
+    None)``."""
     q, k, v = project_qkv(attn, hidden_states)
     return attn.o_proj(run.attend(attn, q, k, v)), None
 
@@ -250,10 +270,21 @@ class PineBackend(PassageSetBackend):
     name: ClassVar[str] = "pine"
     options_model: ClassVar[type[BackendOptions]] = BackendOptions
 
+    @classmethod
+    def check_family(cls, family: Family, options: BackendOptions) -> None:
+        """PINE rotates each query per passage over whole heads, with plain softmax logits.
+
+        Raises:
+            UnsupportedModelError: partial rotary or soft-capped attention logits.
+        """
+        if family.partial_rotary < 1:
+            raise family.refuse("pine", "RoPE rotates only part of each head")
+        if family.softcap:
+            raise family.refuse("pine", "its attention logits are soft-capped")
+
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)
         self.attentions = attention_modules(model)
-        self.rotary = model.get_decoder().rotary_emb
 
     def _patched(self, run: _PineRun):
         """Route every attention module through PINE while ``run`` steps

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import Field
 
 from ragfix.backends.base import BackendOptions
+from ragfix.backends.family import Family
 from ragfix.backends.hf import HFBackend
 from ragfix.errors import ConfigError
 
@@ -52,6 +53,21 @@ class RopeScaledBackend(HFBackend):
 
     name = "rope-scaled"
     options_model = RopeScaledOptions
+
+    @classmethod
+    def check_family(cls, family: Family, options: BackendOptions) -> None:
+        """One set of RoPE parameters is rewritten.
+
+        Raises:
+            UnsupportedModelError: layers with RoPE parameters of their own (Gemma 3's local and
+                global bases), where a rewritten top-level set would change nothing.
+        """
+        if family.layer_rope:
+            raise family.refuse(
+                "rope-scaled",
+                "its local and global layers have RoPE parameters of their own, and rope-scaled "
+                "rewrites one set",
+            )
 
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)

@@ -24,9 +24,11 @@ Positions (``align``):
   text after the set keeps its ordered positions from ``E``.
 
 A prompt without passage spans (a plain string, a framework's text) is refused in one line.
-Decoding is greedy over the model's own KV cache (a 4-D additive mask in the prefill, the plain
-causal mask after it: generated tokens see everything before them). No prefix reuse: a cached
-prefix of another prompt was computed under another mask.
+Decoding is greedy over the model's own KV cache (a 4-D additive mask in the prefill, then
+generated tokens see everything before them). In a sliding-window layer (Mistral, Gemma 3's local
+layers) a query also sees only the keys whose position IDs are less than ``window`` below its
+own: the window is measured on the parallel positions, so it keeps the order invariance. No
+prefix reuse: a cached prefix of another prompt was computed under another mask.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.family import full_cache, layer_masks
 from ragfix.backends.hf import HFBackend, LayoutBackend
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
@@ -152,25 +155,23 @@ def padded_batch(
     )
 
 
-def set_mask(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive prefill mask of a left-padded batch.
+def set_visibility(blocks: torch.Tensor) -> torch.Tensor:
+    """Which keys each query of a left-padded batch sees in the prefill.
 
     Args:
         blocks: ``[B, T]`` per token its passage index, :data:`OUTSIDE` or :data:`PAD`.
-        dtype: the model's dtype.
 
     Returns:
-        ``[B, 1, T, T]``: 0 where query ``i`` may attend key ``j`` (``j <= i``, ``j`` not
+        ``[B, T, T]`` bool: true where query ``i`` may attend key ``j`` (``j <= i``, ``j`` not
         padding, and ``j`` outside the passages, or ``i`` outside them, or both in the same
-        passage), the dtype's minimum elsewhere; a padding query attends itself only.
+        passage); a padding query attends itself only. The model's sliding windows are applied
+        on top (:func:`~ragfix.backends.family.layer_masks`).
     """
     t = blocks.shape[1]
     q, k = blocks[:, :, None], blocks[:, None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=blocks.device).tril()
     seen = causal & (k != PAD) & ((q == OUTSIDE) | (k == OUTSIDE) | (q == k))
-    seen |= torch.eye(t, dtype=torch.bool, device=blocks.device) & (q == PAD)
-    mask = torch.zeros(seen.shape, dtype=dtype, device=blocks.device)
-    return mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]
+    return seen | (torch.eye(t, dtype=torch.bool, device=blocks.device) & (q == PAD))
 
 
 class PassageSetBackend(LayoutBackend):
@@ -214,40 +215,43 @@ class SetBasedBackend(PassageSetBackend):
     @torch.no_grad()
     def _run(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
         """See :meth:`PassageSetBackend._run`: one pass with the parallel positions of
-        ``align`` and the block mask (:func:`set_mask`), decoding over the model's KV cache."""
+        ``align`` and the block mask (:func:`set_visibility`), decoding over the model's KV
+        cache."""
         batch = padded_batch(sets, extra, self.options.align, self.tokenizer.pad_token_id)
         dev, dtype = self.device, next(self.model.parameters()).dtype
+        cache = full_cache()
+        blocks, positions = batch.blocks.to(dev), batch.positions.to(dev)
         out = self.model(
             input_ids=batch.ids.to(dev),
-            position_ids=batch.positions.to(dev),
-            attention_mask=set_mask(batch.blocks.to(dev), dtype),
-            use_cache=True,
+            position_ids=positions,
+            attention_mask=layer_masks(
+                self.model,
+                set_visibility(blocks),
+                dtype,
+                positions[:, :, None] - positions[:, None, :],
+            ),
+            cache=cache,
         )
-        # decoding: a new token sees every key but the padding, its mask grows by one each step
-        hidden = (batch.blocks == PAD).to(dev)[:, None, None]  # [B, 1, 1, T]
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill(
-            hidden, torch.finfo(dtype).min
-        )
-        state = {
-            "cache": out.past_key_values,
-            "pos": batch.positions[:, -1].to(dev),
-            "mask": mask,
-        }
+        # decoding: a new token sees every key but the padding (its row grows by one each step)
+        state = {"positions": positions, "keys": blocks != PAD}
 
         @torch.no_grad()
         def step(nxt: torch.Tensor) -> torch.Tensor:
-            state["pos"] = state["pos"] + 1
-            seen = torch.zeros(len(sets), 1, 1, 1, dtype=dtype, device=dev)
-            state["mask"] = torch.cat([state["mask"], seen], dim=-1)
-            res = self.model(
+            at = state["positions"][:, -1:] + 1
+            state["positions"] = torch.cat([state["positions"], at], dim=-1)
+            new = torch.ones(len(sets), 1, dtype=torch.bool, device=dev)
+            state["keys"] = torch.cat([state["keys"], new], dim=-1)
+            return self.model(
                 input_ids=nxt,
-                position_ids=state["pos"][:, None],
-                attention_mask=state["mask"],
-                past_key_values=state["cache"],
-                use_cache=True,
-            )
-            state["cache"] = res.past_key_values
-            return res.logits
+                position_ids=at,
+                attention_mask=layer_masks(
+                    self.model,
+                    state["keys"][:, None],
+                    dtype,
+                    (at - state["positions"])[:, None],
+                ),
+                cache=cache,
+            ).logits
 
         return out.logits, step
 
@@ -260,5 +264,5 @@ __all__ = [
     "SetBatch",
     "padded_batch",
     "passage_set",
-    "set_mask",
+    "set_visibility",
 ]
