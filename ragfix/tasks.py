@@ -51,6 +51,12 @@ def kv_answer_prefix(key: str) -> str:
     return f'The value of key {json.dumps(key)} is "'
 
 
+def kv_completion_prefix(key: str) -> str:
+    """Base-model form of KV retrieval: the value opens with its quote right after
+    ``Corresponding value:`` (Liu et al., "Lost in the Middle", TACL 2024, Sec. 3)."""
+    return ' "'
+
+
 def _no_prefix(question: str) -> str:
     return ""
 
@@ -76,6 +82,8 @@ class Task:
         separator: what joins the rendered passages into ``{context}``.
         render_question: question -> the text put into ``{question}`` (e.g. a JSON-quoted key).
         assistant_prefix: question -> the text the assistant turn is prefilled with.
+        completion_prefix: question -> what follows the filled template for a base model (no
+            chat template): the template itself ends where the answer starts.
         max_new_tokens: answer budget (tokens).
         stop_at_newline: the answer ends at its first newline.
         scorer: ``(answer, gold answers) -> correct``.
@@ -88,6 +96,7 @@ class Task:
     separator: str = "\n"
     render_question: Callable[[str], str] = _same
     assistant_prefix: Callable[[str], str] = _no_prefix
+    completion_prefix: Callable[[str], str] = _no_prefix
     max_new_tokens: int = 32
     stop_at_newline: bool = True
     scorer: Callable[[str, Sequence[str]], bool] = best_subspan_em
@@ -145,6 +154,7 @@ class Task:
         return TaskPrompt(
             user=user,
             assistant_prefix=self.assistant_prefix(question),
+            completion_prefix=self.completion_prefix(question),
             max_new_tokens=self.max_new_tokens,
             stop_at_newline=self.stop_at_newline,
             passages=spans,
@@ -212,6 +222,7 @@ KV = register_task(
         separator=",\n ",
         render_question=json.dumps,
         assistant_prefix=kv_answer_prefix,
+        completion_prefix=kv_completion_prefix,
         max_new_tokens=40,
         stop_at_newline=False,
         scorer=_kv_score,

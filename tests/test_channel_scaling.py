@@ -17,7 +17,7 @@ from ragfix.backends.channel_scaling import (
     default_layers,
     parse_layers,
 )
-from ragfix.errors import IncompatibleMethodsError
+from ragfix.errors import IncompatibleMethodsError, UnsupportedModelError
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 IMPLS = ["eager", "sdpa"]
@@ -217,7 +217,8 @@ def test_unsupported_architecture_names_the_supported_ones():
     from transformers import AutoModelForCausalLM, GPT2Config
 
     m = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="LlamaAttention, MistralAttention, Qwen2Attention"):
+    msg = r"channel-scaled does not support gpt2 \(gpt2\): .*llama, mistral, qwen2, qwen3, gemma"
+    with pytest.raises(UnsupportedModelError, match=msg):
         apply_channel_scaling(m, channel=0, layers=[0], factor=0.0)
 
 

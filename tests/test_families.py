@@ -95,9 +95,7 @@ def test_vanilla_equals_plain_transformers_on_every_path(tok, prompts, family, d
     if dtype == torch.float32:  # greedy tokens: bf16 rounding may flip a random model's argmax
         plain = [_plain_greedy(model, tok, x, 4) for x in ids]
         for size, reuse in ((3, False), (1, True), (3, True)):
-            gens = backend.generate(
-                prompts, batch_size=size, max_new_tokens=4, prefix_reuse=reuse
-            )
+            gens = backend.generate(prompts, batch_size=size, max_new_tokens=4, prefix_reuse=reuse)
             for g, p in zip(gens, plain, strict=True):
                 assert g.token_ids == p[: len(g.token_ids)], (size, reuse)
 
@@ -203,3 +201,25 @@ def test_every_cell_of_the_capability_table_is_what_the_backends_do(tok, prompts
             else:
                 with pytest.raises(UnsupportedModelError):
                     probe_cell(backend, model, tok, prompts)
+
+
+def test_gemma3_270m_is_checked_from_its_gguf_and_reads_the_completion_form():
+    """The second real model (Gemma 3 270M base, from its chunk wheels): its family and verdicts
+    from the GGUF's config, and a KV answer in the task's completion form (no chat template)."""
+    from conftest import data_file
+
+    from ragfix.backends.hf import NO_CHAT_TEMPLATE
+    from ragfix.connectors.litm import load_samples
+    from ragfix.eval.families import check_model
+    from ragfix.tasks import score_answer, task_prompt
+
+    family, verdicts = check_model("gemma3-270m")
+    assert family.model_type == "gemma3_text" and family.sliding
+    assert {b for b, reason in verdicts if reason} == {"gali", "rope-scaled"}
+    backend = load_backend("vanilla", model="gemma3-270m")
+    assert backend.identity()["chat_template"] == NO_CHAT_TEMPLATE
+    sample = load_samples(data_file("litm_kv_retrieval_140_keys.jsonl.gz"), 8, 3)[2]
+    prompt = task_prompt(sample, sample.passages_with_gold_at(0))
+    assert backend.format_prompt(prompt).endswith('\nCorresponding value: "')
+    [answer] = backend.generate([prompt])
+    assert answer.text.startswith(sample.answers[0]) and score_answer(sample, answer.text)

@@ -24,6 +24,7 @@ from ragfix.backends.gali import (
 )
 from ragfix.backends.rope_scaled import RopeScaledBackend
 from ragfix.backends.truncated import TruncatedBackend, truncate_middle
+from ragfix.errors import UnsupportedModelError
 from ragfix.prompts import TaskPrompt
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -41,9 +42,12 @@ def _vanilla_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reference_logprobs(model, ids: list[int], big_l: int, w: int, s: int) -> torch.Tensor:
+def _reference_logprobs(
+    model, ids: list[int], big_l: int, w: int, s: int, window: int | None = None
+) -> torch.Tensor:
     """GALI written out directly: chunk loop, whole-sequence positions per chunk, pre-RoPE cache,
-    the paper's two logit matrices (:func:`paper_logits`) per layer, repeat_kv for GQA."""
+    the paper's two logit matrices (:func:`paper_logits`) per layer, repeat_kv for GQA; with
+    ``window``, every layer also hides keys at a distance ``ceil(p_q) - p_k >= window``."""
     dec = model.get_decoder()
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     out, done = [], 0
@@ -65,6 +69,9 @@ def _reference_logprobs(model, ids: list[int], big_l: int, w: int, s: int) -> to
             g = a.num_key_value_groups
             logits = paper_logits(q, repeat_kv(k, g), layout, dec.rotary_emb, a.scaling, done)
             future = torch.arange(done + size)[None, :] > torch.arange(done, done + size)[:, None]
+            if window is not None:
+                distance = layout.ceil[done:, None].double() - layout.positions[None, :]
+                future = future | (distance >= window)
             probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
             o = (probs @ repeat_kv(v, g)).transpose(1, 2).reshape(1, size, -1)
             h = h + a.o_proj(o)
@@ -138,6 +145,19 @@ def test_beyond_window_equals_direct_reference(arch, tok):
     assert torch.allclose(got, ref, atol=1e-5)
     # and GALI is not the vanilla model beyond L
     assert (got - _vanilla_logprobs(model, ids)).abs().max() > 1e-3
+
+
+def test_sliding_window_follows_gali_positions(tok):
+    """Mistral with an 8-token window: within L the model's own window (vanilla), beyond L the
+    window over GALI's positions, as the direct reference computes it."""
+    model = tiny_model("mistral", seed=0, sliding_window=8)
+    ids = _ids(57)
+    inside = GaliBackend(model, tok, train_window=256, query_block=7)
+    assert torch.allclose(inside.token_logprobs(ids), _vanilla_logprobs(model, ids), atol=1e-5)
+    b = GaliBackend(model, tok, train_window=16, chunk_size=5, local_window=3, noise=False)
+    got = b.token_logprobs(ids)
+    assert torch.allclose(got, _reference_logprobs(model, ids, 16, 3, 5, window=8), atol=1e-5)
+    assert (got - _reference_logprobs(model, ids, 16, 3, 5)).abs().max() > 1e-3
 
 
 def test_paper_logits_are_the_key_interpolation():
@@ -218,7 +238,7 @@ def test_errors(tok):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="gali supports llama"):
+    with pytest.raises(UnsupportedModelError, match=r"gali does not support gpt2 \(gpt2\)"):
         GaliBackend(gpt2, tok)
 
 

@@ -150,6 +150,11 @@ def test_chat_template_ids_and_missing_template(smol, tmp_path):
         b = HFBackend(tiny_model(vocab_size=len(tok)), tok)
     assert b.identity()["chat_template"] == NO_CHAT_TEMPLATE
     assert b.format_prompt(TaskPrompt(user="q", assistant_prefix="A:")) == "q\nA:"
+    # a task's prompt reads in its completion form: the template ends where the answer starts
+    kv = get_task("kv").prompt("k1", [Passage(title="k1", text="v1")])
+    assert b.format_prompt(kv).endswith('"k1": "v1"}\n\nKey: "k1"\nCorresponding value: "')
+    qa = get_task("qa").prompt("Which river?", [Passage(title="T", text="The Seine.")])
+    assert b.format_prompt(qa).endswith("Question: Which river?\nAnswer:")
 
 
 # ---------------------------------------------------------------- batch mates, streams (24, 29)

@@ -24,6 +24,10 @@ Implementation notes (differences from the official code, same maths):
 * Attention is computed in query blocks (``query_block`` rows at a time) with grouped-query heads
   sharing their key/value head (no ``repeat_kv`` copy), so the peak memory of a layer grows
   linearly with the block, not with ``chunk x T`` per head twice.
+* A sliding-window layer (Mistral) keeps its window over GALI's positions: a key is visible
+  while ``ceil(p_q) - p_k < window``. Within ``L`` the positions are the token indices, so this
+  is the model's own window; beyond it, the window covers more tokens where positions are
+  squeezed, and no relative distance beyond the window enters a sliding layer's logits.
 * Prompts of equal length are decoded as one batch (their position IDs coincide); other lengths
   run as separate groups.
 """
@@ -37,7 +41,7 @@ import torch
 from pydantic import Field
 
 from ragfix.backends.base import BackendOptions, Cancel, Prompt, check_cancel
-from ragfix.backends.family import Family, project_qkv
+from ragfix.backends.family import Family, model_family, project_qkv
 from ragfix.backends.hf import HFBackend, greedy_steps
 from ragfix.backends.patching import routed
 from ragfix.errors import ConfigError
@@ -221,6 +225,8 @@ class _GaliRun:
         dtype = self.b.model.dtype
         self.cos_c, self.sin_c, self.cos_f, self.sin_f = self._tables(self.layout, dtype)
         self.frac = self.layout.frac.to(self.b.device, dtype)
+        self.ceil = self.layout.ceil.to(self.b.device)
+        self.positions = self.layout.positions.to(self.b.device)
         self.start = self.done
 
     @torch.no_grad()
@@ -258,6 +264,7 @@ class _GaliRun:
         q = _rope(q, self.cos_c[rows], self.sin_c[rows]).view(bsz, kv_heads, groups, c, d)
         k_t = self.keys_at(k).transpose(-1, -2)  # [B, Hkv, d, T]
         opts = self.b.options
+        window = self.b.windows[attn.layer_idx]
         noisy = opts.noise and opts.noise_std > 0 and self.cos_f is not None
         key_idx = torch.arange(total, device=q.device)
         if noisy:
@@ -281,8 +288,11 @@ class _GaliRun:
                     (1, *logits.shape[1:]), generator=self.generator, device=q.device, dtype=q.dtype
                 )
                 logits.add_(eps.mul_(sigma))
-            future = key_idx[None, :] > query_idx[:, None]  # [n, T] bottom-right causal mask
-            logits.masked_fill_(future, float("-inf"))
+            hidden = key_idx[None, :] > query_idx[:, None]  # [n, T] bottom-right causal mask
+            if window is not None:
+                # a sliding layer sees a key while its distance ceil(p_q) - p_k < window
+                hidden |= self.ceil[query_idx, None] - self.positions[None, :] >= window
+            logits.masked_fill_(hidden, float("-inf"))
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
             out[:, :, :, r0:r1] = (
                 probs.view(bsz, kv_heads, groups * n, total)
@@ -351,12 +361,11 @@ class GaliBackend(HFBackend):
 
     @classmethod
     def check_family(cls, family: Family, options: BackendOptions) -> None:
-        """GALI runs on one RoPE base over whole heads, every layer full (see the module
-        docstring).
+        """GALI runs on one RoPE base over whole heads (see the module docstring).
 
         Raises:
-            UnsupportedModelError: a family outside :data:`SUPPORTED_MODEL_TYPES`, partial
-                rotary, or sliding-window layers.
+            UnsupportedModelError: a family outside :data:`SUPPORTED_MODEL_TYPES` or partial
+                rotary.
         """
         if family.model_type not in SUPPORTED_MODEL_TYPES:
             raise family.refuse(
@@ -366,12 +375,6 @@ class GaliBackend(HFBackend):
             )
         if family.partial_rotary < 1:
             raise family.refuse("gali", "RoPE rotates only part of each head")
-        if family.sliding:
-            raise family.refuse(
-                "gali",
-                "its layers slide a window, and gali interpolates positions over the whole "
-                "sequence (no sliding-window attention)",
-            )
 
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)
@@ -398,6 +401,7 @@ class GaliBackend(HFBackend):
         decoder = model.get_decoder()
         self.rotary = decoder.rotary_emb
         self.attentions = [layer.self_attn for layer in decoder.layers]
+        self.windows = model_family(model).windows
 
     @property
     def train_window(self) -> int:

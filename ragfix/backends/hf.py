@@ -37,13 +37,15 @@ from ragfix.models import model_identity
 from ragfix.types import Generation
 
 #: what :meth:`HFBackend.identity` records for a tokenizer without a chat template
-NO_CHAT_TEMPLATE = "none: user text + newline"
+NO_CHAT_TEMPLATE = "none: the task's completion form"
 
 
 def chat_text(tokenizer, prompt: Prompt) -> str:
     """The text a model with ``tokenizer`` reads for ``prompt``: a :class:`TaskPrompt`'s user turn
-    in the tokenizer's chat template (plain ``user + "\\n"`` without one), assistant turn opened
-    and prefilled with its ``assistant_prefix``; a string as it is."""
+    in the tokenizer's chat template, assistant turn opened and prefilled with its
+    ``assistant_prefix``; without a chat template (a base model), the task's completion form
+    ``user + completion_prefix`` (``user + "\\n" + assistant_prefix`` for a prompt without
+    one); a string as it is."""
     if isinstance(prompt, str):
         return prompt
     if tokenizer.chat_template:
@@ -52,6 +54,8 @@ def chat_text(tokenizer, prompt: Prompt) -> str:
             add_generation_prompt=True,
             tokenize=False,
         )
+    elif prompt.completion_prefix is not None:
+        return prompt.user + prompt.completion_prefix
     else:
         text = prompt.user + "\n"
     return text + prompt.assistant_prefix
@@ -193,8 +197,8 @@ class HFBackend(Backend):
         self._reuse_ids: list[int] = []
         if not tokenizer.chat_template:
             warnings.warn(
-                f"{self.model_name}: the tokenizer has no chat template; a TaskPrompt is sent as "
-                "its user text plus a newline, then the assistant prefix (recorded in identity())",
+                f"{self.model_name}: the tokenizer has no chat template; a TaskPrompt is read in "
+                "its task's completion form (recorded in identity())",
                 stacklevel=2,
             )
 
