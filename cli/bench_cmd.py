@@ -58,6 +58,43 @@ def families_cmd(
     show_tables(table, details, json_out)
 
 
+@bench.command("gpu")
+def gpu_cmd(
+    out: Annotated[Path, typer.Option(help="folder of the result files")] = Path("results"),
+    runs: Annotated[Path, typer.Option(help="folder of the sweeps' run folders")] = Path(
+        "runs/gpu"
+    ),
+    device: Annotated[str, typer.Option(help="cuda, cuda:1 ... (cpu: a dry run)")] = "cuda",
+    records: Annotated[str, typer.Option(help="held-out KV-8 records START:END")] = "200:230",
+    select: Annotated[
+        str | None, typer.Option("-k", help="pytest -k expression narrowing the tests")
+    ] = None,
+) -> None:
+    """The check of a CUDA machine in one command: the family mechanism tests on the device
+    (bf16 and fp32) and SmolLM2's held-out KV-8 sweep with vanilla, attention-sort and pine,
+    each writing a result file (results/gpu-*.json)."""
+    from ragfix.eval.bench_gpu import gpu_check
+    from ragfix.eval.compare import comparison_tables
+    from ragfix.tables import print_tables
+
+    with user_errors(), console.status("gpu check") as status:
+        result = gpu_check(
+            out, runs, device=device, records=records, select=select, progress=status.update
+        )
+    m = result["mechanism"]
+    console.print(
+        f"mechanism tests on {m['device']}: {m['passed']} passed, {m['failed']} failed, "
+        f"{m['skipped']} skipped",
+        highlight=False,
+    )
+    for failure in m["failures"]:
+        console.print(f"  failed: {failure}", highlight=False, soft_wrap=True)
+    print_tables(comparison_tables(result["comparison"]), console)
+    console.print(f"result files: {out}/gpu-mechanism.json, {result['path']}", highlight=False)
+    if m["failed"]:
+        raise typer.Exit(1)
+
+
 @bench.command("threads")
 def threads_cmd(
     threads: Annotated[str, typer.Option(help="torch thread counts, comma separated")] = "1,2",

@@ -84,9 +84,12 @@ def tiny_config(family: str, vocab_size: int = 256, window: int = 2048, **ids):
     return build[family]()
 
 
-def tiny_family_model(family: str, tokenizer, dtype=torch.float32, attn: str = "sdpa", seed=0):
+def tiny_family_model(
+    family: str, tokenizer, dtype=torch.float32, attn: str = "sdpa", seed=0, device="cpu"
+):
     """A seeded tiny model of ``family`` (:func:`tiny_config`) over ``tokenizer``'s vocabulary,
-    in eval mode, in ``dtype`` with attention ``attn``."""
+    in eval mode, in ``dtype`` with attention ``attn``, on ``device`` (weights drawn on the CPU,
+    so every device gets the same ones)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -98,7 +101,7 @@ def tiny_family_model(family: str, tokenizer, dtype=torch.float32, attn: str = "
         eos_token_id=tokenizer.eos_token_id,
     )
     cfg._attn_implementation = attn
-    return AutoModelForCausalLM.from_config(cfg).eval().to(dtype)
+    return AutoModelForCausalLM.from_config(cfg).eval().to(device=device, dtype=dtype)
 
 
 def probed_backends() -> list[str]:

@@ -5,11 +5,14 @@ equal plain transformers; every method at a neutral setting (one passage, factor
 inside the window) equals the plain model on the tokens it reads; pine and set-based keep their
 order invariance; set-based equals an independent computation; each refusal is one line, from
 the config, before any weights are loaded; the committed capability table is what the backends
-say now."""
+say now.
+
+``RAGFIX_TEST_DEVICE=cuda`` runs the same tests on a GPU (``ragfix bench gpu``)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -37,6 +40,8 @@ VARIANTS = [
     pytest.param(torch.bfloat16, "sdpa", id="bf16-sdpa"),
     pytest.param(torch.bfloat16, "eager", id="bf16-eager"),
 ]
+#: where the tiny models run (``RAGFIX_TEST_DEVICE``; the CPU unless told)
+DEVICE = os.environ.get("RAGFIX_TEST_DEVICE", "cpu")
 #: how far two computations of the same log-probabilities may differ (max abs, nats)
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 0.1}
 #: how far the answers to two orders of the same passages may differ: fp32 holds the invariance
@@ -65,15 +70,15 @@ def _plain_logprobs(model, ids: list[int]) -> torch.Tensor:
     """The next-token log-probabilities of the plain transformers model on ``ids`` (one row, no
     padding, no cache)."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-    return torch.log_softmax(logits, -1)
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float()
+    return torch.log_softmax(logits, -1).cpu()
 
 
 def _plain_greedy(model, tok, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            input_ids=torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            input_ids=torch.tensor([ids], device=model.device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
@@ -85,12 +90,12 @@ def _plain_greedy(model, tok, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("dtype", "attn"), VARIANTS)
 def test_vanilla_equals_plain_transformers_on_every_path(tok, prompts, family, dtype, attn):
-    model = tiny_family_model(family, tok, dtype, attn)
+    model = tiny_family_model(family, tok, dtype, attn, device=DEVICE)
     backend = backend_spec("vanilla").resolve()(model, tok)
     ids = [backend.encode(p) for p in prompts]
     assert min(map(len, ids)) > TINY_WINDOW  # the sliding layers' windows fill
     want = torch.stack([_plain_logprobs(model, x) for x in ids])
-    got = backend.next_token_logprobs(prompts, batch_size=3)  # left padded
+    got = backend.next_token_logprobs(prompts, batch_size=3).cpu()  # left padded
     assert (got - want).abs().max().item() < TOLERANCE[dtype]
     if dtype == torch.float32:  # greedy tokens: bf16 rounding may flip a random model's argmax
         plain = [_plain_greedy(model, tok, x, 4) for x in ids]
@@ -115,7 +120,7 @@ NEUTRAL = {
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("dtype", "attn"), VARIANTS)
 def test_every_method_at_its_neutral_setting_equals_the_plain_model(tok, family, dtype, attn):
-    model = tiny_family_model(family, tok, dtype, attn)
+    model = tiny_family_model(family, tok, dtype, attn, device=DEVICE)
     prompt = _one_passage_prompt()
     ran = []
     for name, options in NEUTRAL.items():
@@ -127,7 +132,7 @@ def test_every_method_at_its_neutral_setting_equals_the_plain_model(tok, family,
         backend = cls(model, tok, **options)
         ids = backend.encode(prompt)
         assert len(ids) > TINY_WINDOW
-        got = backend.next_token_logprobs([prompt])[0]
+        got = backend.next_token_logprobs([prompt])[0].cpu()
         want = _plain_logprobs(model, ids)
         assert (got - want).abs().max().item() < TOLERANCE[dtype], name
         if dtype == torch.float32:
@@ -147,7 +152,7 @@ def test_order_invariance_on_every_family(tok, family, dtype, attn, name):
     from ragfix.connectors.litm import load_samples
     from ragfix.tasks import task_prompt
 
-    model = tiny_family_model(family, tok, dtype, attn)
+    model = tiny_family_model(family, tok, dtype, attn, device=DEVICE)
     backend = backend_spec(name).resolve()(model, tok)
     sample = load_samples(resolve_data("kv-sample"), 8, 1)[0]
     moved = [task_prompt(sample, sample.passages_with_gold_at(p)) for p in (0, 4, 7)]
@@ -195,7 +200,7 @@ def test_every_cell_of_the_capability_table_is_what_the_backends_do(tok, prompts
     for backend, cell in cells.items():
         assert cell["reason"] == verdict(backend, tiny_config(family)), backend
         for dtype in (torch.float32, torch.bfloat16):
-            model = tiny_family_model(family, tok, dtype, "sdpa")
+            model = tiny_family_model(family, tok, dtype, "sdpa", device=DEVICE)
             if cell["works"]:
                 probe_cell(backend, model, tok, prompts)
             else:

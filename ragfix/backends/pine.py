@@ -300,8 +300,9 @@ class PineBackend(PassageSetBackend):
         """See :meth:`~ragfix.backends.set_based.PassageSetBackend._run`: the prefill through
         PINE attention, decoding over the pre-RoPE cache of the run."""
         run = _PineRun(self, sets, extra)
+        keep = 1 + max((len(e) for e in extra), default=0)
         with self._patched(run):
-            logits = self.model(input_ids=run.ids, use_cache=False).logits
+            logits = self.model(input_ids=run.ids, use_cache=False, logits_to_keep=keep).logits
 
         @torch.no_grad()
         def step(nxt: torch.Tensor) -> torch.Tensor:

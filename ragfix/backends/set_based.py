@@ -194,8 +194,9 @@ class PassageSetBackend(LayoutBackend):
         tokens, which attend to everything before them, like the text after the set).
 
         Returns:
-            ``(logits, step)``: ``[B, T, vocab]`` logits of the pass, and the cached decoding
-            step (``[B, 1]`` next token ids -> ``[B, 1, vocab]`` logits).
+            ``(logits, step)``: ``[B, n, vocab]`` logits of the pass's last ``n = 1 +
+            max(len(extra))`` positions, and the cached decoding step (``[B, 1]`` next token
+            ids -> ``[B, 1, vocab]`` logits).
         """
         raise NotImplementedError
 
@@ -231,6 +232,7 @@ class SetBasedBackend(PassageSetBackend):
                 positions[:, :, None] - positions[:, None, :],
             ),
             cache=cache,
+            logits_to_keep=1 + max((len(e) for e in extra), default=0),
         )
         # decoding: a new token sees every key but the padding (its row grows by one each step)
         state = {"positions": positions, "keys": blocks != PAD}
