@@ -212,7 +212,7 @@ def methods_cmd(
             data,
             status.update,
         )
-    show_tables(table, details, json_out)
+    show_tables(table, details, json_out, keep_all=True)
 
 
 @bench.command("channel-scaling")

@@ -52,6 +52,20 @@ BACKENDS = ("vanilla", "set-based", "pine")
 NUM_DOCS = (10, 20)
 #: the generation's token budget
 NEW_TOKENS = 8
+#: the projection's model: Meta-Llama-3-8B's attention (its config.json: 32 layers, 32 query
+#: heads over 8 KV heads of 128 channels), in bf16
+LLAMA3_8B = {"name": "Llama-3-8B bf16", "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
+#: the one tensor of a prefill that grows with the square of the prompt's length ``T``, per
+#: backend, as its module computes it (bytes for a model ``shape`` in bf16; absent: none):
+#: PINE's passage-to-passage importance (``[H, R, R]`` softmax in float32 per layer, one layer at
+#: a time, ``R`` about ``T``); set-based's additive block mask (``[1, 1, T, T]`` in the model's
+#: dtype, one per layer type); vanilla, attention-sort (eager only over the question's rows,
+#: linear in ``T``) and calibrated-attention (its own attention only over the rows after the
+#: passages) have none under sdpa.
+QUADRATIC = {
+    "pine": ("importance softmax [H, T, T] fp32, one layer", lambda t, m: m["heads"] * t * t * 4),
+    "set-based": ("block mask [T, T] bf16", lambda t, m: t * t * 2),
+}
 
 
 def check_backends(names: list[str], model: str = "smollm2") -> list[str]:
@@ -227,6 +241,7 @@ def bench_methods(
         ],
     )
     details = {
+        "projection": LLAMA3_8B,
         "data": str(path),
         "model": model,
         "device": str(dev),
@@ -235,4 +250,62 @@ def bench_methods(
         "new_tokens": NEW_TOKENS,
         "measurements": rows,
     }
-    return table, details
+    return [table, growth_table(rows, names, counts)], details
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ``log y`` on ``log x`` (``None`` with fewer than two points or a
+    figure that is not positive)."""
+    import math
+
+    if len(xs) < 2 or min(ys, default=0) <= 0:
+        return None
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = statistics.mean(lx), statistics.mean(ly)
+    den = sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / den if den else None
+
+
+def growth_table(rows: list[dict], names: list[str], counts: list[int]) -> TableSpec:
+    """How each backend's cost grows with the prompt's length, and what that gives for
+    :data:`LLAMA3_8B` at the largest number of passages measured.
+
+    Per backend: the exponent ``a`` of prefill seconds ``~ T^a`` (least squares over the
+    measured numbers of passages, ``T`` their mean prompt tokens), the prefill ratio to vanilla
+    at the largest number, and, for the 8B model at that ``T``: its KV cache (``2 * layers *
+    kv_heads * head_dim * T`` values in bf16, every backend) and the backend's tensor that
+    grows with ``T^2`` (:data:`QUADRATIC`), computed from the shapes, not measured.
+    """
+    m = LLAMA3_8B
+    top = max(counts)
+    out = []
+    for name in names:
+        mine = [r for r in rows if r["backend"] == name]
+        a = _slope([r["prompt_tokens_mean"] for r in mine], [r["prefill_s_median"] for r in mine])
+        last = next(r for r in mine if r["num_docs"] == top)
+        t = last["prompt_tokens_mean"]
+        kv = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * t * 2 / 2**20
+        what, size = QUADRATIC.get(name, ("none", None))
+        out.append(
+            [
+                name,
+                _fmt(a, ".2f"),
+                _fmt(last["prefill_x"], ".2f"),
+                f"{t:,.0f}",
+                f"{kv:,.0f}",
+                what,
+                "" if size is None else f"{size(t, m) / 2**20:,.0f}",
+            ]
+        )
+    return TableSpec(
+        f"growth with the prompt's length, and {m['name']} at {top} passages (computed)",
+        ["backend", "prefill ~ T^a", f"×vanilla at {top}", "T", "KV cache MiB"]
+        + ["grows with T^2", "its MiB"],
+        out,
+        [
+            "a: least-squares slope of log prefill seconds on log prompt tokens over the "
+            "measured numbers of passages. KV cache and the T^2 tensor: from the 8B model's "
+            "shapes (32 layers, 32 heads, 8 KV heads of 128 channels) at the measured T, "
+            "bf16; computed, not measured."
+        ],
+    )

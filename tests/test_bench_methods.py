@@ -4,6 +4,7 @@ ratios' baseline, the token counts), and the backend names checked before anythi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from conftest import data_file
@@ -23,12 +24,20 @@ def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
     from ragfix.tasks import task_prompt
 
     path = data_file(KV)
-    table, details = bench_methods(
-        ["vanilla", "set-based"], [4], limit=1, model="smollm2", device="cpu", data=path
+    (table, growth), details = bench_methods(
+        ["vanilla", "set-based"], [4, 6], limit=1, model="smollm2", device="cpu", data=path
     )
-    rows = details["measurements"]
+    rows, more = details["measurements"][:2], details["measurements"][2:]
     assert [(r["backend"], r["num_docs"]) for r in rows] == [("vanilla", 4), ("set-based", 4)]
-    assert [row[:2] for row in table.rows] == [["vanilla", "4"], ["set-based", "4"]]
+    assert [row[:2] for row in table.rows[:2]] == [["vanilla", "4"], ["set-based", "4"]]
+    # the growth exponent is the slope through the two lengths; the 8B tensors from the shapes
+    for r4, r6, row in zip(rows, more, growth.rows, strict=True):
+        t4, t6 = r4["prompt_tokens_mean"], r6["prompt_tokens_mean"]
+        a = math.log(r6["prefill_s_median"] / r4["prefill_s_median"]) / math.log(t6 / t4)
+        assert row[0] == r4["backend"] and row[1] == f"{a:.2f}" and row[3] == f"{t6:,.0f}"
+        assert row[4] == f"{2 * 32 * 8 * 128 * t6 * 2 / 2**20:,.0f}"
+    assert growth.rows[0][5:] == ["none", ""]
+    assert growth.rows[1][6] == f"{more[1]['prompt_tokens_mean'] ** 2 * 2 / 2**20:,.0f}"
     assert table.headers == [
         "backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s",
         "×vanilla", "peak MiB", "×vanilla",
