@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -23,6 +24,12 @@ from ragfix.serve import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAIT_MS,
+)
+from ragfix.serve_guard import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_CONNECTIONS,
 )
 
 
@@ -73,19 +80,59 @@ def register(app: typer.Typer) -> None:
                 "or, if it came while the model was busy, from when the model is free",
             ),
         ] = DEFAULT_MAX_WAIT_MS,
+        header_timeout: Annotated[
+            float,
+            typer.Option(
+                help="seconds a client may take to send a request's head (from connecting, or "
+                "from its previous answer); later: HTTP 408 and the connection closed",
+            ),
+        ] = DEFAULT_HEADER_TIMEOUT_S,
+        body_timeout: Annotated[
+            float,
+            typer.Option(
+                help="seconds a client may take to send a request's body once its head is in; "
+                "later: HTTP 408 and the connection closed",
+            ),
+        ] = DEFAULT_BODY_TIMEOUT_S,
+        keep_alive_timeout: Annotated[
+            float, typer.Option(help="seconds an idle connection is kept open after an answer")
+        ] = DEFAULT_KEEP_ALIVE_S,
+        max_connections: Annotated[
+            int,
+            typer.Option(
+                help="most connections open at once; one more gets HTTP 503 and is closed "
+                "before it is read",
+            ),
+        ] = DEFAULT_MAX_CONNECTIONS,
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
     ) -> None:
         """Serve a ragfix backend over HTTP, OpenAI-compatible: /v1/chat/completions (streaming,
         logprobs), /v1/completions (echo), /v1/models, /health. Other programs (or ragfix with
         --model openai:ID --api-base http://HOST:PORT/v1) then use the debiased model. Concurrent
-        requests are batched; a client that goes away cancels its generation."""
+        requests are batched; a client that goes away cancels its generation; a client too slow
+        to send its request is cut off (408), and connections beyond --max-connections are
+        refused (503). A backend that needs a task prompt's passage spans (attention-sort,
+        set-based, ...) is refused at start: a request carries none."""
         import uvicorn
 
-        from ragfix.backends import load_backend
-        from ragfix.serve import create_app, exposure_warning
+        from ragfix.backends import backend_class, load_backend
+        from ragfix.backends.base import require_plain_prompts
+        from ragfix.serve import check_api_key, create_app, exposure_warning
+        from ragfix.serve_guard import ServeLimits, reserve_open_files, server_config
 
+        if api_key is None:  # click reads a set but empty variable as unset: an open server
+            api_key = os.environ.get(API_KEY_ENV)
         with user_errors():
+            check_api_key(api_key)
+            limits = ServeLimits(
+                header_timeout_s=header_timeout,
+                body_timeout_s=body_timeout,
+                keep_alive_s=keep_alive_timeout,
+                max_connections=max_connections,
+            )
+            require_plain_prompts(backend_class(backend, model), "ragfix serve", backend)
+            reserve_open_files(limits)
             b = load_backend(
                 backend,
                 model=model,
@@ -98,7 +145,7 @@ def register(app: typer.Typer) -> None:
                 b,
                 model,
                 prefix_reuse=prefix_reuse,
-                api_key=api_key or None,
+                api_key=api_key,
                 max_body_bytes=max_body_bytes,
                 max_batch_size=max_batch_size,
                 max_wait_ms=max_wait_ms,
@@ -109,4 +156,4 @@ def register(app: typer.Typer) -> None:
         err_console.print(
             f"ragfix serve: {model} ({backend}) at http://{host}:{port}/v1", highlight=False
         )
-        uvicorn.run(app_, host=host, port=port, log_level="warning")
+        uvicorn.Server(server_config(app_, host, port, limits)).run()

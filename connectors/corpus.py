@@ -2,8 +2,10 @@
 
 * :func:`load_documents`: a folder of ``.txt``, ``.md``, ``.pdf`` and ``.html`` files read with
   LlamaIndex's readers (``SimpleDirectoryReader``; ``HTMLTagReader`` for the ``<body>`` text), or a
-  JSON Lines file with one document a line (``id``, ``title``, ``text``). Unreadable, binary or
-  empty files are skipped and counted, not fatal.
+  JSON Lines file with one document a line (``id``, ``title``, ``text``). Every subfolder is
+  read, symbolic links to folders followed (each folder once, loops refused). Unreadable, binary
+  or empty files are skipped and counted, not fatal; every file left out (those, hidden ones,
+  other types, links not followed) is named with why, in one warning.
 * :func:`build_corpus`: the documents chunked with LlamaIndex's ``SentenceSplitter`` (chunk sizes in
   tokens of the embedder's tokenizer), needles planted when asked
   (:func:`~ragfix.connectors.synthetic.plant_needles`), embedded with the embedded default
@@ -24,10 +26,12 @@ Each node renders for the LLM as in the Lost-in-the-Middle prompt, ``Document (T
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,14 +93,89 @@ def _doc(text: str, doc_id: str, title: str):
     )
 
 
-def _files(folder: Path) -> list[Path]:
-    return sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in DOC_EXTS
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
+def _files(folder: Path) -> tuple[list[Path], list[str]]:
+    """The document files of ``folder`` and every entry of it left out, with why.
+
+    Every subfolder is read; a symbolic link to a folder is followed, each folder once: a link
+    to a folder inside the corpus is left out (the folder is read under its own name), and so
+    is one to a folder that holds the corpus (a loop) or to one read already through another
+    link.
+
+    Returns:
+        ``(files, left_out)``: the ``.txt``/``.md``/``.pdf``/``.html`` files (paths through
+        ``folder``, sorted), and one ``"path (why)"`` per entry left out: a hidden name (a
+        hidden folder named once), a file of another type, a broken link, something that is not
+        a regular file, an unreadable folder, a link to a folder left out.
+    """
+    root = folder.resolve()
+    files: list[Path] = []
+    left: list[str] = []
+    seen: dict[Path, str] = {root: "."}  # real folder -> the path it is read as
+
+    def link_refusal(real: Path) -> str | None:
+        if root.is_relative_to(real):
+            return "a symbolic link to a folder that holds the corpus: a loop"
+        if real.is_relative_to(root):
+            inside = real.relative_to(root)
+            if any(part.startswith(".") for part in inside.parts):
+                return f"a symbolic link to the hidden folder {inside.as_posix()}/"
+            return f"a symbolic link to {inside.as_posix()}/ inside the corpus, read there"
+        return None
+
+    def visit(d: Path) -> None:
+        try:
+            entries = sorted(d.iterdir(), key=lambda e: e.name)
+        except OSError as e:
+            left.append(f"{d.relative_to(folder).as_posix()}/ (unreadable: {e.strerror})")
+            return
+        for entry in entries:
+            rel = entry.relative_to(folder).as_posix()
+            if entry.name.startswith("."):
+                left.append(f"{rel}{'/' if entry.is_dir() else ''} (hidden)")
+            elif entry.is_dir():
+                real = entry.resolve()
+                why = link_refusal(real) if entry.is_symlink() else None
+                if why is None and real in seen:
+                    why = f"a folder read already as {seen[real]}/"
+                if why is not None:
+                    left.append(f"{rel}/ ({why})")
+                    continue
+                seen[real] = rel
+                visit(entry)
+            elif entry.is_file():
+                if entry.suffix.lower() in DOC_EXTS:
+                    files.append(entry)
+                else:
+                    left.append(f"{rel} (not a {'/'.join(DOC_EXTS)} file)")
+            elif entry.is_symlink():
+                left.append(f"{rel} (a broken symbolic link)")
+            else:
+                left.append(f"{rel} (not a regular file)")
+
+    visit(folder)
+    return sorted(files), left
+
+
+def document_copies(docs: list) -> dict[str, str]:
+    """The documents whose text (white space folded) is that of an earlier one: ``{copy id:
+    the id of the first document with that text}``, in corpus order."""
+    first: dict[str, str] = {}
+    out: dict[str, str] = {}
+    for d in docs:
+        key = " ".join(d.text.split())
+        if key in first:
+            out[d.id_] = first[key]
+        else:
+            first[key] = d.id_
+    return out
+
+
+def describe_copies(copies: dict[str, str], most: int = 5) -> str:
+    """``copies`` (:func:`document_copies`) in words, the first ``most`` named: ``"b.md is a
+    copy of a.md, c.md is a copy of a.md and 3 more"``."""
+    named = [f"{c} is a copy of {o}" for c, o in list(copies.items())[:most]]
+    more = f" and {len(copies) - most} more" if len(copies) > most else ""
+    return ", ".join(named) + more
 
 
 def _read_file(path: Path) -> str:
@@ -151,10 +230,15 @@ def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
         CorpusError: the path does not exist, or no readable document is found.
         DataError: a malformed JSONL record, or a document id given twice (both lines named:
             a question's ``gold_doc_id`` must name one document).
+
+    Warns:
+        UserWarning: (a folder) one line naming every file left out and why (:func:`_files`;
+            unreadable and empty files, also counted in ``skipped``).
     """
     skipped = skipped if skipped is not None else SkipCounter()
     corpus = Path(corpus)
     docs = []
+    left: list[str] = []
     if corpus.is_file():
         seen: dict[str, int] = {}
         for line, rec in read_jsonl(corpus, skip_invalid=False, fields=CORPUS_FIELDS):
@@ -166,19 +250,28 @@ def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
             refuse_duplicate(seen, doc_id, corpus, line, "id", f"document id {doc_id!r}")
             docs.append(_doc(text, doc_id, str(rec.get("title") or "")))
     elif corpus.is_dir():
-        for path in _files(corpus):
+        files, left = _files(corpus)
+        for path in files:
             rel = path.relative_to(corpus).as_posix()
             try:
                 text = _read_file(path)
             except Exception as e:  # a reader can fail in many ways; the file is counted
-                skipped.add(DataError(path, None, None, f"unreadable, skipped ({e})"))
+                why = f"unreadable, skipped ({' '.join(str(e).split())})"
+                skipped.add(DataError(path, None, None, why))
+                left.append(f"{rel} ({why})")
                 continue
             if not text.strip():
                 skipped.add(DataError(path, None, None, "no text, skipped"))
+                left.append(f"{rel} (no text)")
                 continue
             docs.append(_doc(text, rel, path.stem))
     else:
         raise CorpusError(f"{corpus}: no such folder or file")
+    if left:
+        warnings.warn(
+            f"{corpus}: {len(left)} left out of the corpus: {'; '.join(left)}",
+            stacklevel=2,
+        )
     if not docs:
         raise CorpusError(
             f"{corpus}: no readable documents ({', '.join(DOC_EXTS)} files, or a JSONL file)"
@@ -199,7 +292,7 @@ def corpus_fingerprint(corpus: Path) -> str:
     corpus = Path(corpus)
     if corpus.is_file():
         return content_fingerprint(corpus)
-    return files_fingerprint(corpus, _files(corpus))
+    return files_fingerprint(corpus, _files(corpus)[0])
 
 
 def embedder_key(name: str | None) -> str:
@@ -257,6 +350,8 @@ class Corpus:
         where: the index's cache folder (:func:`index_dir`).
         needles: the planted needles (:func:`~ragfix.connectors.synthetic.plant_needles`), in
             draw order; empty without needle settings.
+        copies: the documents that are copies of an earlier one (:func:`document_copies`:
+            ``{copy id: original id}``): an answer in one is in the other too.
     """
 
     path: Path
@@ -265,6 +360,7 @@ class Corpus:
     rebuilt: bool
     where: Path
     needles: list[Needle] = field(default_factory=list)
+    copies: dict[str, str] = field(default_factory=dict)
 
     def retriever(self, kind: str = "faiss", top_k: int = 10):
         """The ``faiss`` vector retriever or a ``bm25`` retriever returning ``top_k`` nodes.
@@ -308,6 +404,11 @@ def build_corpus(
     Raises:
         CorpusError: see :func:`load_documents`.
         NeedleError: needles that do not fit this corpus and chunking.
+
+    Warns:
+        UserWarning: (when it reads the documents) the files left out (:func:`load_documents`),
+            and the documents that are copies of others, in one line
+            (:attr:`Corpus.copies`; kept in the index's manifest, read there afterwards).
     """
     import faiss
     from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
@@ -332,13 +433,18 @@ def build_corpus(
     manifest = where / "manifest.json"
     if manifest.exists():
         kept = json.loads(manifest.read_text())
+        if "copies" not in kept:  # an index built before manifests kept them
+            kept["copies"] = _copies(corpus, load_documents(corpus, SkipCounter()))
+            with contextlib.suppress(OSError):  # a read-only cache: found again next time
+                atomic_write_json(manifest, kept)
         store = FaissVectorStore.from_persist_dir(str(where))
         ctx = StorageContext.from_defaults(vector_store=store, persist_dir=str(where))
         index = load_index_from_storage(ctx, embed_model=embed)
         nodes = [index.docstore.get_node(i) for i in kept["node_ids"]]
         planted = [Needle(**n) for n in kept.get("needles", [])]
-        return Corpus(corpus, index, nodes, rebuilt=False, where=where, needles=planted)
+        return Corpus(corpus, index, nodes, False, where, needles=planted, copies=kept["copies"])
     docs = load_documents(corpus, skipped)
+    copies = _copies(corpus, docs)
     tokenizer = AutoTokenizer.from_pretrained(embed_model or str(default_embedder_path()))
 
     def tokens(text: str) -> list[int]:
@@ -368,11 +474,24 @@ def build_corpus(
             **settings,
             "node_ids": [n.node_id for n in nodes],
             "needles": [n.model_dump() for n in planted],
+            "copies": copies,
         },
     )
     shutil.rmtree(where, ignore_errors=True)
     tmp.rename(where)
-    return Corpus(corpus, index, nodes, rebuilt=True, where=where, needles=planted)
+    return Corpus(corpus, index, nodes, True, where, needles=planted, copies=copies)
+
+
+def _copies(corpus: Path, docs: list) -> dict[str, str]:
+    """The :func:`document_copies` of ``docs``, warned about in one line when there are any."""
+    copies = document_copies(docs)
+    if copies:
+        warnings.warn(
+            f"{corpus}: {len(copies)} document(s) are copies of others (an answer in one is in "
+            f"its copy too): {describe_copies(copies)}",
+            stacklevel=3,
+        )
+    return copies
 
 
 class PipelineQuestion(BaseModel):

@@ -54,10 +54,11 @@ from pydantic import Field
 from rich.console import Console
 from rich.table import Table
 
-from ragfix.backends.base import Fit
+from ragfix.backends.base import Fit, require_plain_prompts
 from ragfix.connectors.corpus import (
     DEFAULT_CHUNK_SIZE,
     build_corpus,
+    describe_copies,
     locate_gold,
     needle_questions,
     read_questions,
@@ -291,8 +292,10 @@ def run_pipeline_sweep(
 
     Raises:
         ConfigError, DataError, CorpusError, NeedleError, ProfileError, ModelNotFoundError: bad
-            input (one line), e.g. not exactly one source of questions, or no written question
-            passing the filter.
+            input (one line), e.g. not exactly one source of questions, a backend that reads
+            passages only where a task prompt says they are (a framework's prompt is text:
+            refused before indexing), or no written question passing the filter (the files
+            that are copies of others named).
         ConfigMismatchError: ``out`` holds a run of other settings, weights or corpus or
             question contents (not with ``restart``).
         Interrupted: Ctrl-C: every cell finished before it is stored (cells run one at a
@@ -301,7 +304,7 @@ def run_pipeline_sweep(
             other missing ones.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from ragfix.backends import load_backend, result_options, validate_backend
+    from ragfix.backends import backend_class, load_backend, result_options, validate_backend
     from ragfix.models import resolve_model
 
     options = dict(backend_options or {})
@@ -322,6 +325,7 @@ def run_pipeline_sweep(
     if framework != "llamaindex":
         require_extra(framework)
     validated = validate_backend(backend, adapter, model=model, **options)
+    require_plain_prompts(backend_class(backend, model), f"the {framework} pipeline", backend)
     resolve_model(model)
     accuracies = None
     if "bias-profile" in strategies:
@@ -400,12 +404,19 @@ def run_pipeline_sweep(
             batch = writer.preferred_batch_size or 8
             made = write_questions(writer, cor.nodes, questions_from, batch)
         del writer
+        copies = {"copies": cor.copies} if cor.copies else {}
         if not made.records:
             why = ", ".join(f"{k} {v}" for k, v in made.dropped.items())
+            if cor.copies:
+                why += (
+                    f"; {len(cor.copies)} file(s) of {corpus} are copies of others, and an "
+                    "answer in one is in its copy too (answer_in_other_chunk): "
+                    f"{describe_copies(cor.copies)}; remove the copies"
+                )
             raise DataError(written, None, None, f"no written question passed the filter ({why})")
         atomic_write_text(written, "".join(json.dumps(r) + "\n" for r in made.records))
         atomic_write_json(
-            Path(out) / WRITTEN_REPORT, {"model": questions_from.model, **made.report()}
+            Path(out) / WRITTEN_REPORT, {"model": questions_from.model, **made.report(), **copies}
         )
         questions = written
         folder.config = folder.config.model_copy(
@@ -506,6 +517,8 @@ def print_pipeline_run(summary: dict, out: Path, console: Console) -> None:
     w = summary.get("written_questions")
     if w:
         drops = ", ".join(f"{k} {v}" for k, v in w["dropped"].items())
+        if w.get("copies"):
+            drops += f"; copies in the corpus: {describe_copies(w['copies'])}"
         console.print(
             f"questions written by {w['model']}: {w['kept']} of {w['asked']} kept; dropped: "
             f"{drops} ({out / WRITTEN_QUESTIONS})",

@@ -233,12 +233,14 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
     """The record of a cell: ``flags`` plus the backend's own (:attr:`Generation.flags`), with
     :func:`generation_extra` in ``extra`` and, without a local tokenizer,
     ``extra["token_counts"] = "server"``; the sample's question and gold answers and the prompt
-    the backend read (:func:`stored_prompt`), which the caller drops when the run keeps no
+    the backend read (:func:`stored_prompt`; for a cell flagged ``overflow``, which the model
+    never read, the task prompt as it is: a backend that rearranges the passages with the model,
+    ``attention-sort``, is not run for it), which the caller drops when the run keeps no
     prompts (:attr:`SweepConfig.log_prompts`); ``prompt_position`` is where the gold passage
     is in that prompt. A cell with an :data:`~ragfix.types.UNSCORED` flag is not scored
     (``correct`` False)."""
     flags, extra = cell_flags(cell.sample.answers, [*flags, *gen.flags])
-    read = stored_prompt(cell, backend.read_prompt)
+    read = stored_prompt(cell, None if OVERFLOW in flags else backend.read_prompt)
     extra.update(generation_extra(gen))
     if not backend.has_tokenizer:
         extra["token_counts"] = "server"

@@ -19,7 +19,7 @@ from ragfix.eval.plot import plot_curves
 from ragfix.io import atomic_write_json
 from ragfix.metrics import CurveSummary, position_curve
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, print_tables
-from ragfix.types import EMPTY_ANSWER, OVERFLOW, PROMPT_CUT
+from ragfix.types import EMPTY_ANSWER, UNSCORED_MEANING
 
 RESULTS_FILE = "results.jsonl"
 
@@ -180,18 +180,11 @@ def summary_tables(summary: dict, title: str = "") -> list[TableSpec]:
     return tables
 
 
-#: what each flag of a cell that is not scored means, for the lines under the flags table
-UNSCORED_MEANING = {
-    OVERFLOW: "the prompt does not fit the context window",
-    PROMPT_CUT: "the server cut the prompt",
-    EMPTY_ANSWER: "the server gave no answer text",
-}
-
-
 def unscored_lines(summary: dict) -> list[str]:
     """Why cells of a ``summary.json`` are not scored, one line each: the samples left out of
-    the accuracy and, per :data:`~ragfix.types.UNSCORED` flag, its cells and meaning (with the
-    server's reasons for ``empty_answer``); empty when every cell is scored."""
+    the accuracy and, per :data:`~ragfix.types.UNSCORED` flag, its cells and meaning
+    (:data:`~ragfix.types.UNSCORED_MEANING`, with the server's reasons for ``empty_answer``);
+    empty when every cell is scored."""
     if not summary.get("excluded_samples"):
         return []
     flags = summary.get("flags") or {}

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragfix.backends.base import Backend, cut_at_newline
+from ragfix.backends.base import Backend, cut_at_newline, require_plain_prompts
 from ragfix.errors import ConfigError
 from ragfix.prompts import TaskPrompt
 from ragfix.types import Generation
@@ -99,11 +99,14 @@ class Answerer:
         calls: model calls so far.
 
     Raises:
-        ConfigError: ``max_new_tokens`` leaves no room for a prompt in the context window (the
-            chat template's own tokens counted).
+        ConfigError: a backend that reads passages only where a task prompt says they are
+            (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`: a framework's prompt is
+            plain text), or ``max_new_tokens`` leaves no room for a prompt in the context window
+            (the chat template's own tokens counted).
     """
 
     def __init__(self, settings: AnswerFields, backend: Backend) -> None:
+        require_plain_prompts(backend, "a framework's LLM component")
         self.settings = AnswerSettings(**settings.answer_settings())
         self.backend = backend
         self.last_prompt: str | None = None

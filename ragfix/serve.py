@@ -16,6 +16,17 @@ under ``Server.tokenizer_lock``, never the model's. A client that goes away, str
 cancels its work: a queued request is dropped, a running generation stops within one decoding
 step (:class:`~ragfix.backends.base.Cancel`; a batch stops once all its clients are gone).
 
+Slow clients (:class:`~ragfix.serve_guard.ServeLimits`, run by
+:func:`~ragfix.serve_guard.server_config`): a request's head must be in
+within ``header_timeout_s`` and its body within ``body_timeout_s`` of its head, else it is
+answered 408 ``request_timeout`` and its connection closed; a connection made while
+``max_connections`` are open is answered 503 ``too_many_connections`` and closed before it is
+read (:mod:`ragfix.serve_guard`), so trickling clients never hold the server's open files.
+
+A backend that reads passages only where a task prompt says they are
+(:attr:`~ragfix.backends.base.Backend.needs_passage_spans`: ``attention-sort``, ...) is refused
+at start: a request carries no passage spans.
+
 What a request may be (anything else is refused with HTTP 400 in OpenAI's error format, one line):
 
 * chat: one ``user`` message, optionally followed by an ``assistant`` message that the model
@@ -47,7 +58,9 @@ What a request may be (anything else is refused with HTTP 400 in OpenAI's error 
   ``max_tokens: 0`` then scores the prompt without generating.
 
 Errors: an unknown model id is 404 (``model_not_found``); a missing or wrong API key 401
-(``invalid_api_key``); every error body is ``{"error": {"message", "type", "param", "code"}}``.
+(``invalid_api_key``); a request too slow 408 (``request_timeout``); a connection over the limit
+503 (``too_many_connections``); every error body is ``{"error": {"message", "type", "param",
+"code"}}``.
 """
 
 from __future__ import annotations
@@ -67,8 +80,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from ragfix.errors import Cancelled, RagfixError
+from ragfix.errors import Cancelled, ConfigError, RagfixError
 from ragfix.prompts import TaskPrompt, join_text_parts
+from ragfix.serve_errors import ApiError
 from ragfix.types import Generation
 
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: no torch at import
@@ -108,27 +122,6 @@ NEUTRAL: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": ("",),
 }
-
-
-class ApiError(Exception):
-    """A request the server refuses, answered as ``{"error": {...}}`` with ``status``."""
-
-    def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-    def body(self) -> dict:
-        """The OpenAI error object."""
-        kind = {
-            401: "authentication_error",
-            404: "not_found_error",
-            413: "invalid_request_error",
-        }.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
 
 
 class StreamOptions(BaseModel):
@@ -828,11 +821,18 @@ async def _read(request, model: type[_Request], limit: int) -> Any:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    from starlette.requests import ClientDisconnect
+
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(
+                    413, f"the request body is over {limit} bytes", code="body_too_large"
+                )
+    except ClientDisconnect:  # gone, or cut at its body deadline: nobody reads the answer
+        raise ApiError(400, "the client left before sending the whole body") from None
     try:
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
@@ -861,6 +861,20 @@ class KeyGate:
                 await _error_response(refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Refuse an API key that is empty or white space (an unset ``$RAGFIX_API_KEY=`` in a shell
+    or a compose file), which would otherwise serve with no key at all.
+
+    Raises:
+        ConfigError: such a key (one line, naming ``--api-key`` and :data:`API_KEY_ENV`).
+    """
+    if api_key is not None and not api_key.strip():
+        raise ConfigError(
+            f"the API key is empty (--api-key or ${API_KEY_ENV}): give a key, or unset "
+            f"{API_KEY_ENV} to serve without one"
+        )
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
@@ -904,12 +918,22 @@ def create_app(
         max_batch_size, max_wait_ms: batching (see :class:`ModelWorker`).
 
     Returns:
-        a ``fastapi.FastAPI`` application (run it with uvicorn).
+        a ``fastapi.FastAPI`` application (run it with uvicorn:
+        :func:`~ragfix.serve_guard.server_config`).
+
+    Raises:
+        ConfigError: an empty API key (:func:`check_api_key`), or a backend that reads
+            passages only where a task prompt says they are
+            (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`): a request carries none.
     """
     from fastapi import FastAPI, Response
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
+    from ragfix.backends.base import require_plain_prompts
+
+    check_api_key(api_key)
+    require_plain_prompts(backend, "ragfix serve")
     server = Server(backend, model_id, prefix_reuse, max_batch_size, max_wait_ms)
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="ragfix serve", version="1", **docs)
@@ -1093,6 +1117,7 @@ __all__ = [
     "KeyGate",
     "ModelWorker",
     "Server",
+    "check_api_key",
     "create_app",
     "exposure_warning",
     "free_port",

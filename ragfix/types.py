@@ -22,9 +22,27 @@ PROMPT_CUT = "prompt_cut"
 #: flag of a remote answer without text (``content: null`` or blank): the server's reason
 #: (``finish_reason``, a ``reasoning_content`` field, a refusal) is in the reasons; not scored
 EMPTY_ANSWER = "empty_answer"
+#: flag of an answer that opened a reasoning block (``<think>``) and stopped before closing it:
+#: it has no final answer (:func:`ragfix.backends.base.final_answer`); not scored
+REASONING_UNFINISHED = "reasoning_unfinished"
+#: flag of a remote answer that came from another model than the one asked for (a gateway that
+#: routed the request elsewhere): the name it answered with is in the reasons; not scored
+SERVED_MODEL_MISMATCH = "served_model_mismatch"
+#: flag of a remote answer that is not valid text (lone UTF-16 surrogates in its JSON): each
+#: was replaced by U+FFFD, their count is in the reasons; not scored
+INVALID_TEXT = "invalid_text"
+#: what each flag of a cell that is not scored means, for the lines under the flags table
+UNSCORED_MEANING = {
+    OVERFLOW: "the prompt does not fit the context window",
+    PROMPT_CUT: "the server cut the prompt",
+    EMPTY_ANSWER: "the server gave no answer text",
+    REASONING_UNFINISHED: "the model's reasoning never closed: no final answer",
+    SERVED_MODEL_MISMATCH: "the server answered with another model than the one asked for",
+    INVALID_TEXT: "the server's answer was not valid text",
+}
 #: the flags of a cell that is counted but not scored: its sample is left out of the accuracy at
 #: every position (:func:`ragfix.eval.sweep.summary_counts`)
-UNSCORED = frozenset({OVERFLOW, PROMPT_CUT, EMPTY_ANSWER})
+UNSCORED = frozenset(UNSCORED_MEANING)
 
 
 class Passage(BaseModel):
@@ -109,7 +127,10 @@ class Generation(BaseModel):
             :data:`OVERFLOW` (the server refused the prompt as longer than its window: no
             answer), :data:`TOKEN_COUNT_MISMATCH` (the server counted a few other prompt tokens
             than the local tokenizer), :data:`PROMPT_CUT` (the server counted many fewer: it
-            cut the prompt), :data:`EMPTY_ANSWER` (the server returned no answer text).
+            cut the prompt), :data:`EMPTY_ANSWER` (the server returned no answer text),
+            :data:`REASONING_UNFINISHED` (the answer's reasoning block never closed: no final
+            answer), :data:`SERVED_MODEL_MISMATCH` (the server answered with another model),
+            :data:`INVALID_TEXT` (the server's answer was not valid text).
         reasons: what the server said behind a flag, by flag (``{"empty_answer":
             "content null, finish_reason stop, reasoning_content present"}``).
     """
@@ -167,6 +188,13 @@ class SweepRecord(BaseModel):
       no answer text (its reason in ``extra["empty_answer"]``); counted and left out of the
       accuracy like ``overflow`` (:data:`UNSCORED`). ``token_count_mismatch``: the server
       counted a few other prompt tokens; scored.
+    * ``reasoning_unfinished`` (any backend): the model opened a reasoning block and stopped
+      before closing it, so there is no final answer to score
+      (:func:`ragfix.backends.base.final_answer`); left out of the accuracy like ``overflow``.
+    * ``served_model_mismatch``, ``invalid_text`` (a remote model): the server answered as
+      another model than the one asked for (its name in ``extra``), or sent text that is not
+      valid Unicode (lone surrogates, replaced by U+FFFD); left out of the accuracy like
+      ``overflow``.
     * ``degenerate_gold``: a gold answer normalises to nothing, to one character or to stopwords
       only (:func:`ragfix.metrics.degenerate_gold`; the reasons are in ``extra``); scored as
       usual, reported so a reader knows the metric is loose there.

@@ -34,6 +34,11 @@ MODES = {
     "reasoninglength": 'content "", finish_reason length, reasoning_content present',
     "refusal": "content null and a refusal",
     "hang": "the first `answer_now` requests answered at once, the others when closed",
+    "think": "the right value inside <think>...</think>, then a wrong final answer",
+    "thinkopen": "<think> and the right value, never closed (the budget ran out thinking)",
+    "othermodel": 'the right answer, from "other-model" (a gateway that routed elsewhere)',
+    "dated": 'the right answer, from "fake-2024-08-06" (a dated snapshot of the model asked for)',
+    "surrogate": "the right answer with a lone UTF-16 surrogate (\\ud800) in its JSON",
 }
 
 
@@ -164,6 +169,14 @@ class FakeOpenAI:
             finish = "length"
         elif mode == "refusal":
             message = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+        elif mode == "think":
+            message["content"] = f"<think>The value is {answer}</think>\n\nI do not know."
+        elif mode == "thinkopen":
+            message["content"] = f"<think>Let me look. The value is {answer}"
+            finish = "length"
+        elif mode == "surrogate":
+            message["content"] = answer + "\ud800"
+        out["model"] = {"othermodel": "other-model", "dated": "fake-2024-08-06"}.get(mode, "fake")
         choice = {"index": 0, "finish_reason": finish, "logprobs": None}
         choice.update({"message": message} if chat else {"text": message["content"]})
         out["choices"] = {"nullchoices": None, "emptychoices": []}.get(mode, [choice])

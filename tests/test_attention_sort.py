@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BUNDLED, tiny_model
+from conftest import BUNDLED, tiny_folder, tiny_model
 
 from ragfix.backends.attention_sort import (
     AttentionSortBackend,
@@ -187,3 +187,42 @@ def test_forget_prompts_drops_the_memoised_sorts(smol, monkeypatch):
     backend.forget_prompts()
     backend.encode(prompt)
     assert len(reads) == 2
+
+
+def test_a_prompt_over_the_window_is_flagged_before_any_attention_pass(tmp_path):
+    """Issue 45: through the sweep, a prompt that does not fit the window (16 KV pairs, 1262
+    tokens, in a 512-token window) is flagged ``overflow`` on its tokens as given, as vanilla
+    flags it, without one forward pass of the model (the attention pass read the whole prompt
+    first); a prompt that fits is still read, sorted and counted as sorted."""
+    from ragfix.backends import load_backend
+    from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
+    from ragfix.types import OVERFLOW
+
+    folder = tiny_folder(tmp_path / "tiny", window=512)
+    sort = load_backend("attention-sort", model=str(folder), device="cpu")
+    vanilla = load_backend("vanilla", model=str(folder), device="cpu")
+    passes = []
+    hook = sort.model.register_forward_hook(lambda *args: passes.append(1))
+    try:
+        long = load_samples(KV, 16, 1)[0]
+        config = SweepConfig(data="kv", task="kv", num_docs=16, model=str(folder),
+                             backend="attention-sort")  # fmt: skip
+        cells = plan_cells(config, [long], [0, 8, 15])
+        flagged, reference = [], []
+        run_cells(sort, cells, flagged.append)
+        assert passes == []
+        run_cells(vanilla, cells, reference.append)
+        assert [r.flags for r in flagged] == [r.flags for r in reference]
+        assert all(OVERFLOW in r.flags and r.new_tokens == 0 for r in flagged)
+        counted = [len(vanilla.encode(task_prompt(long, long.passages_with_gold_at(p))))
+                   for p in (0, 8, 15)]  # fmt: skip
+        assert [r.prompt_tokens for r in flagged] == counted
+        assert min(counted) > 512
+        # a prompt that fits: the attention pass runs, the verdict counts the sorted prompt
+        short = load_samples(KV, 4, 1)[0]
+        prompt = task_prompt(short, short.passages_with_gold_at(1))
+        fit = sort.fit(prompt)
+        assert passes and fit.flag is None
+        assert fit.prompt_tokens == len(vanilla.encode(sort.sorted_prompt(prompt)))
+    finally:
+        hook.remove()

@@ -155,3 +155,58 @@ def test_corpus_errors_are_user_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CorpusError, match="no readable documents"):
         load_documents(tmp_path / "empty")
+
+
+def test_a_symlinked_subfolder_is_read_and_every_file_left_out_is_named(tmp_path, monkeypatch):
+    """Issue 45: a corpus folder whose subfolder is a symbolic link (to a folder elsewhere) has
+    that subfolder's documents read, under the link's name, and in the corpus's fingerprint;
+    links that would read a folder twice or loop are left out, and every entry left out is named
+    with why in one warning line."""
+    from ragfix.connectors.corpus import corpus_fingerprint
+
+    monkeypatch.setenv("RAGFIX_CACHE", str(tmp_path / "cache"))
+    outside = tmp_path / "shared-notes"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "tides.md").write_text("The tide turns twice a day.")
+    (outside / "deep" / "reefs.txt").write_text("Coral reefs grow slowly.")
+    (outside / "deep" / "back").symlink_to(outside, target_is_directory=True)  # a loop
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.md").write_text("Alpha is the first letter.")
+    (docs / "sub" / "c.md").write_text("Gamma is the third letter.")
+    (docs / "notes").symlink_to(outside, target_is_directory=True)
+    (docs / "repeat").symlink_to(outside, target_is_directory=True)  # the same folder again
+    (docs / "inner").symlink_to(docs / "sub", target_is_directory=True)
+    (docs / "sub" / "up").symlink_to(docs, target_is_directory=True)  # a loop to the corpus
+    (docs / "gone.md").symlink_to(tmp_path / "missing.md")
+    (docs / "table.csv").write_text("a,b\n1,2\n")
+    (docs / "empty.md").write_text("  \n")
+    (docs / ".hidden").mkdir()
+    (docs / ".hidden" / "h.md").write_text("Hidden text.")
+    skipped = SkipCounter()
+    with pytest.warns(UserWarning) as caught:
+        read = load_documents(docs, skipped)
+    assert [d.id_ for d in read] == [
+        "a.md",
+        "notes/deep/reefs.txt",
+        "notes/tides.md",
+        "sub/c.md",
+    ]
+    assert read[1].text == "Coral reefs grow slowly."
+    [warning] = [str(w.message) for w in caught if "left out" in str(w.message)]
+    assert "\n" not in warning
+    assert warning == (
+        f"{docs}: 8 left out of the corpus: "
+        ".hidden/ (hidden); "
+        "gone.md (a broken symbolic link); "
+        "inner/ (a symbolic link to sub/ inside the corpus, read there); "
+        "notes/deep/back/ (a folder read already as notes/); "
+        "repeat/ (a folder read already as notes/); "
+        "sub/up/ (a symbolic link to a folder that holds the corpus: a loop); "
+        "table.csv (not a .txt/.md/.pdf/.html/.htm file); "
+        "empty.md (no text)"
+    )
+    assert skipped.count == 1 and "no text" in skipped.examples[0]
+    before = corpus_fingerprint(docs)
+    (outside / "tides.md").write_text("The tide turns twice a day, about.")
+    assert corpus_fingerprint(docs) != before

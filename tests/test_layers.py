@@ -179,3 +179,31 @@ def test_the_checks_catch_a_cycle_and_an_upward_edge():
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _loop(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
     assert _upper("ragfix.eval.sweep") and _upper("ragfix.cli") and not _upper("ragfix.evaluate")
+
+
+def _method_modules() -> set[str]:
+    """The modules of the registered backends (the methods), vanilla's ``hf`` left out."""
+    from ragfix.backends import backend_names, backend_spec
+
+    targets = [backend_spec(b).target for b in backend_names()]
+    return {t.split(":")[0] for t in targets if isinstance(t, str)} - {"ragfix.backends.hf"}
+
+
+def _method_crossings(graph: dict[str, set[str]], methods: set[str]) -> dict[str, list[str]]:
+    """Per method module, the other method modules it imports (none when the rule holds)."""
+    return {m: sorted(graph[m] & methods) for m in sorted(methods) if graph[m] & methods}
+
+
+def test_no_method_imports_another():
+    """Each method imports only the shared toolkit (``base``, ``hf``, ``family``, ``passages``,
+    ``patching``), never another method's module."""
+    methods = _method_modules()
+    assert {"ragfix.backends.pine", "ragfix.backends.attention_sort"} <= methods
+    assert _method_crossings(_graph(), methods) == {}
+
+
+def test_the_method_rule_catches_one_method_importing_another():
+    graph = _graph()
+    graph["ragfix.backends.pine"] = graph["ragfix.backends.pine"] | {"ragfix.backends.set_based"}
+    crossings = _method_crossings(graph, _method_modules())
+    assert crossings == {"ragfix.backends.pine": ["ragfix.backends.set_based"]}

@@ -362,3 +362,72 @@ def test_runs_of_other_needles_or_embedders_are_not_paired():
     assert config_differences(base, {**base, "embedder": "BAAI/bge-small-en"}) == [
         "embedder none vs BAAI/bge-small-en"
     ]
+
+
+def _twice(tmp_path, names=("rivers.md", "bread.md")):
+    """A corpus folder of the documents ``names`` whose every file has a copy (``copies/NAME``;
+    for the second, ``NAME-copy.md`` with a trailing newline more), and the copies in words."""
+    d = tmp_path / "twice"
+    (d / "copies").mkdir(parents=True)
+    for name in names:
+        (d / name).write_text(DOCS[name])
+    (d / "copies" / names[0]).write_text(DOCS[names[0]])
+    made = [f"{names[0]} is a copy of copies/{names[0]}"]
+    if len(names) > 1:
+        stem = names[1].removesuffix(".md")
+        (d / f"{stem}-copy.md").write_text(DOCS[names[1]] + "\n")  # white space aside
+        made.insert(0, f"{names[1]} is a copy of {stem}-copy.md")
+    return d, ", ".join(made)
+
+
+def test_a_corpus_of_copies_says_which_files_are_copies_when_no_question_is_kept(tmp_path):
+    """Issue 45: every file of the corpus has a copy, so the answer of every written question
+    (a served model's, the one pair its chunk answers) is in the copy's chunk too and the filter
+    keeps none; ``ragfix eval --questions-from`` fails in one line that names the copies (which
+    files are copies of which)."""
+    from fake_openai import FakeOpenAI
+
+    d, made = _twice(tmp_path, ("rivers.md",))
+    pair = " How many countries does the Danube cross?\nAnswer: ten countries"
+    out = tmp_path / "run"
+    with FakeOpenAI(pieces=[pair]) as server:
+        args = ["eval", "--corpus", str(d), "--questions-from", "openai:fake"]
+        args += ["--api-base", server.url, "--chunk-size", "256", "--out", str(out)]
+        res = runner.invoke(app, [*args, "--num-docs", "2", "--positions", "0", "--device", "cpu"])
+        assert len(server.bodies) == 2  # the two chunks, each asked once
+    assert res.exit_code == 2, res.output
+    [line] = [x for x in res.output.splitlines() if x.startswith("error: ")]
+    assert line == (
+        f"error: {out / WRITTEN_QUESTIONS}: no written question passed the filter (unparsed 0, "
+        "answer_not_in_chunk 0, answer_in_other_chunk 2, answer_in_question 0, quotes_chunk 0, "
+        f"duplicate 0; 1 file(s) of {d} are copies of others, and an answer in one is in its "
+        f"copy too (answer_in_other_chunk): {made}; remove the copies)"
+    )
+
+
+def test_the_copies_of_a_corpus_are_warned_and_kept_with_its_index(tmp_path, monkeypatch):
+    """Building the index warns, in one line, which documents are copies of which; the index's
+    manifest keeps them (a load reads them there, silently); an index built before manifests
+    kept them has them found again from the documents, and written into its manifest."""
+    import warnings
+
+    monkeypatch.setenv("RAGFIX_CACHE", str(tmp_path / "cache"))
+    d, made = _twice(tmp_path)
+    with pytest.warns(UserWarning) as caught:
+        cor = build_corpus(d, chunk_size=256)
+    assert cor.rebuilt and [str(w.message) for w in caught] == [
+        f"{d}: 2 document(s) are copies of others (an answer in one is in its copy too): {made}"
+    ]
+    assert cor.copies == {"bread.md": "bread-copy.md", "rivers.md": "copies/rivers.md"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = build_corpus(d, chunk_size=256)
+    assert not loaded.rebuilt and loaded.copies == cor.copies
+    manifest = cor.where / "manifest.json"
+    kept = json.loads(manifest.read_text())
+    del kept["copies"]
+    manifest.write_text(json.dumps(kept))
+    with pytest.warns(UserWarning, match=made):
+        again = build_corpus(d, chunk_size=256)
+    assert not again.rebuilt and again.copies == cor.copies
+    assert json.loads(manifest.read_text())["copies"] == cor.copies

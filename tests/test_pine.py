@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import BUNDLED, tiny_model
 
+from ragfix.backends.passages import OUTSIDE, padded_batch, passage_set
 from ragfix.backends.patching import attention_modules, patch_attention
 from ragfix.backends.pine import PineBackend, passage_shifts
-from ragfix.backends.set_based import OUTSIDE, padded_batch, passage_set
 from ragfix.connectors.litm import load_samples
 from ragfix.errors import IncompatibleMethodsError, RagfixError
 from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells

@@ -13,7 +13,14 @@ from fake_openai import FakeOpenAI, ctrl_c
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
-from ragfix.types import EMPTY_ANSWER, PROMPT_CUT, TOKEN_COUNT_MISMATCH
+from ragfix.types import (
+    EMPTY_ANSWER,
+    INVALID_TEXT,
+    PROMPT_CUT,
+    REASONING_UNFINISHED,
+    SERVED_MODEL_MISMATCH,
+    TOKEN_COUNT_MISMATCH,
+)
 
 #: the case's sweep: 2 KV samples x gold positions 0 and 3 of 4 pairs (4 cells)
 SWEEP = ["kv-sample", "--num-docs", "4", "--positions", "0,3", "--limit", "2"]
@@ -347,3 +354,91 @@ def test_c21_a_judge_that_answers_content_null_says_why_its_verdicts_are_invalid
     assert reasons == [reason, None]
     [s] = _summary(tmp_path / "one")["judges"].values()
     assert s["flags"] == {EMPTY_JUDGE_REPLY: 1} and s["empty_reply_reasons"] == {reason: 1}
+
+
+# ------------------------------------------------------------------ issue 45: what a server says
+
+
+def test_a_reasoning_models_thinking_is_never_scored(tmp_path):
+    """Issue 45: a remote reasoning model writes the right value inside ``<think>...</think>``
+    and a wrong final answer. Before, KV scoring found the value in the thinking: accuracy 1.000
+    while every final answer was wrong. The thinking is dropped, so every cell is scored on "I do
+    not know." and is wrong; an answer whose thinking never closed is flagged
+    ``reasoning_unfinished`` and not scored."""
+    with FakeOpenAI("think") as fake:
+        res = _eval(fake, tmp_path / "think")
+    assert res.exit_code == 0, res.output
+    recs = _records(tmp_path / "think")
+    assert [(r["answer"], r["correct"], r["flags"]) for r in recs] == [
+        ("I do not know.", False, [])
+    ] * 4
+    assert _summary(tmp_path / "think")["curves"]["vanilla"]["mean"] == 0.0
+    with FakeOpenAI("thinkopen") as fake:
+        res = _eval(fake, tmp_path / "open")
+    assert res.exit_code == 0, res.output
+    why = "<think> opened and never closed: no final answer"
+    for r in _records(tmp_path / "open"):
+        assert r["flags"] == [REASONING_UNFINISHED] and r["answer"] == ""
+        assert r["extra"][REASONING_UNFINISHED] == why
+    s = _summary(tmp_path / "open")
+    assert s["scored_cells"] == 0 and s["flags"] == {REASONING_UNFINISHED: {"0": 2, "3": 2}}
+    text = " ".join(res.output.split())
+    assert "reasoning_unfinished: 4 cell(s), the model's reasoning never closed" in text
+
+
+def test_an_answer_from_another_model_is_flagged_and_a_dated_snapshot_is_not(tmp_path):
+    """Issue 45: a gateway answers with another model's name. Every cell is flagged
+    ``served_model_mismatch`` with the name it came with and is left out of the curve filed
+    under the model asked for; a dated snapshot of the model asked for is the same model."""
+    with FakeOpenAI("othermodel") as fake:
+        res = _eval(fake, tmp_path / "other")
+    assert res.exit_code == 0, res.output
+    why = "the server answered as 'other-model', asked for 'fake'"
+    for r in _records(tmp_path / "other"):
+        assert r["flags"] == [SERVED_MODEL_MISMATCH] and r["extra"][SERVED_MODEL_MISMATCH] == why
+    assert _summary(tmp_path / "other")["scored_cells"] == 0
+    with FakeOpenAI("dated") as fake:
+        res = _eval(fake, tmp_path / "dated")
+    assert res.exit_code == 0, res.output
+    assert [(r["flags"], r["correct"]) for r in _records(tmp_path / "dated")] == [([], True)] * 4
+    from ragfix.backends.remote import same_model
+
+    assert same_model("llama3", "llama3:latest") and same_model("gpt-4o", "gpt-4o-2024-08-06")
+    assert not same_model("gpt-4o", "gpt-4o-mini") and not same_model("fake", "fake2")
+
+
+def test_a_lone_surrogate_in_an_answer_is_a_flag_and_the_run_finishes(tmp_path):
+    """Issue 45: one lone UTF-16 surrogate in a server's answer crashed the sweep with a
+    traceback, storing 0 cells, so the run could never finish. The answer is stored with
+    U+FFFD in its place, flagged ``invalid_text`` (not scored), and the run finishes."""
+    with FakeOpenAI("surrogate", only={2}) as fake:
+        res = _eval(fake, tmp_path / "run", "--concurrency", "1")
+    assert res.exit_code == 0, res.output
+    recs = _records(tmp_path / "run")
+    assert len(recs) == 4 and [r["flags"] for r in recs] == [[], [INVALID_TEXT], [], []]
+    assert recs[1]["answer"].endswith("\ufffd")
+    why = "1 lone UTF-16 surrogate(s) in the server's answer, not text (each replaced by U+FFFD)"
+    assert recs[1]["extra"][INVALID_TEXT] == why
+    assert _summary(tmp_path / "run")["scored_cells"] == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "unfinished"),
+    [
+        ('<think>the value is 123</think>\n\n"456"', '"456"', False),
+        ("<Thinking>a\nb</Thinking> 456\nmore", "456", False),
+        ("opened by the chat template: 123</think>\n456", "456", False),  # Qwen3, DeepSeek-R1
+        ("456 <think>but maybe 123</think> then", "456  then", False),
+        ("456 <think>but maybe 123", "456", False),
+        ("  <think>still thinking: 123", "", True),
+        ("  plain 789\nmore", "plain 789", False),
+    ],
+)
+def test_the_reasoning_rule_every_backend_applies(text, answer, unfinished):
+    """:func:`~ragfix.backends.base.final_answer` (what the local and remote backends return):
+    thinking is dropped wherever it is; thinking that never closed before any answer leaves
+    none, flagged ``reasoning_unfinished``."""
+    from ragfix.backends.base import final_answer
+
+    got, flags = final_answer(text, stop_at_newline=True)
+    assert got == answer and (REASONING_UNFINISHED in flags) is unfinished

@@ -300,6 +300,45 @@ def test_pipeline_sweep_refuses_edited_corpus_questions_and_weights(
     assert sweep(restart=True)["cells"] == 2
 
 
+def _set_json(path: Path, **changes) -> str:
+    """Set ``changes`` in the JSON file ``path``; returns its text before."""
+    before = path.read_text()
+    path.write_text(json.dumps({**json.loads(before), **changes}, indent=2))
+    return before
+
+
+def test_a_rerun_after_the_tokenizer_chat_template_or_generation_config_changed_is_refused(
+    tmp_path, model_dir
+):
+    """Issue 45 (vllm#4180's fix, ``eos_token`` edited in ``tokenizer_config.json``): the
+    identity covers the tokenizer, the chat template and the generation config, so a rerun is
+    refused instead of mixing cells that stop at the old EOS token with new ones; restoring the
+    file resumes again, with nothing recomputed."""
+    out = tmp_path / "run"
+    _, first = _sweep(out, model_dir, limit=1)
+    assert len(first) == 2
+    assert _sweep(out, model_dir, limit=1)[1] == []  # unchanged: every cell reused
+    cfg = model_dir / "tokenizer_config.json"
+    before = _set_json(cfg, eos_token="<|endoftext|>")
+    with pytest.raises(ConfigMismatchError, match=r"identity\.tokenizer: "):
+        _sweep(out, model_dir, limit=1)
+    cfg.write_text(before)
+    assert _sweep(out, model_dir, limit=1)[1] == []
+    template = model_dir / "chat_template.jinja"
+    original = template.read_text()
+    template.write_text(original.replace("<|im_start|>", "<|im_start|> "))
+    with pytest.raises(ConfigMismatchError, match=r"identity\.chat_template: "):
+        _sweep(out, model_dir, limit=1)
+    template.write_text(original)
+    gen = model_dir / "generation_config.json"
+    before = _set_json(gen, repetition_penalty=1.3)
+    with pytest.raises(ConfigMismatchError, match=r"identity\.generation_config: "):
+        _sweep(out, model_dir, limit=1)
+    gen.write_text(before)
+    assert _sweep(out, model_dir, limit=1)[1] == []
+    assert len(_lines(out / "results.jsonl")) == 2  # nothing lost, nothing mixed in
+
+
 # ------------------------------------------------------------------ judge
 def test_judge_refuses_a_finished_folder_after_new_weights_or_an_edited_pair_file(
     tmp_path, model_dir
@@ -320,6 +359,11 @@ def test_judge_refuses_a_finished_folder_after_new_weights_or_an_edited_pair_fil
         run_judge(pairs, out, model=str(model_dir), device="cpu")  # finished, checked anyway
     tiny_folder(model_dir, seed=0)  # the first weights again: the folder is theirs
     assert run_judge(pairs, out, model=str(model_dir), device="cpu").computed == 0
+    cfg = model_dir / "tokenizer_config.json"
+    before = _set_json(cfg, eos_token="<|endoftext|>")
+    with pytest.raises(ConfigMismatchError, match=r"identity\.tokenizer: "):
+        run_judge(pairs, out, model=str(model_dir), device="cpu")
+    cfg.write_text(before)
     pairs.write_text(pairs.read_text().replace('"5"', '"six"'))
     with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
         run_judge(pairs, out, model=str(model_dir), device="cpu")

@@ -22,6 +22,7 @@ from conftest import BUNDLED, tiny_folder
 
 from ragfix.prompts import TaskPrompt
 from ragfix.serve import create_app, exposure_warning, free_port, serving
+from ragfix.serve_guard import server_config
 
 MODEL = "smollm2"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -41,11 +42,12 @@ class Steps:
 
 @contextlib.contextmanager
 def running(app):
-    """Serve ``app`` with uvicorn on a free port of 127.0.0.1 (a thread); yields its URL."""
+    """Serve ``app`` with uvicorn as ``ragfix serve`` configures it (:func:`server_config`:
+    deadlines and a connection limit) on a free port of 127.0.0.1 (a thread); yields its URL."""
     import uvicorn
 
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    srv = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="error"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -614,3 +616,269 @@ def test_a_backend_that_cannot_batch_is_queued(tmp_path):
             together = list(pool.map(ask, prompts))
     assert together == alone
     assert app.state.server.worker.batch_sizes == [1] * (2 * len(prompts))
+
+
+# ------------------------------------------------------------------ slow clients (issue 45)
+
+#: a request head cut short: what a trickling client has sent when it stalls
+PARTIAL_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+
+
+class Slow:
+    """A raw client on 127.0.0.1: sends ``first`` at once, then (while :func:`feed` runs) one
+    byte of ``more`` per round; keeps what the server sends back and when it closed."""
+
+    def __init__(self, port: int, first: bytes = b"", more: bytes = b""):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.start = time.monotonic()
+        self.sock.sendall(first)
+        self.more, self.reply, self.closed_after = more, b"", None
+
+    def poll(self) -> None:
+        """Read what came, note when the server closed, else send the next trickled byte."""
+        import select
+
+        if self.closed_after is not None:
+            return
+        while select.select([self.sock], [], [], 0)[0]:
+            try:
+                data = self.sock.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                self.closed_after = time.monotonic() - self.start
+                self.sock.close()
+                return
+            self.reply += data
+        if self.more:
+            with contextlib.suppress(OSError):
+                self.sock.send(self.more[:1])
+            self.more = self.more[1:]
+
+    def error(self) -> tuple[int, dict]:
+        """The status and the JSON error of the server's answer."""
+        head, _, body = self.reply.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)["error"]
+
+
+def feed(clients: list[Slow], stop: threading.Event, every: float = 0.2) -> threading.Thread:
+    """A thread that polls every client (:meth:`Slow.poll`) every ``every`` seconds until
+    ``stop`` is set and all are closed (``clients`` may grow while it runs)."""
+
+    def run():
+        while not (stop.is_set() and all(c.closed_after is not None for c in list(clients))):
+            for c in list(clients):
+                c.poll()
+            time.sleep(every)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_slow_clients_are_cut_off_and_the_others_answered(tmp_path, monkeypatch):
+    """Issue 45 (1150 trickling connections stopped ``ragfix serve``, API key or not), against
+    ``ragfix serve`` itself with a key: 50 clients trickle a request head a byte at a time, one
+    connects and sends nothing, one trickles a body. While they hold their connections, a
+    standard client is answered; connections over ``--max-connections`` are answered 503 at
+    once; each slow head is answered 408 once its deadline is over (the trickled bytes do not
+    extend it), the silent one closed, the slow body answered 408 at its own deadline; then the
+    server answers as before."""
+    from openai import OpenAI
+
+    head_s, body_s, most = 4, 6, 60
+    folder = tiny_folder(tmp_path / "tiny")
+    monkeypatch.setenv("RAGFIX_API_KEY", "s3cret")
+    args = ["--model", str(folder), "--device", "cpu", "--header-timeout", str(head_s),
+            "--body-timeout", str(body_s), "--max-connections", str(most)]  # fmt: skip
+    with serving(*args) as url:
+        port = int(url.removesuffix("/v1").rsplit(":", 1)[1])
+
+        def answer() -> int:
+            with OpenAI(base_url=url, api_key="s3cret", max_retries=0, timeout=30) as client:
+                out = client.chat.completions.create(model=str(folder), messages=Q, max_tokens=3)
+            return out.usage.completion_tokens
+
+        assert answer() >= 1  # warm
+        body_head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+            b"content-type: application/json\r\ncontent-length: 200\r\n\r\n{"
+        )
+        heads = [Slow(port, PARTIAL_HEAD, b"X-Slow: " + b"y" * 200) for _ in range(50)]
+        silent, body = Slow(port), Slow(port, body_head, b" " * 199)
+        clients = [*heads, silent, body]
+        stop = threading.Event()
+        thread = feed(clients, stop)
+        try:
+            started = min(c.start for c in clients)
+            assert answer() >= 1  # while 52 slow clients hold their connections
+            assert all(c.closed_after is None for c in clients)
+            time.sleep(0.3)  # the answered client's connection closed
+            extra = [Slow(port, PARTIAL_HEAD) for _ in range(most - len(clients))]
+            clients += extra
+            over = Slow(port, PARTIAL_HEAD)
+            deadline = time.monotonic() + 2
+            while over.closed_after is None and time.monotonic() < deadline:
+                over.poll()
+                time.sleep(0.01)
+            assert over.closed_after is not None and over.closed_after < 1
+            status, error = over.error()
+            assert status == 503 and error["code"] == "too_many_connections"
+            assert f"({most}, ragfix serve --max-connections)" in error["message"]
+            assert time.monotonic() - started < head_s  # all of that while the slow ones held
+            assert all(c.closed_after is None for c in clients)
+        finally:
+            stop.set()
+            thread.join(timeout=head_s + body_s + 10)
+        assert not thread.is_alive()
+        for c in [*heads, *extra]:
+            assert head_s - 0.1 <= c.closed_after <= head_s + 2
+            status, error = c.error()
+            assert status == 408 and error["code"] == "request_timeout"
+            assert f"did not send its head within {head_s} s" in error["message"]
+        assert head_s - 0.1 <= silent.closed_after <= head_s + 2 and silent.reply == b""
+        assert body_s - 0.1 <= body.closed_after <= body_s + 2
+        status, error = body.error()
+        assert status == 408 and f"its body within {body_s} s of its head" in error["message"]
+        assert "\n" not in error["message"]
+        assert answer() >= 1
+
+
+def test_limits_are_settings_and_the_open_files_they_need_are_reserved(tmp_path):
+    """The limits are validated when built; ``reserve_open_files`` raises the soft limit on open
+    files to what ``max_connections`` needs (here, in this process, from a lowered soft limit),
+    and ``ragfix serve`` refuses in one line, before loading anything, a ``--max-connections``
+    the hard limit cannot hold."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from pydantic import ValidationError
+
+    from ragfix.serve_guard import (
+        OPEN_FILES_RESERVE,
+        ServeLimits,
+        accept_burst,
+        reserve_open_files,
+    )
+
+    with pytest.raises(ValidationError, match="header_timeout_s"):
+        ServeLimits(header_timeout_s=0)
+    with pytest.raises(ValidationError, match="bogus"):
+        ServeLimits(bogus=1)
+    limits = ServeLimits(max_connections=100)
+    need = 100 + 3 * accept_burst(limits) + OPEN_FILES_RESERVE
+    assert accept_burst(limits) == 100 and accept_burst(ServeLimits()) == 128
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 10
+    assert low < need
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        assert reserve_open_files(limits) == need
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (need, hard)
+        assert reserve_open_files(limits) == need  # enough already: left as it is
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+
+    cmd = [sys.executable, "-m", "ragfix.cli", "serve", "--model", str(tmp_path / "none"),
+           "--max-connections", "1000"]  # fmt: skip
+    done = subprocess.run(cmd, preexec_fn=low_limit, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --max-connections 1000 needs 1448 open files and this process may open 512 "
+        "(ulimit -Hn): give --max-connections 112 or less, or raise the limit"
+    ]
+
+
+@pytest.mark.parametrize("backend", ["attention-sort", "set-based", "pine", "calibrated-attention"])
+def test_serve_refuses_a_backend_that_needs_passage_spans_at_start(backend, tmp_path_factory):
+    """Issue 45: ``ragfix serve --backend set-based`` (or ``attention-sort``, ``pine``,
+    ``calibrated-attention``) started, then refused every request (a chat request carries no
+    passage spans); it now exits at start with one line naming the backend and why, before its
+    model is even looked for (each declares that it needs spans)."""
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+
+    folder = tmp_path_factory.getbasetemp() / "span-tiny"
+    if not (folder / "config.json").exists():
+        tiny_folder(folder)
+    res = CliRunner().invoke(app, ["serve", "--backend", backend, "--model", str(folder),
+                                   "--device", "cpu", "--port", str(free_port())])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    [line] = [x for x in res.output.splitlines() if x.startswith("error: ")]
+    assert line.startswith(f"error: backend {backend!r} cannot run under ragfix serve")
+    assert line.endswith(  # declared: refused before the model is looked for
+        ": it reads a prompt's passages where the prompt says they are, and ragfix serve "
+        "gets prompts that do not say (a chat message, a framework's text); use it with "
+        "ragfix eval or ragfix judge, or choose another backend"
+    )
+    res = CliRunner().invoke(app, ["serve", "--backend", backend, "--model", "/nowhere"])
+    assert res.exit_code == 2 and res.output.strip() == line
+
+
+def test_the_library_refuses_a_backend_that_needs_passage_spans(smol):
+    """The same refusal where a program builds the server or a framework component itself:
+    ``create_app`` and ``RagFixLLM`` over ``attention-sort`` or ``set-based`` raise one-line
+    ``ConfigError``s; vanilla and GALI read a chat prompt and are accepted. A backend that
+    declares nothing but refuses a chat prompt is refused too, with its own reason."""
+    from ragfix.backends.attention_sort import AttentionSortBackend
+    from ragfix.backends.gali import GaliBackend
+    from ragfix.backends.set_based import SetBasedBackend
+    from ragfix.errors import ConfigError
+    from ragfix.llm import RagFixLLM
+
+    for backend in (AttentionSortBackend(smol.model, smol.tokenizer),
+                    SetBasedBackend(smol.model, smol.tokenizer)):  # fmt: skip
+        for build, who in ((lambda b: create_app(b, MODEL), "ragfix serve"),
+                           (RagFixLLM, "a framework's LLM component")):  # fmt: skip
+            with pytest.raises(ConfigError) as e:
+                build(backend)
+            assert str(e.value).startswith(f"backend {backend.name!r} cannot run under {who}")
+            assert "\n" not in str(e.value)
+
+    class Undeclared(SetBasedBackend):
+        needs_passage_spans = False
+
+    with pytest.raises(ConfigError) as e:
+        create_app(Undeclared(smol.model, smol.tokenizer), MODEL)
+    assert str(e.value) == (
+        "backend 'set-based' cannot run under ragfix serve, whose prompts do not say where "
+        "passages are: backend 'set-based' reads a prompt's passages as a set and this prompt "
+        "does not say where they are (a plain text, or a prompt built without passages): use a "
+        "task prompt (ragfix eval, ragfix judge) or another backend"
+    )
+    for backend in (smol, GaliBackend(smol.model, smol.tokenizer, train_window=96)):
+        assert create_app(backend, MODEL).state.server.backend is backend
+        assert RagFixLLM(backend).backend is backend
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_an_empty_api_key_is_an_error_not_an_open_server(how, monkeypatch):
+    """Issue 45: ``RAGFIX_API_KEY=`` (set, empty) gave an open server on 0.0.0.0 with only a
+    warning. An empty or blank key, given as ``--api-key`` or in the environment, is refused in
+    one line before any model is loaded (the model named does not exist); so is one given to
+    :func:`~ragfix.serve.create_app`."""
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+    from ragfix.errors import ConfigError
+    from ragfix.serve import check_api_key
+
+    args = ["serve", "--model", "/nowhere", "--host", "0.0.0.0"]
+    if how == "flag":
+        args += ["--api-key", "  "]
+    else:
+        monkeypatch.setenv("RAGFIX_API_KEY", "")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    [line] = [x for x in res.output.splitlines() if x.strip()]
+    assert "the API key is empty (--api-key or $RAGFIX_API_KEY)" in line
+    with pytest.raises(ConfigError, match="the API key is empty"):
+        check_api_key("")
+    check_api_key("a-key")
+    check_api_key(None)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import BUNDLED, tiny_model
 
-from ragfix.backends.set_based import SetBasedBackend, passage_set
+from ragfix.backends.passages import passage_set
+from ragfix.backends.set_based import SetBasedBackend
 from ragfix.connectors.litm import load_samples
 from ragfix.errors import RagfixError
 from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells

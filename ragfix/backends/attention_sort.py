@@ -19,8 +19,12 @@ Score of passage ``d`` in layer ``l`` (:func:`passage_attention`): the attention
 readers give ``d``'s tokens, summed over the tokens, averaged over heads and readers (a mean,
 so that the question and the content-free query, of other lengths, are comparable).
 
-Refuses a prompt without passage spans (a framework's or a client's text) in one line. Prefix
-reuse is exact (the reordered prompt is read with vanilla attention), and an adapter composes.
+Refuses a prompt without passage spans (a framework's or a client's text) in one line, and
+declares it (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`), so that a consumer whose
+prompts never carry any (``ragfix serve``, the framework components) refuses the backend at
+start. A prompt that does not fit the window is flagged by :meth:`AttentionSortBackend.fit` on
+its tokens as given, before any attention pass. Prefix reuse is exact (the reordered prompt is
+read with vanilla attention), and an adapter composes.
 """
 
 from __future__ import annotations
@@ -30,15 +34,19 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.base import BackendOptions, Fit, Prompt, answer_rules
 from ragfix.backends.family import full_cache
 from ragfix.backends.hf import HFBackend, chat_text
-from ragfix.backends.set_based import OUTSIDE
+from ragfix.backends.passages import OUTSIDE, passage_tokens, spans_required
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 
 #: sorted prompts kept per backend (the sweep's fit check and its generation read the same one)
 _SORTED_CACHE = 256
+
+
+#: what the backend does with the passages (its refusal of a prompt without spans)
+SORTS = "sorts a prompt's passages"
 
 
 class AttentionSortOptions(BackendOptions):
@@ -57,47 +65,6 @@ class AttentionSortOptions(BackendOptions):
     layers: Literal["upper", "all"] = "upper"
     calibrate: bool = True
     rounds: int = Field(default=1, ge=1)
-
-
-def _spans_required(backend: HFBackend, prompt: Prompt) -> TaskPrompt:
-    if not isinstance(prompt, TaskPrompt) or not prompt.passages:
-        raise RagfixError(
-            f"backend {backend.name!r} sorts a prompt's passages and this prompt does not say "
-            "where they are (a plain text, or a prompt built without passages): use a task "
-            "prompt (ragfix eval, ragfix judge) or another backend"
-        )
-    return prompt
-
-
-def passage_tokens(backend: HFBackend, prompt: TaskPrompt) -> tuple[list[int], list[int], int]:
-    """The tokens ``backend`` reads for ``prompt`` (:func:`~ragfix.backends.hf.chat_text`,
-    tokenized as :meth:`~ragfix.backends.hf.HFBackend.encode` does) and where its passages are.
-
-    A token belongs to the piece of text its first character is in (the fast tokenizer's
-    offsets against :attr:`TaskPrompt.passages`).
-
-    Returns:
-        ``(ids, blocks, first)``: the token ids; per token the index of its passage or
-        :data:`~ragfix.backends.set_based.OUTSIDE`; the index of the first token after the last
-        passage (``len(ids)`` when none).
-
-    Raises:
-        RagfixError: a tokenizer without offsets (not a fast tokenizer).
-    """
-    text = chat_text(backend.tokenizer, prompt)
-    offset = text.find(prompt.user)
-    enc = backend.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if "offset_mapping" not in enc:
-        raise RagfixError(
-            f"{backend.model_name}: finding a prompt's passages among its tokens needs a fast "
-            "tokenizer (offsets)"
-        )
-    ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
-    spans = [(offset + a, offset + b) for a, b in prompt.passages]
-    blocks = [next((j for j, (a, b) in enumerate(spans) if a <= c < b), OUTSIDE) for c in starts]
-    end = spans[-1][1] if spans else 0
-    first = next((t for t, c in enumerate(starts) if c >= end), len(ids))
-    return ids, blocks, first
 
 
 @torch.no_grad()
@@ -122,7 +89,7 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
             f"backend {backend.name!r} exposes no attention weights; attention-sort needs a "
             "local model"
         )
-    prompt = _spans_required(backend, prompt)
+    prompt = spans_required(backend, prompt, SORTS)
     ids, blocks, first = passage_tokens(backend, prompt)
     member = torch.zeros(len(ids), len(prompt.passages))
     for t, j in enumerate(blocks):
@@ -132,7 +99,7 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
         raise RagfixError("attention-sort needs text after the passages (the question) to read")
     model, dev = backend.model, backend.device
     cache = full_cache()  # every key of every layer: a sliding layer's weights cover them all
-    model(input_ids=torch.tensor([ids[:first]], device=dev), cache=cache)
+    model(input_ids=torch.tensor([ids[:first]], device=dev), cache=cache, logits_to_keep=1)
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -140,6 +107,7 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
             input_ids=torch.tensor([ids[first:]], device=dev),
             cache=cache,
             output_attentions=True,
+            logits_to_keep=1,
         )
     finally:
         model.set_attn_implementation(before)
@@ -193,7 +161,7 @@ def sort_passages(
     Raises:
         RagfixError: as :func:`passage_scores`.
     """
-    prompt = _spans_required(backend, prompt)
+    prompt = spans_required(backend, prompt, SORTS)
     order = list(range(len(prompt.passages)))
     history: list[list[float]] = []
     if len(order) < 2:
@@ -222,6 +190,7 @@ class AttentionSortBackend(HFBackend):
 
     name: ClassVar[str] = "attention-sort"
     options_model: ClassVar[type[BackendOptions]] = AttentionSortOptions
+    needs_passage_spans = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -233,13 +202,34 @@ class AttentionSortBackend(HFBackend):
         Raises:
             RagfixError: a prompt without passage spans.
         """
-        prompt = _spans_required(self, prompt)
+        prompt = spans_required(self, prompt, SORTS)
         if prompt not in self._sorted:
             if len(self._sorted) >= _SORTED_CACHE:
                 self._sorted.pop(next(iter(self._sorted)))
             order, _ = sort_passages(self, prompt, self.options)
             self._sorted[prompt] = prompt.reordered(order)
         return self._sorted[prompt]
+
+    def fit(self, prompt: Prompt, max_new_tokens: int | None = None) -> Fit:
+        """See :meth:`~ragfix.backends.base.Backend.fit`: the verdict on the sorted prompt (what
+        the model answers), except that a prompt whose tokens as given (what the attention pass
+        reads) plus the budget exceed the window is flagged on that count at once, without any
+        attention pass: sorting moves the passages, it does not shorten the prompt.
+
+        Raises:
+            RagfixError: a prompt without passage spans.
+        """
+        prompt = spans_required(self, prompt, SORTS)
+        budget, _ = answer_rules(prompt, max_new_tokens, None)
+        given = len(self.tokenize(chat_text(self.tokenizer, prompt)))
+        if given + budget > self.context_window:
+            return Fit(
+                prompt_tokens=given,
+                budget=budget,
+                window=self.context_window,
+                cuts_long_prompts=self.cuts_long_prompts,
+            )
+        return super().fit(prompt, max_new_tokens)
 
     def read_prompt(self, prompt: Prompt) -> TaskPrompt:
         """See :meth:`~ragfix.backends.base.Backend.read_prompt`: the sorted prompt."""
@@ -267,6 +257,5 @@ __all__ = [
     "combine_scores",
     "passage_attention",
     "passage_scores",
-    "passage_tokens",
     "sort_passages",
 ]

@@ -5,8 +5,8 @@ A :class:`Backend` answers prompts and scores text; it does not say how. The Hug
 implementation (:mod:`ragfix.backends.hf`) and every method built on it (channel scaling, GALI,
 RoPE scaling, truncation, any adapter) fill it, and a remote model over HTTP fills the same
 methods. Consumers never look at a backend's class, its model or its private methods: what differs
-between backends is declared by :attr:`Backend.supports_prefix_reuse` and
-:attr:`Backend.supports_batching`.
+between backends is declared by :attr:`Backend.supports_prefix_reuse`,
+:attr:`Backend.supports_batching` and :attr:`Backend.needs_passage_spans`.
 
 A prompt is either a :class:`~ragfix.prompts.TaskPrompt` (the user turn is wrapped in the model's
 chat template, the assistant turn is opened and prefilled with its ``assistant_prefix``; it brings
@@ -15,6 +15,7 @@ its own token budget and stop rule) or a plain string, used as it is.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -23,9 +24,9 @@ from typing import ClassVar, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ragfix.errors import Cancelled
+from ragfix.errors import Cancelled, ConfigError, RagfixError
 from ragfix.prompts import TaskPrompt
-from ragfix.types import CUT_TO_WINDOW, OVERFLOW, Generation
+from ragfix.types import CUT_TO_WINDOW, OVERFLOW, REASONING_UNFINISHED, Generation
 
 Prompt = TaskPrompt | str
 
@@ -145,6 +146,12 @@ class Backend(ABC):
         preferred_batch_size: prompts per :meth:`generate` call that keep the backend busy (a
             remote model: its number of requests in flight), or ``None`` to let the caller
             choose.
+        needs_passage_spans: the backend reads a prompt's passages where the prompt says they
+            are (:attr:`~ragfix.prompts.TaskPrompt.passages`: the task prompts of the sweep and
+            the judge) and refuses any other prompt (a plain text, a chat message, a
+            framework's rendered prompt); a consumer whose prompts never carry passages
+            (``ragfix serve``, the framework components) refuses such a backend before any work
+            (:func:`require_plain_prompts`).
     """
 
     name: ClassVar[str] = "vanilla"
@@ -154,6 +161,7 @@ class Backend(ABC):
     cuts_long_prompts: bool = False
     has_tokenizer: bool = True
     preferred_batch_size: int | None = None
+    needs_passage_spans: bool = False
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -341,12 +349,42 @@ def answer_rules(
     return max_new_tokens or mnt, stop if stop_at_newline is None else stop_at_newline
 
 
-def answer_text(text: str, stop_at_newline: bool) -> str:
-    """A generated text as every backend returns it: white space stripped and, with the newline
-    stop rule, cut at the first newline after any leading white space."""
+#: the tags a reasoning model writes its thinking between (DeepSeek-R1, Qwen3, QwQ: ``think``)
+REASONING_TAGS = ("think", "thinking", "reasoning")
+_TAGS = "|".join(REASONING_TAGS)
+_OPEN = re.compile(rf"<({_TAGS})>", re.IGNORECASE)
+_CLOSE = re.compile(rf"</({_TAGS})>", re.IGNORECASE)
+_BLOCK = re.compile(rf"<({_TAGS})>.*?</\1>", re.IGNORECASE | re.DOTALL)
+
+
+def final_answer(text: str, stop_at_newline: bool) -> tuple[str, dict[str, str]]:
+    """A generated text as every backend returns it, and the flags it raises.
+
+    A reasoning model's thinking is never part of the answer (tags: :data:`REASONING_TAGS`, any
+    case): a closing tag with no opening one before it ends thinking opened in the prompt (as
+    Qwen3's and DeepSeek-R1's chat templates do), so everything up to it is dropped; every
+    whole block ``<think>...</think>`` is dropped; an opening tag that is never closed ends the
+    answer there, and when nothing but white space came before it there is no final answer: the
+    text is ``""`` and flagged :data:`~ragfix.types.REASONING_UNFINISHED` (not scored). What
+    is left is stripped of white space and, with the newline stop rule, cut at the first newline
+    after any leading white space.
+
+    Returns:
+        ``(answer, {flag: reason})``; no flags for an answer without an unfinished block.
+    """
+    close, first = _CLOSE.search(text), _OPEN.search(text)
+    if close is not None and (first is None or first.start() > close.start()):
+        text = text[close.end() :]
+    text = _BLOCK.sub("", text)
+    opened = _OPEN.search(text)
+    if opened is not None:
+        text = text[: opened.start()]
+        if not text.strip():
+            why = f"<{opened.group(1)}> opened and never closed: no final answer"
+            return "", {REASONING_UNFINISHED: why}
     if stop_at_newline:
         text = text.strip().split("\n")[0]
-    return text.strip()
+    return text.strip(), {}
 
 
 def cut_at_newline(pieces: Iterator[str]) -> Iterator[str]:
@@ -370,6 +408,43 @@ def cut_at_newline(pieces: Iterator[str]) -> Iterator[str]:
             close()
 
 
+def require_plain_prompts(
+    backend: Backend | type[Backend], consumer: str, name: str | None = None
+) -> None:
+    """Refuse ``backend`` for ``consumer``, a caller whose prompts carry no passage spans (a chat
+    request, a framework's rendered text), when the backend would refuse every such prompt.
+
+    A class is judged by its declaration, :attr:`~Backend.needs_passage_spans` (so a caller can
+    refuse before any weights are loaded: :func:`ragfix.backends.backend_class`); a loaded
+    backend also by trying one: a backend that declares nothing but refuses a one-word task
+    prompt (:meth:`~Backend.fit` raises a :class:`~ragfix.errors.RagfixError`) is refused with
+    its own reason.
+
+    Args:
+        backend: the backend, or its class.
+        consumer: who asks, as the message names it (``"ragfix serve"``).
+        name: the backend's registry name (default: ``backend.name``).
+
+    Raises:
+        ConfigError: such a backend (one line, naming it and why).
+    """
+    head = f"backend {name or backend.name!r} cannot run under {consumer}"
+    if backend.needs_passage_spans:
+        raise ConfigError(
+            f"{head}: it reads a prompt's passages where the prompt says they are, and "
+            f"{consumer} gets prompts that do not say (a chat message, a framework's text); use "
+            "it with ragfix eval or ragfix judge, or choose another backend"
+        )
+    if isinstance(backend, Backend):
+        try:
+            backend.fit(TaskPrompt(user="Hello"))
+        except RagfixError as e:
+            raise ConfigError(
+                f"{head}, whose prompts do not say where passages are: "
+                f"{str(e).strip().splitlines()[0]}"
+            ) from None
+
+
 def check_cancel(cancel: Cancel | None) -> None:
     """Raise :class:`~ragfix.errors.Cancelled` when ``cancel`` is set (what a backend calls
     after a decoding loop that ``cancel`` may have stopped).
@@ -389,8 +464,9 @@ __all__ = [
     "Fit",
     "Prompt",
     "answer_rules",
-    "answer_text",
     "check_cancel",
+    "final_answer",
     "cut_at_newline",
+    "require_plain_prompts",
     "validated_options",
 ]

@@ -9,7 +9,7 @@ left (Eq. 5-6). There is no official code; this module computes the attention it
 patched forward of every attention module.
 
 For a task prompt with ``n`` passages (:attr:`TaskPrompt.passages`, found among the tokens by
-:func:`~ragfix.backends.attention_sort.passage_tokens`: a token belongs to the piece of text its
+:func:`~ragfix.backends.passages.passage_tokens`: a token belongs to the piece of text its
 first character is in):
 
 * **readers**: every query after the last passage (the question, the end of the user turn, the
@@ -62,7 +62,6 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from ragfix.backends.attention_sort import passage_tokens
 from ragfix.backends.base import BackendOptions, Prompt
 from ragfix.backends.family import (
     Family,
@@ -72,8 +71,8 @@ from ragfix.backends.family import (
     window_band,
 )
 from ragfix.backends.hf import LayoutBackend, chat_text
+from ragfix.backends.passages import OUTSIDE, PAD, passage_tokens, spans_required
 from ragfix.backends.patching import attention_modules, routed
-from ragfix.backends.set_based import OUTSIDE, PAD
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 
@@ -106,7 +105,7 @@ class ReaderLayout:
 
     Attributes:
         ids: the tokens the model reads (the vanilla encoding of the prompt).
-        blocks: per token the index of its passage, or :data:`~ragfix.backends.set_based.OUTSIDE`.
+        blocks: per token the index of its passage, or :data:`~ragfix.backends.passages.OUTSIDE`.
         first: the index of the first reader (the first token after the last passage).
         prompt: the task prompt (its :attr:`TaskPrompt.no_content` gives the bias).
     """
@@ -295,6 +294,7 @@ class CalibratedAttentionBackend(LayoutBackend):
 
     name: ClassVar[str] = "calibrated-attention"
     options_model: ClassVar[type[BackendOptions]] = CalibratedAttentionOptions
+    needs_passage_spans = True
 
     @classmethod
     def check_family(cls, family: Family, options: BackendOptions) -> None:
@@ -320,12 +320,7 @@ class CalibratedAttentionBackend(LayoutBackend):
             RagfixError: a prompt without passage spans, or without a content-free form with
                 as many passages (built by the task prompts of :mod:`ragfix.tasks`).
         """
-        if not isinstance(prompt, TaskPrompt) or not prompt.passages:
-            raise RagfixError(
-                f"backend {self.name!r} calibrates the attention to a prompt's passages and this "
-                "prompt does not say where they are (a plain text, or a prompt built without "
-                "passages): use a task prompt (ragfix eval, ragfix judge) or another backend"
-            )
+        prompt = spans_required(self, prompt, "calibrates the attention to a prompt's passages")
         free = prompt.no_content
         if free is None or len(free.passages) != len(prompt.passages):
             raise RagfixError(

@@ -14,6 +14,7 @@ builds on :class:`LayoutBackend`. Consumers use only the public
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 import warnings
@@ -28,8 +29,8 @@ from ragfix.backends.base import (
     Cancel,
     Prompt,
     answer_rules,
-    answer_text,
     check_cancel,
+    final_answer,
     validated_options,
 )
 from ragfix.backends.family import Family, full_cache, model_family
@@ -136,6 +137,40 @@ def template_id(tokenizer) -> str:
     return hashlib.sha1(template.encode()).hexdigest()[:12] if template else NO_CHAT_TEMPLATE
 
 
+def tokenizer_id(tokenizer) -> str:
+    """What identifies how ``tokenizer`` turns text into tokens and back, and where answers
+    stop: 16 hex digits of the SHA-256 over its class, its vocabulary and rules (a fast
+    tokenizer's whole ``tokenizer.json`` serialization: normalizer, pre-tokenizer, merges, added
+    tokens, post-processor; a slow one's vocabulary), its special tokens with their ids (the
+    EOS token ends every answer: ``tokenizer_config.json``'s ``eos_token``), and
+    ``clean_up_tokenization_spaces`` (decoding). Computed from the loaded tokenizer, so it is
+    the same for every source (a folder, a hub snapshot, a GGUF file) and changes with any of
+    the files those come from (``tokenizer.json``, ``tokenizer_config.json``,
+    ``special_tokens_map.json``, ``added_tokens.json``, vocabulary files)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    rules = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
+    special = {
+        k: [str(v), tokenizer.convert_tokens_to_ids(str(v))]
+        for k, v in sorted(tokenizer.special_tokens_map.items())
+    }
+    state = [
+        type(tokenizer).__name__,
+        rules,
+        special,
+        bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)),
+    ]
+    return hashlib.sha256(json.dumps(state, default=str).encode()).hexdigest()[:16]
+
+
+def generation_id(model) -> str:
+    """What identifies the generation settings ``model`` brings (its ``generation_config.json``,
+    whose values ``generate`` takes where ragfix sets none): 16 hex digits of the SHA-256 of
+    ``model.generation_config``'s values that differ from transformers' defaults."""
+    values = model.generation_config.to_diff_dict()
+    values.pop("transformers_version", None)
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 class HFBackend(Backend):
     """A ``transformers`` causal LM ready to answer prompts (the ``vanilla`` backend as it is;
     the base class of every local method).
@@ -221,8 +256,9 @@ class HFBackend(Backend):
     def identity(self) -> dict:
         """Model identity (:func:`~ragfix.models.model_identity`: weights fingerprint), the
         weights' dtype (``"torch.float32"``: another dtype computes other answers), backend
-        name, options, the chat template used (a hash, or :data:`NO_CHAT_TEMPLATE`) and the
-        applied adapter (if any)."""
+        name, options, the chat template used (a hash, or :data:`NO_CHAT_TEMPLATE`), the
+        tokenizer (:func:`tokenizer_id`), the generation settings (:func:`generation_id`) and
+        the applied adapter (if any)."""
         out = {
             "model": model_identity(self.model),
             "dtype": str(next(self.model.parameters()).dtype),
@@ -230,6 +266,8 @@ class HFBackend(Backend):
             "options": self.options.model_dump(mode="json"),
         }
         out["chat_template"] = template_id(self.tokenizer)
+        out["tokenizer"] = tokenizer_id(self.tokenizer)
+        out["generation_config"] = generation_id(self.model)
         if self.adapter is not None:
             out["adapter"] = self.adapter
         return out
@@ -273,11 +311,14 @@ class HFBackend(Backend):
 
     def _decode_answer(
         self, new_ids: Sequence[int], stop_at_newline: bool
-    ) -> tuple[str, list[int]]:
-        """Answer text and the generated token ids (padding after EOS dropped)."""
+    ) -> tuple[str, list[int], dict[str, str]]:
+        """Answer text (:func:`~ragfix.backends.base.final_answer`), the generated token ids
+        (padding after EOS dropped) and the answer's flags with their reasons."""
         ids = [i for i in new_ids if i != self.tokenizer.pad_token_id]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return answer_text(text, stop_at_newline), ids
+        text, flags = final_answer(
+            self.tokenizer.decode(ids, skip_special_tokens=True), stop_at_newline
+        )
+        return text, ids, flags
 
     def _left_pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` input ids and attention mask, left padded to the longest prompt."""
@@ -331,7 +372,7 @@ class HFBackend(Backend):
         for i, (row, prompt) in enumerate(
             zip(out.sequences[:, width:].tolist(), batch, strict=True)
         ):
-            text, new = self._decode_answer(row, stop)
+            text, new, flags = self._decode_answer(row, stop)
             gens.append(
                 Generation(
                     text=text,
@@ -341,6 +382,8 @@ class HFBackend(Backend):
                     prefill_tokens=prefill[i],
                     seconds=secs,
                     first_logprobs=None if firsts is None else firsts[i],
+                    flags=list(flags),
+                    reasons=flags,
                 )
             )
         return gens
@@ -372,7 +415,7 @@ class HFBackend(Backend):
         secs = (time.perf_counter() - start) / len(prompt_tokens)
         out = []
         for k, (n, row) in enumerate(zip(prompt_tokens, rows, strict=True)):
-            text, new = self._decode_answer(row, stop_at_newline)
+            text, new, flags = self._decode_answer(row, stop_at_newline)
             out.append(
                 Generation(
                     text=text,
@@ -382,6 +425,8 @@ class HFBackend(Backend):
                     prefill_tokens=n,
                     seconds=secs,
                     first_logprobs=first[k] if first_logprobs and first is not None else None,
+                    flags=list(flags),
+                    reasons=flags,
                 )
             )
         return out
@@ -429,7 +474,7 @@ class HFBackend(Backend):
         )
         seq = out[0].tolist()
         self._reuse_ids = seq[: self._reuse_cache.get_seq_length()]
-        text, new = self._decode_answer(seq[len(ids) :], stop_at_newline)
+        text, new, flags = self._decode_answer(seq[len(ids) :], stop_at_newline)
         return Generation(
             text=text,
             prompt_tokens=len(ids),
@@ -437,6 +482,8 @@ class HFBackend(Backend):
             token_ids=new,
             prefill_tokens=len(ids) - common,
             seconds=time.perf_counter() - start,
+            flags=list(flags),
+            reasons=flags,
         )
 
     def generate(

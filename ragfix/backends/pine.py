@@ -3,7 +3,7 @@
 Wang et al., "Eliminating Position Bias of Language Models: A Mechanistic Approach" (arXiv
 2407.01100, ICLR 2025), section 3; the math of the official code (wzq016/PINE,
 ``pine/models/llama/modeling_llama.py``, ``LlamaAttentionWithPS.forward``). The prompt is laid
-out as a passage set (:func:`~ragfix.backends.set_based.passage_set`: the text before the
+out as a passage set (:func:`~ragfix.backends.passages.passage_set`: the text before the
 passages, each passage with its label and separator, the text after) and every attention layer
 computes, from pre-RoPE queries and keys:
 
@@ -57,14 +57,14 @@ from ragfix.backends.family import (
     rotary_tables,
     window_band,
 )
-from ragfix.backends.patching import attention_modules, routed
-from ragfix.backends.set_based import (
+from ragfix.backends.passages import (
     OUTSIDE,
     PAD,
     PassageSet,
     PassageSetBackend,
     padded_batch,
 )
+from ragfix.backends.patching import attention_modules, routed
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +297,7 @@ class PineBackend(PassageSetBackend):
 
     @torch.no_grad()
     def _run(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
-        """See :meth:`~ragfix.backends.set_based.PassageSetBackend._run`: the prefill through
+        """See :meth:`~ragfix.backends.passages.PassageSetBackend._run`: the prefill through
         PINE attention, decoding over the pre-RoPE cache of the run."""
         run = _PineRun(self, sets, extra)
         keep = 1 + max((len(e) for e in extra), default=0)

@@ -33,6 +33,15 @@ the answer (:attr:`~ragfix.backends.base.Backend.has_tokenizer`). The window is
 ``context_window`` or the ``max_model_len`` the server reports in ``/v1/models`` (vLLM, ``ragfix
 serve``). A prompt the server refuses as too long comes back flagged ``overflow`` with no answer.
 
+A reasoning model's thinking (``<think>...</think>``) is dropped from every answer, and an
+answer whose thinking never closed is flagged ``reasoning_unfinished``
+(:func:`~ragfix.backends.base.final_answer`). An answer whose ``model`` field names another model
+than the one asked for (:func:`same_model`: a dated snapshot or a ``:latest`` tag of it is the
+same) is flagged ``served_model_mismatch`` with the name it came with; text that is not valid
+Unicode (lone UTF-16 surrogates) is replaced by U+FFFD and flagged ``invalid_text``, wherever
+the server sends it (answers, their top alternatives, ``/v1/models``, error messages). All three
+are left out of the accuracy (:data:`~ragfix.types.UNSCORED`).
+
 Answers the server gave no text for (``content: null``, as reasoning models answer in
 ``reasoning_content``; a blank one; a refusal) come back flagged ``empty_answer``, the server's
 reason in :attr:`Generation.reasons`. A response that is an ``{"error": ...}`` body or has no
@@ -61,8 +70,8 @@ from ragfix.backends.base import (
     Cancel,
     Prompt,
     answer_rules,
-    answer_text,
     check_cancel,
+    final_answer,
     validated_options,
 )
 from ragfix.backends.hf import chat_text, template_id
@@ -70,8 +79,11 @@ from ragfix.errors import ConfigError, Interrupted, ModelNotFoundError, RagfixEr
 from ragfix.models import REMOTE_PREFIX, load_tokenizer
 from ragfix.types import (
     EMPTY_ANSWER,
+    INVALID_TEXT,
     OVERFLOW,
     PROMPT_CUT,
+    REASONING_UNFINISHED,
+    SERVED_MODEL_MISMATCH,
     TOKEN_COUNT_MISMATCH,
     Generation,
 )
@@ -98,6 +110,43 @@ _TOO_LONG = re.compile(
     r"input validation error: `inputs` tokens",
     re.IGNORECASE,
 )
+
+
+#: what may follow the asked model's name in the name a server answers with and still name the
+#: same model: a dated snapshot (OpenAI's ``gpt-4o-2024-08-06``), a version (``-v2``,
+#: ``-0125``) or Ollama's ``:latest`` tag
+_SAME_MODEL_TAIL = re.compile(r"[-:@](\d{4}-?\d{2}-?\d{2}|\d{4}|v?\d+(\.\d+)*|latest)")
+
+
+def same_model(asked: str, answered: str) -> bool:
+    """Whether a server that was asked for model ``asked`` and answered as ``answered`` answered
+    with the same model: the same name, or ``asked`` followed by one of
+    :data:`_SAME_MODEL_TAIL` (``gpt-4o`` -> ``gpt-4o-2024-08-06``, ``llama3`` -> ``llama3:latest``;
+    not ``gpt-4o`` -> ``gpt-4o-mini``)."""
+    if answered == asked:
+        return True
+    tail = answered.removeprefix(asked)
+    return tail != answered and _SAME_MODEL_TAIL.fullmatch(tail) is not None
+
+
+def valid_text(text: str) -> tuple[str, int]:
+    """``text`` with every lone UTF-16 surrogate (which JSON can carry as ``\\ud800`` and no
+    UTF-8 file can hold) replaced by U+FFFD, and how many there were."""
+    bad = sum(0xD800 <= ord(c) <= 0xDFFF for c in text)
+    if not bad:
+        return text, 0
+    return "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text), bad
+
+
+def _valid(value):
+    """``value`` (a JSON document) with its strings made :func:`valid_text`."""
+    if isinstance(value, str):
+        return valid_text(value)[0]
+    if isinstance(value, dict):
+        return {_valid(k): _valid(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_valid(v) for v in value]
+    return value
 
 
 class RemoteOptions(BackendOptions):
@@ -139,9 +188,10 @@ class RemoteOptions(BackendOptions):
 
 def _merge_top(pairs: list[tuple[str, float]]) -> dict[str, float]:
     """``{token text: log-probability}``; tokens with the same text (different ids) are summed
-    (log-sum-exp)."""
+    (log-sum-exp); texts made :func:`valid_text` (a token can be part of a character)."""
     out: dict[str, float] = {}
-    for text, lp in pairs:
+    for raw, lp in pairs:
+        text = valid_text(raw)[0]
         if text in out:
             hi = max(out[text], lp)
             lp = hi + math.log(math.exp(out[text] - hi) + math.exp(lp - hi))
@@ -189,7 +239,12 @@ class RemoteBackend(Backend):
 
     # ------------------------------------------------------------------ errors
     def _failed(self, e: Exception) -> RagfixError:
-        """One-line error for a request that failed for good (after the client's retries)."""
+        """One-line error for a request that failed for good (after the client's retries); the
+        server's words made :func:`valid_text`."""
+        return RagfixError(valid_text(str(self._failure(e)))[0])
+
+    def _failure(self, e: Exception) -> RagfixError:
+        """See :meth:`_failed`."""
         import openai
 
         where = f"{self.options.api_base} ({self.served})"
@@ -245,7 +300,7 @@ class RemoteBackend(Backend):
             raise ModelNotFoundError(
                 f"{self.options.api_base} does not serve {self.served!r} (it serves: {served})"
             )
-        return {k: entry[k] for k in SERVER_MODEL_FIELDS if entry.get(k) is not None}
+        return {k: _valid(entry[k]) for k in SERVER_MODEL_FIELDS if entry.get(k) is not None}
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -411,6 +466,7 @@ class RemoteBackend(Backend):
         completions = isinstance(prompt, str)
         choice = self._choice(resp, "completions" if completions else "chat")
         raw = choice.text if completions else choice.message.content
+        raw, invalid = valid_text(raw) if raw else (raw, 0)
         usage = (
             {
                 "prompt_tokens": resp.usage.prompt_tokens,
@@ -424,8 +480,18 @@ class RemoteBackend(Backend):
                 f"{self.options.api_base} reported no usage figures for {self.served!r}, so the "
                 "prompt's tokens cannot be counted: give --tokenizer NAME"
             )
-        text = answer_text(raw or "", stop)
-        flags, reasons = [], {}
+        text, reasons = final_answer(raw or "", stop)
+        if invalid:
+            reasons[INVALID_TEXT] = (
+                f"{invalid} lone UTF-16 surrogate(s) in the server's answer, not text "
+                "(each replaced by U+FFFD)"
+            )
+        answered = getattr(resp, "model", None)
+        if isinstance(answered, str) and answered and not same_model(self.served, answered):
+            reasons[SERVED_MODEL_MISMATCH] = (
+                f"the server answered as {valid_text(answered)[0]!r}, asked for {self.served!r}"
+            )
+        flags = list(reasons)
         if local is not None and usage is not None and usage["prompt_tokens"] != local:
             cut = usage["prompt_tokens"] < local - CUT_TOLERANCE
             flags.append(PROMPT_CUT if cut else TOKEN_COUNT_MISMATCH)
@@ -433,7 +499,7 @@ class RemoteBackend(Backend):
                 reasons[PROMPT_CUT] = (
                     f"the server counted {usage['prompt_tokens']} prompt tokens, {local} here"
                 )
-        if not text:
+        if not text and REASONING_UNFINISHED not in flags:
             flags.append(EMPTY_ANSWER)
             reasons[EMPTY_ANSWER] = _why_empty(choice, raw, completions)
         n_prompt = usage["prompt_tokens"] if local is None else local
@@ -528,8 +594,10 @@ class RemoteBackend(Backend):
         stop_at_newline: bool = False,
         cancel: Cancel | None = None,
     ) -> Iterator[str]:
-        """Yield the greedy answer to one prompt as the server streams it; closing the iterator,
-        or ``cancel`` (asked at each event), closes the connection (the server stops
+        """Yield the greedy answer to one prompt as the server streams it (pieces made
+        :func:`valid_text`; the text as generated, a reasoning model's thinking included: only
+        :meth:`generate` applies :func:`~ragfix.backends.base.final_answer`); closing the
+        iterator, or ``cancel`` (asked at each event), closes the connection (the server stops
         generating).
 
         Raises:
@@ -552,7 +620,7 @@ class RemoteBackend(Backend):
                 c = ev.choices[0]
                 piece = c.text if isinstance(prompt, str) else c.delta.content
                 if piece:
-                    yield piece
+                    yield valid_text(piece)[0]
         finally:
             events.close()
 
@@ -631,4 +699,12 @@ def _first_top(logprobs, completions: bool) -> dict[str, float] | None:
     return _merge_top(pairs or [(first.token, first.logprob)])
 
 
-__all__ = ["API_KEY_ENV", "CUT_TOLERANCE", "TOP_LOGPROBS", "RemoteBackend", "RemoteOptions"]
+__all__ = [
+    "API_KEY_ENV",
+    "CUT_TOLERANCE",
+    "TOP_LOGPROBS",
+    "RemoteBackend",
+    "RemoteOptions",
+    "same_model",
+    "valid_text",
+]

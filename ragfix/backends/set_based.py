@@ -8,12 +8,13 @@ No passage then sees another, and none is nearer the question than another, so t
 not depend on the order of the passages: it is the same for every permutation (up to floating
 point), by construction.
 
-The layout of a prompt (:func:`passage_set`): the chat-formatted text before the first passage,
-each passage as rendered by its task (label included, ``Document [i](Title: ...)``: the label
-travels with the passage) plus the task's separator, and the text after the last passage, each
-tokenized on its own. Every passage ends with the separator, the last one too: the text has one
-separator more than the ordered prompt (``... passage\\n\\n\\nQuestion:`` for QA, a trailing
-comma in the KV object), so that no member differs by where it stands.
+The layout of a prompt (:func:`~ragfix.backends.passages.passage_set`): the chat-formatted text
+before the first passage, each passage as rendered by its task (label included, ``Document
+[i](Title: ...)``: the label travels with the passage) plus the task's separator, and the text
+after the last passage, each tokenized on its own. Every passage ends with the separator, the
+last one too: the text has one separator more than the ordered prompt
+(``... passage\\n\\n\\nQuestion:`` for QA, a trailing comma in the KV object), so that no member
+differs by where it stands.
 
 Positions (``align``):
 
@@ -34,21 +35,13 @@ prefix reuse: a cached prefix of another prompt was computed under another mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 
-from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.base import BackendOptions
 from ragfix.backends.family import full_cache, layer_masks
-from ragfix.backends.hf import HFBackend, LayoutBackend
-from ragfix.errors import RagfixError
-from ragfix.prompts import TaskPrompt
-
-#: the block of a token outside the passages (before or after the set)
-OUTSIDE = -1
-#: the block of a padding token
-PAD = -2
+from ragfix.backends.passages import OUTSIDE, PAD, PassageSet, PassageSetBackend, padded_batch
 
 
 class SetBasedOptions(BackendOptions):
@@ -60,99 +53,6 @@ class SetBasedOptions(BackendOptions):
     """
 
     align: Literal["start", "end"] = "end"
-
-
-@dataclass(frozen=True)
-class PassageSet:
-    """A prompt as a set: token ids before the passages, of each passage (its separator
-    included), and after them."""
-
-    prefix: list[int]
-    passages: list[list[int]]
-    suffix: list[int]
-
-    @property
-    def ids(self) -> list[int]:
-        """The tokens in prompt order."""
-        return [*self.prefix, *(t for p in self.passages for t in p), *self.suffix]
-
-    def blocks(self) -> list[int]:
-        """Per token: the index of its passage, or :data:`OUTSIDE`."""
-        out = [OUTSIDE] * len(self.prefix)
-        for i, p in enumerate(self.passages):
-            out += [i] * len(p)
-        return out + [OUTSIDE] * len(self.suffix)
-
-    def positions(self, align: str) -> list[int]:
-        """Per token: its position ID under ``align`` (see the module docstring)."""
-        n, lengths = len(self.prefix), [len(p) for p in self.passages]
-        out = list(range(n))
-        end = n + sum(lengths)
-        for size in lengths:
-            first = end - size if align == "end" else n
-            out += range(first, first + size)
-        after = end if align == "end" else n + max(lengths, default=0)
-        return out + list(range(after, after + len(self.suffix)))
-
-
-def passage_set(backend: HFBackend, prompt: Prompt) -> PassageSet:
-    """The set layout of ``prompt`` as ``backend`` reads it (chat template applied).
-
-    Raises:
-        RagfixError: a plain-string prompt, or a task prompt without passage spans.
-    """
-    if not isinstance(prompt, TaskPrompt) or not prompt.passages:
-        raise RagfixError(
-            f"backend {backend.name!r} reads a prompt's passages as a set and this prompt does "
-            "not say where they are (a plain text, or a prompt built without passages): use a "
-            "task prompt (ragfix eval, ragfix judge) or another backend"
-        )
-    text = backend.format_prompt(prompt)
-    offset = text.find(prompt.user)
-    first, last = prompt.passages[0][0], prompt.passages[-1][1]
-    sep = prompt.passage_separator
-    return PassageSet(
-        prefix=backend.tokenize(text[: offset + first]),
-        passages=[backend.tokenize(t + sep) for t in prompt.passage_texts()],
-        suffix=backend.tokenize(text[offset + last :]),
-    )
-
-
-@dataclass(frozen=True)
-class SetBatch:
-    """A left-padded batch of passage sets: ``ids``, ``positions`` (position IDs) and ``blocks``
-    (passage index, :data:`OUTSIDE` or :data:`PAD`), each ``[B, T]`` (int64, CPU), padded on
-    the left."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    blocks: torch.Tensor
-
-
-def padded_batch(
-    sets: Sequence[PassageSet], extra: Sequence[Sequence[int]], align: str, pad_id: int
-) -> SetBatch:
-    """The batch of ``sets``, each followed by its ``extra`` tokens (outside the passages, at the
-    positions after its last), positions as :meth:`PassageSet.positions` under ``align``."""
-    extra = list(extra) or [[] for _ in sets]
-    rows = []
-    for s, more in zip(sets, extra, strict=True):
-        pos = s.positions(align)
-        start = pos[-1] + 1
-        rows.append(
-            (
-                [*s.ids, *more],
-                [*pos, *range(start, start + len(more))],
-                [*s.blocks(), *[OUTSIDE] * len(more)],
-            )
-        )
-    width = max(len(r[0]) for r in rows)
-    pads = [width - len(r[0]) for r in rows]
-    return SetBatch(
-        ids=torch.tensor([[pad_id] * n + r[0] for n, r in zip(pads, rows, strict=True)]),
-        positions=torch.tensor([[0] * n + r[1] for n, r in zip(pads, rows, strict=True)]),
-        blocks=torch.tensor([[PAD] * n + r[2] for n, r in zip(pads, rows, strict=True)]),
-    )
 
 
 def set_visibility(blocks: torch.Tensor) -> torch.Tensor:
@@ -172,33 +72,6 @@ def set_visibility(blocks: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(t, t, dtype=torch.bool, device=blocks.device).tril()
     seen = causal & (k != PAD) & ((q == OUTSIDE) | (k == OUTSIDE) | (q == k))
     return seen | (torch.eye(t, dtype=torch.bool, device=blocks.device) & (q == PAD))
-
-
-class PassageSetBackend(LayoutBackend):
-    """A backend that reads a task prompt's passages as a set (:func:`passage_set`): the base of
-    ``set-based`` and ``pine``, which differ only in how one forward pass over a batch of sets
-    attends (:meth:`_run`). Refuses prompts without passage spans in one line; no prefix
-    reuse (a cached prefix of another prompt was computed under another layout).
-    """
-
-    def _layout(self, prompt: Prompt) -> PassageSet:
-        """The set layout of ``prompt`` (:func:`passage_set`).
-
-        Raises:
-            RagfixError: a prompt without passage spans.
-        """
-        return passage_set(self, prompt)
-
-    def _run(self, sets: Sequence[PassageSet], extra: Sequence[Sequence[int]] = ()):
-        """One forward pass over a left-padded batch of ``sets`` (each followed by its ``extra``
-        tokens, which attend to everything before them, like the text after the set).
-
-        Returns:
-            ``(logits, step)``: ``[B, n, vocab]`` logits of the pass's last ``n = 1 +
-            max(len(extra))`` positions, and the cached decoding step (``[B, 1]`` next token
-            ids -> ``[B, 1, vocab]`` logits).
-        """
-        raise NotImplementedError
 
 
 class SetBasedBackend(PassageSetBackend):
@@ -258,13 +131,4 @@ class SetBasedBackend(PassageSetBackend):
         return out.logits, step
 
 
-__all__ = [
-    "PassageSet",
-    "PassageSetBackend",
-    "SetBasedBackend",
-    "SetBasedOptions",
-    "SetBatch",
-    "padded_batch",
-    "passage_set",
-    "set_visibility",
-]
+__all__ = ["SetBasedBackend", "SetBasedOptions", "set_visibility"]

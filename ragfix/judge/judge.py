@@ -35,7 +35,17 @@ from ragfix.judge.verdicts import (
     parse_verdict,
 )
 from ragfix.prompts import TaskPrompt
-from ragfix.types import CUT_TO_WINDOW, EMPTY_ANSWER, OVERFLOW, Generation, JudgePair, pair_id
+from ragfix.types import (
+    CUT_TO_WINDOW,
+    EMPTY_ANSWER,
+    INVALID_TEXT,
+    OVERFLOW,
+    REASONING_UNFINISHED,
+    SERVED_MODEL_MISMATCH,
+    Generation,
+    JudgePair,
+    pair_id,
+)
 
 #: how the second order of a pair is made (see :class:`PairwiseJudge`)
 SWAPS = ("relabel", "move")
@@ -121,6 +131,10 @@ def _refused(fit: Fit, gen: Generation) -> bool:
     return late or OVERFLOW in gen.flags
 
 
+#: the backend flags of a reply with no text to read a verdict from
+_NO_REPLY = (EMPTY_ANSWER, REASONING_UNFINISHED)
+
+
 class PairwiseJudge:
     """A ragfix backend used as a pairwise judge, every pair in both orders.
 
@@ -199,16 +213,17 @@ class PairwiseJudge:
         from the first-step log-probabilities in the ``verdict`` style: the full distribution of
         a local backend, or the top alternatives a server returned, read by their text ``A`` /
         ``B``, a letter not among them having probability 0; none when the server returned no
-        log-probabilities). A reply the backend flagged ``empty_answer`` keeps its reason in
-        ``empty_reply_reason``.
+        log-probabilities). A reply the backend flagged ``empty_answer`` or
+        ``reasoning_unfinished`` keeps its reason in ``empty_reply_reason``.
 
         Raises:
             ConfigError: ``repeats > 1`` without the full first-step distribution.
         """
+        why = next((gen.reasons.get(f) for f in _NO_REPLY if f in gen.flags), None)
         o = OrderJudgment(
             raw=gen.text,
             slot_verdict=parse_verdict(self.prefix + gen.text),
-            empty_reply_reason=gen.reasons.get(EMPTY_ANSWER) if EMPTY_ANSWER in gen.flags else None,
+            empty_reply_reason=why,
         )
         if self.style != "verdict":
             return o
@@ -339,8 +354,11 @@ class PairwiseJudge:
                 done(i, overflowed(pairs[i]))
                 return
             flags = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
-            if any(EMPTY_ANSWER in g.flags for g in both):
+            if any(f in g.flags for g in both for f in _NO_REPLY):
                 flags.append(EMPTY_JUDGE_REPLY)
+            flags += sorted(
+                {f for g in both for f in g.flags if f in (SERVED_MODEL_MISMATCH, INVALID_TEXT)}
+            )
             original, swapped = (self._order(g) for g in both)
             if self.swap == "move":  # its letters name the answers: A is in the second slot
                 swapped = in_slot_terms(swapped)
