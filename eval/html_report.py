@@ -41,6 +41,7 @@ from ragfix.eval.sweep import Cell, SweepConfig, plan_cells, stored_prompt, summ
 from ragfix.eval.sweep_summary import SUMMARY_FILE, curve_label, flags_table, read_summary
 from ragfix.io import atomic_write_text
 from ragfix.judge.report import JUDGE_KIND, judge_tables
+from ragfix.prompts import NO_CHAT_TEMPLATE
 from ragfix.tables import TableSpec
 from ragfix.types import OVERFLOW
 
@@ -260,7 +261,7 @@ def _sweep_cell(
     flags = [*record.get("flags", []), *(f for f in PIPELINE_FLAGS if extra.get(f))]
     prompt = record.get("prompt")
     if prompt is None and planned is not None:
-        prompt = stored_prompt(planned, None).model_dump()
+        prompt = stored_prompt(planned, None, reads_chat(config)).model_dump()
     facts = [
         ["prompt position", record.get("prompt_position")],
         ["prompt tokens", record.get("prompt_tokens")],
@@ -334,8 +335,15 @@ def _sweep_group(
     }
 
 
-def _order(name: str, order: dict, prompt, strings: _Strings) -> dict:
-    """The payload of one order of a judged pair."""
+def reads_chat(config: dict) -> bool:
+    """Whether the run of ``config`` (a ``config.json``) read its task prompts in a chat
+    template: not when its identity records :data:`~ragfix.prompts.NO_CHAT_TEMPLATE` (a base
+    model, which read their completion form)."""
+    return (config.get("identity") or {}).get("chat_template") != NO_CHAT_TEMPLATE
+
+
+def _order(name: str, order: dict, prompt, chat: bool, strings: _Strings) -> dict:
+    """The payload of one order of a judged pair (``chat``: :func:`reads_chat`)."""
     out = {
         "name": name,
         "reply": order.get("raw", ""),
@@ -344,7 +352,7 @@ def _order(name: str, order: dict, prompt, strings: _Strings) -> dict:
     }
     if prompt is not None:
         out["prompt"] = strings.segments(prompt.user, prompt.passages, None)
-        out["prefix"] = prompt.assistant_prefix
+        out["prefix"] = prompt.answer_prefix(chat)
     return out
 
 
@@ -356,6 +364,7 @@ def _judge_group(runs: list[JudgeRun], strings: _Strings) -> dict:
     rows: dict[str, dict] = {}
     for k, run in enumerate(runs):
         style, swap = run.config.get("style", "verdict"), run.config.get("swap", "relabel")
+        chat = reads_chat(run.config)
         for rec in run.records:
             pair = run.pairs.get(rec["pair_id"])
             row = rows.setdefault(
@@ -373,8 +382,8 @@ def _judge_group(runs: list[JudgeRun], strings: _Strings) -> dict:
                 "scored": OVERFLOW not in rec.get("flags", ()),
                 "flags": list(rec.get("flags", [])),
                 "orders": [
-                    _order("original order", rec["original"], prompts[0], strings),
-                    _order(f"swapped order ({swapped})", rec["swapped"], prompts[1], strings),
+                    _order("original order", rec["original"], prompts[0], chat, strings),
+                    _order(f"swapped order ({swapped})", rec["swapped"], prompts[1], chat, strings),
                 ],
                 "facts": [
                     ["swap-aggregated verdict", rec.get("swap_verdict")],

@@ -453,9 +453,10 @@ def run_ppl(
                 dtype=dtype,
                 validated=variant.validated,
             )
-        if i == 0 and folder is not None:  # the weights and chat template every variant shares
+        if i == 0 and folder is not None:  # what every variant shares: weights, tokenizer
             ident = backend.identity()
-            folder.bind({k: ident[k] for k in ("model", "chat_template")}, restart=restart)
+            shared = ("model", "chat_template", "tokenizer")
+            folder.bind({k: ident[k] for k in shared}, restart=restart)
             done = folder.done()
         if backend is not None:
             big_l = train_window or trained_window(backend)

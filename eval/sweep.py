@@ -186,7 +186,9 @@ def _prompt(cell: Cell):
     return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
 
 
-def stored_prompt(cell: Cell, read_prompt: Callable[[Prompt], Prompt] | None) -> StoredPrompt:
+def stored_prompt(
+    cell: Cell, read_prompt: Callable[[Prompt], Prompt] | None, chat: bool = True
+) -> StoredPrompt:
     """What a record keeps of the prompt a backend read for ``cell``
     (:class:`~ragfix.types.StoredPrompt`): its user turn, assistant prefix and passage spans,
     and the index of the gold passage among them (found by its text in a rearranged prompt).
@@ -197,6 +199,10 @@ def stored_prompt(cell: Cell, read_prompt: Callable[[Prompt], Prompt] | None) ->
             prompt, or its passages as the backend rearranged them); None for a backend that
             reads the task prompt as it is (what ``ragfix report --html`` rebuilds for a run
             made before records kept their prompts), which gives the same record.
+        chat: whether the model read the prompt in a chat template
+            (:attr:`~ragfix.backends.base.Backend.reads_chat_template`): the stored prefix is
+            :meth:`~ragfix.prompts.TaskPrompt.answer_prefix`, what the model read between the
+            user turn and its answer (a base model's completion prefix).
     """
     prompt = _prompt(cell)
     read = prompt if read_prompt is None else read_prompt(prompt)
@@ -207,7 +213,7 @@ def stored_prompt(cell: Cell, read_prompt: Callable[[Prompt], Prompt] | None) ->
         gold = next((i for i, (a, b) in enumerate(read.passages) if read.user[a:b] == text), None)
     return StoredPrompt(
         text=read.user,
-        assistant_prefix=read.assistant_prefix,
+        assistant_prefix=read.answer_prefix(chat),
         passages=list(read.passages),
         gold=gold,
     )
@@ -240,7 +246,8 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
     is in that prompt. A cell with an :data:`~ragfix.types.UNSCORED` flag is not scored
     (``correct`` False)."""
     flags, extra = cell_flags(cell.sample.answers, [*flags, *gen.flags])
-    read = stored_prompt(cell, None if OVERFLOW in flags else backend.read_prompt)
+    reader = None if OVERFLOW in flags else backend.read_prompt
+    read = stored_prompt(cell, reader, backend.reads_chat_template)
     extra.update(generation_extra(gen))
     if not backend.has_tokenizer:
         extra["token_counts"] = "server"

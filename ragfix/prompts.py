@@ -25,6 +25,11 @@ def join_text_parts(parts: Sequence[str]) -> str:
     return "".join(parts)
 
 
+#: what a run's identity records as the chat template of a model without one (a base model),
+#: which reads a task prompt in its completion form (:meth:`TaskPrompt.answer_prefix`)
+NO_CHAT_TEMPLATE = "none: the task's completion form"
+
+
 @dataclass(frozen=True)
 class TaskPrompt:
     """What a backend needs to produce one answer.
@@ -76,6 +81,17 @@ class TaskPrompt:
                     f"outside the {len(self.user)}-character user turn"
                 )
             end = stop
+
+    def answer_prefix(self, chat: bool = True) -> str:
+        """What the model reads between :attr:`user` and its answer: in a chat template
+        (``chat``), the assistant turn's prefill (:attr:`assistant_prefix`); in the completion
+        form of a model without one, :attr:`completion_prefix`, or a newline and
+        :attr:`assistant_prefix` for a prompt without a completion form."""
+        if chat:
+            return self.assistant_prefix
+        if self.completion_prefix is not None:
+            return self.completion_prefix
+        return "\n" + self.assistant_prefix
 
     def passage_texts(self) -> list[str]:
         """The passages as rendered, in prompt order (``user[start:end]`` of each span)."""

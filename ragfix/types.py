@@ -157,7 +157,9 @@ class StoredPrompt(BaseModel):
         text: the text: a sweep's user turn (the filled task template; the chat template is
             the backend's, recorded in the run's identity), or the exact text a pipeline's LLM
             component sent to the model (chat template included).
-        assistant_prefix: what the assistant turn was prefilled with.
+        assistant_prefix: what the model read between the text and its answer: the assistant
+            turn's prefill in a chat template, a base model's completion prefix
+            (:meth:`~ragfix.prompts.TaskPrompt.answer_prefix`).
         passages: the character spans ``[start, end)`` of the passages in ``text``, in prompt
             order, non-overlapping (a pipeline's: the chunks found verbatim in the text).
         gold: the index in ``passages`` of the gold passage, or None when it is not among them.

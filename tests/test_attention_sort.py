@@ -10,8 +10,10 @@ import torch
 from conftest import BUNDLED, tiny_folder, tiny_model
 
 from ragfix.backends.attention_sort import (
+    PLACE_DEFAULTS,
     AttentionSortBackend,
     AttentionSortOptions,
+    default_place,
     passage_attention,
     passage_scores,
     sort_passages,
@@ -117,6 +119,33 @@ def test_the_gold_pair_goes_last_on_real_kv(smol):
     got = backend.generate([prompt])[0]
     want = smol.generate([sorted_prompt])[0]
     assert got.text == want.text and sample.answers[0] in got.text
+
+
+def test_place_first_puts_the_most_attended_first_and_is_gemmas_default(smol):
+    """``place=first`` is the descending order of the same scores (the gold pair first on real
+    KV records); ``place`` left unset resolves to the model's measured default
+    (:data:`PLACE_DEFAULTS`: ``first`` for Gemma 3 270M, ``last`` for any other model), and
+    the value used is in the backend's identity."""
+    last = AttentionSortBackend(smol.model, smol.tokenizer)
+    first = AttentionSortBackend(smol.model, smol.tokenizer, place="first")
+    assert last.identity()["options"]["place"] == "last"
+    assert first.identity()["options"]["place"] == "first"
+    for sample in load_samples(KV, 4, 2):
+        for pos in range(4):
+            prompt = task_prompt(sample, sample.passages_with_gold_at(pos))
+            order, [scores] = sort_passages(first, prompt, first.options)
+            assert order[0] == pos
+            assert order == sorted(range(4), key=lambda i: -scores[i])
+            assert sort_passages(last, prompt, last.options)[0] == order[::-1]
+    assert default_place("gemma3-270m") == default_place("google/gemma-3-270m") == "first"
+    assert default_place("smollm2") == "last" and PLACE_DEFAULTS.keys() >= {"gemma3-270m"}
+    name = smol.model.ragfix_name
+    smol.model.ragfix_name = "gemma3-270m"  # the same weights named as Gemma: its default
+    try:
+        gemma_named = AttentionSortBackend(smol.model, smol.tokenizer)
+        assert gemma_named.options.place == "first"
+    finally:
+        smol.model.ragfix_name = name
 
 
 def test_rounds_read_the_order_the_previous_round_left(smol):

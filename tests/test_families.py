@@ -213,9 +213,9 @@ def test_gemma3_270m_is_checked_from_its_gguf_and_reads_the_completion_form():
     from the GGUF's config, and a KV answer in the task's completion form (no chat template)."""
     from conftest import data_file
 
-    from ragfix.backends.hf import NO_CHAT_TEMPLATE
     from ragfix.connectors.litm import load_samples
     from ragfix.eval.families import check_model
+    from ragfix.prompts import NO_CHAT_TEMPLATE
     from ragfix.tasks import score_answer, task_prompt
 
     family, verdicts = check_model("gemma3-270m")

@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from ragfix.backends.hf import NO_CHAT_TEMPLATE, HFBackend
+from ragfix.backends.hf import HFBackend
 from ragfix.errors import ModelLoadError
 from ragfix.models import (
     ModelNotFoundError,
@@ -12,7 +12,7 @@ from ragfix.models import (
     model_identity,
     resolve_model,
 )
-from ragfix.prompts import TaskPrompt
+from ragfix.prompts import NO_CHAT_TEMPLATE, TaskPrompt
 from ragfix.tasks import get_task, task_prompt
 from ragfix.types import Passage
 

@@ -60,6 +60,13 @@ def _nq_copy(path, n=3):
     return path
 
 
+def _set_json(path: Path, **changes) -> str:
+    """Set ``changes`` in the JSON file ``path``; returns its text before."""
+    before = path.read_text()
+    path.write_text(json.dumps({**json.loads(before), **changes}, indent=2))
+    return before
+
+
 # ------------------------------------------------------------------ sweep
 def test_sweep_refuses_weights_saved_into_its_model_folder_and_restarts_when_asked(
     tmp_path, model_dir
@@ -294,17 +301,15 @@ def test_pipeline_sweep_refuses_edited_corpus_questions_and_weights(
     with pytest.raises(ConfigMismatchError, match=r"inputs\.corpus: "):
         sweep()
     corpus.write_text(text)
+    cfg = model_dir / "tokenizer_config.json"
+    before = _set_json(cfg, eos_token="<|endoftext|>")
+    with pytest.raises(ConfigMismatchError, match=r"identity\.tokenizer: "):
+        sweep()
+    cfg.write_text(before)
     tiny_folder(model_dir, seed=5)
     with pytest.raises(ConfigMismatchError, match=r"identity\.model\.weights"):
         sweep()
     assert sweep(restart=True)["cells"] == 2
-
-
-def _set_json(path: Path, **changes) -> str:
-    """Set ``changes`` in the JSON file ``path``; returns its text before."""
-    before = path.read_text()
-    path.write_text(json.dumps({**json.loads(before), **changes}, indent=2))
-    return before
 
 
 def test_a_rerun_after_the_tokenizer_chat_template_or_generation_config_changed_is_refused(
@@ -337,6 +342,27 @@ def test_a_rerun_after_the_tokenizer_chat_template_or_generation_config_changed_
     gen.write_text(before)
     assert _sweep(out, model_dir, limit=1)[1] == []
     assert len(_lines(out / "results.jsonl")) == 2  # nothing lost, nothing mixed in
+
+
+def test_a_base_models_record_keeps_the_completion_prefix_it_read(tmp_path, model_dir):
+    """A model without a chat template reads a KV prompt's completion form (``... Corresponding
+    value: "``): the record stores that prefix, not the chat form's assistant prefix, so the
+    stored text and prefix are exactly what the model read; ``ragfix report --html`` rebuilds
+    the same for a run without stored prompts (:func:`reads_chat` of its identity)."""
+    from ragfix.eval.html_report import reads_chat
+    from ragfix.prompts import NO_CHAT_TEMPLATE
+
+    (model_dir / "chat_template.jinja").unlink()
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="no chat template"):
+        _sweep(out, model_dir, data=BUNDLED / "kv_16pairs_sample.jsonl.gz", limit=1)
+    [rec, *_] = _lines(out / "results.jsonl")
+    prompt = rec["prompt"]
+    assert prompt["assistant_prefix"] == ' "'
+    assert prompt["text"].endswith("Corresponding value:")
+    config = json.loads((out / "config.json").read_text())
+    assert config["identity"]["chat_template"] == NO_CHAT_TEMPLATE and not reads_chat(config)
+    assert reads_chat({"identity": {"chat_template": "0123456789ab"}})
 
 
 # ------------------------------------------------------------------ judge
@@ -401,6 +427,11 @@ def test_perplexity_resumes_by_window_and_refuses_new_weights_or_text(tmp_path, 
     with pytest.raises(ConfigMismatchError, match=r"identity\.model\.weights"):
         ppl(windows=range(3))
     tiny_folder(model_dir, seed=0)
+    cfg = model_dir / "tokenizer_config.json"
+    before = _set_json(cfg, eos_token="<|endoftext|>")
+    with pytest.raises(ConfigMismatchError, match=r"identity\.tokenizer: "):
+        ppl(windows=range(3))
+    cfg.write_text(before)
     data.write_text(json.dumps({"text": words.replace("word1 ", "word one ")}) + "\n")
     with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
         ppl(windows=range(3))

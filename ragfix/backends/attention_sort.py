@@ -2,8 +2,9 @@
 
 The ``attention-sort`` backend reads a task prompt once, scores each passage by the attention
 the text after the passages (the question, the end of the user turn, the assistant prefix) pays
-it, moves the passages so that the most attended one is last, next to the question, and answers
-the reordered prompt with the model's own attention. A passage moves with its label.
+it, moves the passages so that the most attended one is where the model reads best (``place``:
+last, next to the question, as the paper does; or first), and answers the reordered prompt with
+the model's own attention. A passage moves with its label.
 
 * Sorting by attention: Peysakhovich & Lerer, "Attention Sorting Combats Recency Bias In Long
   Context Language Models" (arXiv 2310.01427, Sec. 3): ascending by attention, a few rounds.
@@ -57,14 +58,21 @@ class AttentionSortOptions(BackendOptions):
             or ``all``.
         calibrate: subtract the attention the content-free query pays the same passages (ICR).
         rounds: sorting rounds (each reads the prompt as the previous round left it).
+        place: where the most attended passage goes: ``last`` (ascending order, next to the
+            question: the paper's order) or ``first`` (descending). ``None``: the model's
+            measured default (:data:`PLACE_DEFAULTS`), else ``last``; the value used is in the
+            backend's options (and so in a run's identity).
 
     The defaults (``upper``, calibrated, one round) are the measured best of ``ragfix tune
-    attention-sort`` on the tune range of KV retrieval (``results/kv8-tune-attention-sort.json``).
+    attention-sort`` on the tune range of KV retrieval (``results/kv8-tune-attention-sort.json``);
+    ``place`` is the better of the model's first and last positions on the same tune range
+    (vanilla), since one sort round puts the most attended passage there.
     """
 
     layers: Literal["upper", "all"] = "upper"
     calibrate: bool = True
     rounds: int = Field(default=1, ge=1)
+    place: Literal["last", "first"] | None = None
 
 
 @torch.no_grad()
@@ -117,6 +125,22 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
     return (att @ member).mean(dim=(1, 2))
 
 
+#: measured ``place`` defaults by model name (the ragfix alias and the hub id of the same
+#: weights): the better of the model's first and last positions in vanilla on the tune range of
+#: KV retrieval (the 140-key file's records 0-29, 8 pairs, every position). SmolLM2's best is
+#: last (``results/kv8-tune-vanilla.json``), Gemma 3 270M base's first
+#: (``results/gemma3-kv8-tune30-vanilla.json``); any other model: ``last``
+PLACE_DEFAULTS: dict[str, Literal["last", "first"]] = {
+    "gemma3-270m": "first",
+    "google/gemma-3-270m": "first",
+}
+
+
+def default_place(model_name: str) -> Literal["last", "first"]:
+    """The ``place`` of a model: its :data:`PLACE_DEFAULTS` entry, else ``last``."""
+    return PLACE_DEFAULTS.get(model_name, "last")
+
+
 def combine_scores(
     att: torch.Tensor, att_free: torch.Tensor | None, options: AttentionSortOptions
 ) -> torch.Tensor:
@@ -155,8 +179,9 @@ def sort_passages(
 
     Returns:
         ``(order, history)``: ``order[j]`` is the index (in ``prompt``) of the passage put at
-        position ``j`` (ascending score, stable: the most attended last); ``history`` holds
-        each round's score per passage index (``rounds`` lists). One passage: no model call.
+        position ``j`` (ascending score, stable: the most attended last; with ``place`` first,
+        descending, stable: the most attended first); ``history`` holds each round's score per
+        passage index (``rounds`` lists). One passage: no model call.
 
     Raises:
         RagfixError: as :func:`passage_scores`.
@@ -172,7 +197,8 @@ def sort_passages(
         for pos, i in enumerate(order):
             by_index[i] = scores[pos]
         history.append(by_index)
-        order = sorted(order, key=lambda i: by_index[i])
+        first = (options.place or default_place(backend.model_name)) == "first"
+        order = sorted(order, key=lambda i: -by_index[i] if first else by_index[i])
     return order, history
 
 
@@ -194,6 +220,9 @@ class AttentionSortBackend(HFBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.options.place is None:
+            place = default_place(self.model_name)
+            self.options = self.options.model_copy(update={"place": place})
         self._sorted: dict[TaskPrompt, TaskPrompt] = {}
 
     def sorted_prompt(self, prompt: Prompt) -> TaskPrompt:
@@ -252,9 +281,11 @@ class AttentionSortBackend(HFBackend):
 
 
 __all__ = [
+    "PLACE_DEFAULTS",
     "AttentionSortBackend",
     "AttentionSortOptions",
     "combine_scores",
+    "default_place",
     "passage_attention",
     "passage_scores",
     "sort_passages",

@@ -185,6 +185,13 @@ class Backend(ABC):
         """The exact text the model reads for ``prompt`` (chat template applied for a
         :class:`TaskPrompt`, assistant turn opened and prefilled)."""
 
+    @property
+    def reads_chat_template(self) -> bool:
+        """Whether a :class:`TaskPrompt` is read in a chat template (its user turn, then the
+        assistant turn prefilled) rather than in its task's completion form (a base model:
+        :meth:`~ragfix.prompts.TaskPrompt.answer_prefix` with ``chat=False``)."""
+        return True
+
     def read_prompt(self, prompt: Prompt) -> Prompt:
         """The prompt whose text :meth:`format_prompt` gives the model: ``prompt`` itself, or,
         for a backend that rearranges the passages before reading (``attention-sort``), the

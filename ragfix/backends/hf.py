@@ -35,31 +35,25 @@ from ragfix.backends.base import (
 )
 from ragfix.backends.family import Family, full_cache, model_family
 from ragfix.models import model_identity
+from ragfix.prompts import NO_CHAT_TEMPLATE
 from ragfix.types import Generation
-
-#: what :meth:`HFBackend.identity` records for a tokenizer without a chat template
-NO_CHAT_TEMPLATE = "none: the task's completion form"
 
 
 def chat_text(tokenizer, prompt: Prompt) -> str:
     """The text a model with ``tokenizer`` reads for ``prompt``: a :class:`TaskPrompt`'s user turn
     in the tokenizer's chat template, assistant turn opened and prefilled with its
     ``assistant_prefix``; without a chat template (a base model), the task's completion form
-    ``user + completion_prefix`` (``user + "\\n" + assistant_prefix`` for a prompt without
-    one); a string as it is."""
+    ``user`` and :meth:`~ragfix.prompts.TaskPrompt.answer_prefix`; a string as it is."""
     if isinstance(prompt, str):
         return prompt
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt.user}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-    elif prompt.completion_prefix is not None:
-        return prompt.user + prompt.completion_prefix
-    else:
-        text = prompt.user + "\n"
-    return text + prompt.assistant_prefix
+    if not tokenizer.chat_template:
+        return prompt.user + prompt.answer_prefix(chat=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.user}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return text + prompt.answer_prefix()
 
 
 def greedy_steps(
@@ -252,6 +246,11 @@ class HFBackend(Backend):
     def context_window(self) -> int:
         """The model's trained window (``max_position_embeddings``)."""
         return int(self.model.config.max_position_embeddings)
+
+    @property
+    def reads_chat_template(self) -> bool:
+        """See :attr:`Backend.reads_chat_template`: whether the tokenizer has one."""
+        return bool(self.tokenizer.chat_template)
 
     def identity(self) -> dict:
         """Model identity (:func:`~ragfix.models.model_identity`: weights fingerprint), the
@@ -855,7 +854,6 @@ def batch_groups(items: list[tuple], order: list[int], size: int) -> Iterator[li
 
 
 __all__ = [
-    "NO_CHAT_TEMPLATE",
     "HFBackend",
     "LayoutBackend",
     "batch_groups",
