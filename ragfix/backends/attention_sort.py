@@ -141,6 +141,13 @@ def default_place(model_name: str) -> Literal["last", "first"]:
     return PLACE_DEFAULTS.get(model_name, "last")
 
 
+def with_place(options: AttentionSortOptions, model_name: str) -> AttentionSortOptions:
+    """``options`` with ``place`` set: as given, or the model's :func:`default_place`."""
+    if options.place is not None:
+        return options
+    return options.model_copy(update={"place": default_place(model_name)})
+
+
 def combine_scores(
     att: torch.Tensor, att_free: torch.Tensor | None, options: AttentionSortOptions
 ) -> torch.Tensor:
@@ -187,6 +194,7 @@ def sort_passages(
         RagfixError: as :func:`passage_scores`.
     """
     prompt = spans_required(backend, prompt, SORTS)
+    first = with_place(options, backend.model_name).place == "first"
     order = list(range(len(prompt.passages)))
     history: list[list[float]] = []
     if len(order) < 2:
@@ -197,7 +205,6 @@ def sort_passages(
         for pos, i in enumerate(order):
             by_index[i] = scores[pos]
         history.append(by_index)
-        first = (options.place or default_place(backend.model_name)) == "first"
         order = sorted(order, key=lambda i: -by_index[i] if first else by_index[i])
     return order, history
 
@@ -220,9 +227,7 @@ class AttentionSortBackend(HFBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.options.place is None:
-            place = default_place(self.model_name)
-            self.options = self.options.model_copy(update={"place": place})
+        self.options = with_place(self.options, self.model_name)
         self._sorted: dict[TaskPrompt, TaskPrompt] = {}
 
     def sorted_prompt(self, prompt: Prompt) -> TaskPrompt:
@@ -289,4 +294,5 @@ __all__ = [
     "passage_attention",
     "passage_scores",
     "sort_passages",
+    "with_place",
 ]
