@@ -71,6 +71,27 @@ def register(app: typer.Typer) -> None:
         calibration: CalibrationOpt = None,
         adapter: AdapterOpt = None,
         train_window: TrainWindowOpt = None,
+        orders: Annotated[
+            int | None,
+            typer.Option(
+                min=2,
+                help="answer each cell over K orders of its passages and aggregate (order "
+                "marginalization, arXiv 2310.07712; any backend, a remote one too; K times "
+                "the cost)",
+            ),
+        ] = None,
+        orders_design: Annotated[
+            str,
+            typer.Option(help="--orders: rotate (evenly spaced cyclic shifts) or shuffle"),
+        ] = "rotate",
+        orders_aggregate: Annotated[
+            str,
+            typer.Option(
+                help="--orders: weighted (vote weighted by each answer's probability), "
+                "plurality or max (the most confident order)"
+            ),
+        ] = "weighted",
+        orders_seed: Annotated[int, typer.Option(help="--orders-design shuffle: seed")] = 0,
         distractor_pool: Annotated[
             Path | None, typer.Option(help="file to draw distractors from (BM25)")
         ] = None,
@@ -187,6 +208,11 @@ def register(app: typer.Typer) -> None:
                     raise ConfigError("--records selects records of a data file, not questions")
                 if workers is not None:
                     raise ConfigError("--workers splits a data file's samples, not pipeline mode")
+                if orders is not None:
+                    raise ConfigError(
+                        "--orders needs the passages of each prompt, which a framework's "
+                        "rendered prompt does not mark: use it with a data file"
+                    )
                 from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
                 from ragfix.eval.pipeline import print_pipeline_run, run_pipeline_sweep
 
@@ -236,6 +262,14 @@ def register(app: typer.Typer) -> None:
                 backend=backend,
                 adapter=adapter,
                 backend_options=options,
+                orders=None
+                if orders is None
+                else {
+                    "orders": orders,
+                    "design": orders_design,
+                    "aggregate": orders_aggregate,
+                    "seed": orders_seed,
+                },
                 num_docs=num_docs,
                 positions=positions,
                 records=records,

@@ -230,9 +230,14 @@ def cell_flags(answers: list[str], flags: list[str] = ()) -> tuple[list[str], di
 
 def generation_extra(gen: Generation) -> dict:
     """What a record keeps of a generation besides its text and counts: a remote answer's usage
-    figures (``usage``) and the server's reason behind each of its flags (``{flag: reason}``,
-    :attr:`Generation.reasons`)."""
-    return {**({"usage": gen.usage} if gen.usage is not None else {}), **gen.reasons}
+    figures (``usage``), the server's reason behind each of its flags (``{flag: reason}``,
+    :attr:`Generation.reasons`) and, for an answer over several orders of the passages, each
+    order's answer (``votes``, :attr:`Generation.votes`)."""
+    return {
+        **({"usage": gen.usage} if gen.usage is not None else {}),
+        **gen.reasons,
+        **({"votes": gen.votes} if gen.votes is not None else {}),
+    }
 
 
 def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:

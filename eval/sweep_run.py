@@ -262,6 +262,7 @@ def run_sweep(
     backend: str = "vanilla",
     adapter: str | Path | None = None,
     backend_options: dict | None = None,
+    orders: dict | None = None,
     num_docs: int = 10,
     positions: str = "all",
     records: str | None = None,
@@ -295,6 +296,12 @@ def run_sweep(
         adapter: a LoRA adapter folder applied under any backend.
         backend_options: the backend's options (validated before anything is loaded); they and
             the adapter path are part of the cell ids.
+        orders: order marginalization's settings
+            (:class:`~ragfix.backends.orders.OrderOptions`: ``orders``, ``design``,
+            ``aggregate``, ``seed``): each cell answered over several orders of its passages,
+            every order's answer kept in the record (``extra["votes"]``); validated before
+            anything is loaded, part of the cell ids (as ``backend_options["orders"]``) and of
+            the backend's identity. ``None``: one order, as placed.
         num_docs: passages (documents or KV pairs) per prompt.
         positions: ``all``, ``first,middle,last`` or ``0,4,9`` (0-based gold positions).
         records: a record range of the file, ``"START:END"`` (0-based, END excluded; record
@@ -348,6 +355,7 @@ def run_sweep(
     import gc
 
     from ragfix.backends import load_backend, result_options, validate_backend
+    from ragfix.backends.orders import OrderOptions
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models import resolve_device, resolve_model
@@ -360,6 +368,7 @@ def run_sweep(
     path = _resolve_data(data)
     pool = Path(distractor_pool).resolve() if distractor_pool else None
     validated = validate_backend(backend, str(adapter) if adapter else None, model=model, **options)
+    order_options = None if orders is None else OrderOptions(**orders)
     resolve_model(model)  # unknown model / default not installed: fail before any work
     config = SweepConfig(
         data=str(path.resolve()),
@@ -370,6 +379,7 @@ def run_sweep(
         backend_options={
             **result_options(options, validated),
             **({"adapter": str(adapter)} if adapter else {}),
+            **({"orders": order_options.model_dump()} if order_options else {}),
         },
         distractor_pool=str(pool) if pool else None,
         records=records,
@@ -402,6 +412,7 @@ def run_sweep(
         dtype=dtype,
         adapter=str(adapter) if adapter else None,
         validated=validated,
+        orders=order_options,
     )
     loaded = load_backend(**load_kwargs)  # also for a finished folder: what it ran on is checked
     _check_budget(loaded, config)

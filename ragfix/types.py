@@ -133,6 +133,9 @@ class Generation(BaseModel):
             :data:`INVALID_TEXT` (the server's answer was not valid text).
         reasons: what the server said behind a flag, by flag (``{"empty_answer":
             "content null, finish_reason stop, reasoning_content present"}``).
+        votes: an answer over several orders of the passages
+            (:class:`~ragfix.backends.orders.OrderMarginalBackend`): each order's ``order``,
+            ``answer``, ``confidence`` and ``flags``; ``None`` for an answer read in one order.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -148,6 +151,7 @@ class Generation(BaseModel):
     usage: dict[str, int] | None = None
     flags: list[str] = Field(default_factory=list)
     reasons: dict[str, str] = Field(default_factory=dict)
+    votes: list[dict] | None = None
 
 
 class StoredPrompt(BaseModel):

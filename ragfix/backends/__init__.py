@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragfix.backends.base import Backend, BackendOptions, Fit, Prompt
+from ragfix.backends.orders import OrderOptions, marginalize_orders
 from ragfix.errors import ConfigError
 from ragfix.models import REMOTE_PREFIX
 
@@ -191,10 +192,13 @@ def load_backend(
     adapter: str | None = None,
     *,
     validated: BackendOptions | None = None,
+    orders: OrderOptions | None = None,
     **options,
 ) -> Backend:
     """Load ``model`` with ``adapter`` applied and wrap it in backend ``name``; the options are
-    validated here, once (the backend is built with the validated object).
+    validated here, once (the backend is built with the validated object). With ``orders`` the
+    backend answers over several orders of each prompt's passages
+    (:class:`~ragfix.backends.orders.OrderMarginalBackend`; any backend, a remote one too).
 
     Args:
         name: a registered backend (:func:`backend_names`).
@@ -209,6 +213,7 @@ def load_backend(
         validated: the options as :func:`validate_backend` returned them for the same
             ``name``, ``adapter`` and ``model`` (a caller that checked them before loading);
             then no ``**options``.
+        orders: order marginalization's settings, or ``None`` (one order, as given).
         **options: the backend's options.
 
     Raises:
@@ -232,7 +237,7 @@ def load_backend(
         opts = validated
     cls = backend_class(name, model)
     if model.startswith(REMOTE_PREFIX):
-        return cls(model[len(REMOTE_PREFIX) :], opts)
+        return marginalize_orders(cls(model[len(REMOTE_PREFIX) :], opts), orders)
     cls.check_family(read_family(load_config(model)), opts)
     m, tok = load_model(model, device=device, dtype=dtype, **cls.load_kwargs(opts))
     info = None
@@ -242,7 +247,7 @@ def load_backend(
         m, info = load_adapter(m, adapter)
     backend = cls(m, tok, adapter=info, options=opts)
     backend.name = name
-    return backend
+    return marginalize_orders(backend, orders)
 
 
 class BackendRef(BaseModel):

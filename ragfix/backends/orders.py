@@ -1,0 +1,331 @@
+"""Order marginalization: answer over several orders of the same passages and aggregate
+(permutation self-consistency, Tang et al., "Found in the Middle: Permutation Self-Consistency
+Improves Listwise Ranking in Large Language Models", NAACL 2024, arXiv 2310.07712, Sec. 2).
+
+The one correction that needs no access to the model's weights or attention: it wraps any
+:class:`~ragfix.backends.base.Backend`, local or remote (``openai:NAME``), and works through the
+interface alone. For each task prompt with passages it builds ``orders`` orders of them
+(:func:`passage_orders`), asks the wrapped backend for the greedy answer to each
+(:meth:`Backend.generate`, one call for all of them, with each answer's first-token
+log-probabilities), and returns one answer per prompt (:func:`aggregate`). A prompt without
+passage spans (a plain text) has one order and is answered as it is; a consumer whose prompts
+never carry spans refuses the wrapper (:attr:`needs_passage_spans`).
+
+Cost: ``orders`` times the prefill and the decoding of one answer (the prompts of one call are
+sent together, so a remote server or a GPU batch runs them in parallel).
+
+Designs:
+
+* ``rotate``: cyclic shifts of the passages, ``orders`` of them evenly spaced (shift
+  ``floor(k * n / orders)`` for ``k < orders``, distinct ones only). With ``orders`` = ``n``
+  every passage takes every position exactly once (a Latin square: a balanced design).
+* ``shuffle``: ``orders`` seeded random permutations (the paper's), the first the order as
+  given; the seed is mixed with the prompt's text so a prompt gets the same orders in any batch.
+
+Aggregators (each order's answer normalised by :func:`ragfix.metrics.normalize_answer`):
+
+* ``plurality``: the most frequent answer (the paper's aggregation for a single answer); a tie
+  goes to the answer with the higher mean confidence.
+* ``weighted``: the answer with the largest sum of confidences ``exp(c)`` over the orders that
+  gave it (a vote weighted by the model's probability).
+* ``max``: the answer of the single most confident order.
+
+The confidence ``c`` of an order's answer is the log-probability of its first token (where
+greedy decoding commits to the passage it copies from): from a local backend, the largest of
+``Generation.first_logprobs``; from a remote one, the largest of its ``first_top_logprobs``. An
+order without it (a server that returns no log-probabilities) counts with confidence 0 for
+``plurality`` and is refused for ``weighted`` and ``max`` (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+from pydantic import Field
+
+from ragfix.backends.base import Backend, BackendOptions, Cancel, Fit, Prompt
+from ragfix.errors import ConfigError
+from ragfix.metrics import normalize_answer
+from ragfix.prompts import TaskPrompt
+from ragfix.types import UNSCORED, Generation
+
+
+class OrderOptions(BackendOptions):
+    """Settings of order marginalization (``--orders K --orders-design D --orders-aggregate A``).
+
+    Attributes:
+        orders: orders per prompt (``K >= 2``); a prompt with fewer passages than the design
+            can order differently gets the distinct ones only (``rotate``: at most ``n``).
+        design: ``rotate`` (evenly spaced cyclic shifts) or ``shuffle`` (seeded permutations).
+        aggregate: ``plurality``, ``weighted`` or ``max`` (module docstring).
+        seed: the ``shuffle`` design's seed.
+    """
+
+    orders: int = Field(ge=2)
+    design: Literal["rotate", "shuffle"] = "rotate"
+    aggregate: Literal["plurality", "weighted", "max"] = "weighted"
+    seed: int = 0
+
+
+def passage_orders(n: int, options: OrderOptions, key: str = "") -> list[tuple[int, ...]]:
+    """The orders of ``n`` passages a prompt is answered over, the first the order as given.
+
+    Args:
+        n: passages in the prompt.
+        options: the design, the number of orders and the seed.
+        key: mixed into the ``shuffle`` seed (the prompt's text), so the orders of a prompt do
+            not depend on what it is batched with.
+
+    Returns:
+        distinct permutations of ``range(n)`` (``order[j]`` = the passage put at position
+        ``j``); one, the identity, when ``n < 2``.
+    """
+    identity = tuple(range(n))
+    if n < 2:
+        return [identity]
+    if options.design == "rotate":
+        shifts = dict.fromkeys(k * n // options.orders for k in range(options.orders))
+        return [tuple((j + s) % n for j in range(n)) for s in shifts]
+    digest = hashlib.sha256(f"{options.seed}\0{key}".encode()).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    out = [identity]
+    tries = 0
+    while len(out) < min(options.orders, math.factorial(n)) and tries < 100 * options.orders:
+        order = tuple(rng.sample(range(n), n))
+        tries += 1
+        if order not in out:
+            out.append(order)
+    return out
+
+
+def confidence(gen: Generation) -> float | None:
+    """The log-probability (nats) of ``gen``'s first answer token: the largest first-step
+    log-probability (greedy decoding takes the most likely token), from
+    ``first_logprobs`` (local) or ``first_top_logprobs`` (remote); ``None`` when the backend
+    gave neither or the answer is empty."""
+    if not gen.text:
+        return None
+    if gen.first_logprobs is not None:
+        return float(gen.first_logprobs.max())
+    if gen.first_top_logprobs:
+        return max(gen.first_top_logprobs.values())
+    return None
+
+
+def aggregate(answers: Sequence[tuple[str, float | None]], how: str) -> int:
+    """Which of the orders' answers is the marginal answer.
+
+    Args:
+        answers: each order's ``(answer, confidence)`` (:func:`confidence`), in order; an empty
+            answer is never chosen unless all are empty.
+        how: ``plurality``, ``weighted`` or ``max``.
+
+    Returns:
+        the index in ``answers`` of the chosen answer: of its answer class, the order with the
+        highest confidence (the first of equals).
+
+    Raises:
+        ConfigError: ``weighted`` or ``max`` with an answer that has no confidence.
+    """
+    voting = [i for i, (text, _) in enumerate(answers) if normalize_answer(text)]
+    if not voting:
+        return 0
+    if how != "plurality" and any(answers[i][1] is None for i in voting):
+        raise ConfigError(
+            f"--orders-aggregate {how} needs each answer's log-probability, and the backend "
+            "gave none (a server without logprobs): use --orders-aggregate plurality"
+        )
+    conf = {i: answers[i][1] if answers[i][1] is not None else 0.0 for i in voting}
+    classes: dict[str, list[int]] = {}
+    for i in voting:
+        classes.setdefault(normalize_answer(answers[i][0]), []).append(i)
+
+    def score(members: list[int]) -> tuple[float, ...]:
+        mean = sum(conf[i] for i in members) / len(members)
+        if how == "plurality":
+            return (len(members), mean)
+        if how == "weighted":
+            return (sum(math.exp(conf[i]) for i in members),)
+        return (max(conf[i] for i in members),)
+
+    best = max(classes.values(), key=score)
+    return max(best, key=lambda i: (conf[i], -i))
+
+
+class OrderMarginalBackend(Backend):
+    """A backend answering over several orders of each prompt's passages (module docstring).
+
+    Everything but :meth:`generate` and :meth:`fit` is the wrapped backend's: its name, model,
+    window, tokenizer and scores. :meth:`identity` is the wrapped one's plus ``orders`` (the
+    settings), so a run with other orders is never resumed onto.
+    """
+
+    needs_passage_spans = True
+    supports_prefix_reuse = False
+
+    def __init__(self, inner: Backend, options: OrderOptions):
+        self.inner = inner
+        self.options = options
+        self.name = inner.name
+        self.has_tokenizer = inner.has_tokenizer
+        self.cuts_long_prompts = inner.cuts_long_prompts
+        self.preferred_batch_size = inner.preferred_batch_size
+
+    # what the wrapped backend is
+    @property
+    def context_window(self) -> int:
+        return self.inner.context_window
+
+    @property
+    def model_name(self) -> str:
+        return self.inner.model_name
+
+    @property
+    def reads_chat_template(self) -> bool:
+        return self.inner.reads_chat_template
+
+    def identity(self) -> dict:
+        return {**self.inner.identity(), "orders": self.options.model_dump(mode="json")}
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        return self.inner.format_prompt(prompt)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.inner.tokenize(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.inner.detokenize(ids)
+
+    def forget_prompts(self) -> None:
+        self.inner.forget_prompts()
+
+    def next_token_logprobs(self, prompts: Sequence[Prompt], *, batch_size: int = 8):
+        return self.inner.next_token_logprobs(prompts, batch_size=batch_size)
+
+    def token_logprobs(self, ids: Sequence[int]):
+        return self.inner.token_logprobs(ids)
+
+    def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+        return self.inner.loglikelihood(pairs)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        stop_at_newline: bool = False,
+        cancel: Cancel | None = None,
+    ) -> Iterator[str]:
+        # a marginal answer exists only once every order has answered
+        gen = self.generate(
+            [prompt], max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline, cancel=cancel
+        )[0]
+        yield gen.text
+
+    # what it changes
+    def orders_of(self, prompt: Prompt) -> list[tuple[int, ...]]:
+        """The orders ``prompt`` is answered over (:func:`passage_orders`)."""
+        n = len(prompt.passages) if isinstance(prompt, TaskPrompt) else 0
+        key = prompt.user if isinstance(prompt, TaskPrompt) else prompt
+        return passage_orders(n, self.options, key)
+
+    def _ordered(self, prompt: Prompt) -> list[Prompt]:
+        orders = self.orders_of(prompt)
+        if len(orders) == 1:
+            return [prompt]
+        return [prompt.reordered(o) for o in orders]
+
+    def fit(self, prompt: Prompt, max_new_tokens: int | None = None) -> Fit:
+        """The wrapped backend's verdict on the longest of ``prompt``'s orders (a permutation
+        can tokenize a few tokens longer at the passage boundaries)."""
+        fits = [self.inner.fit(p, max_new_tokens) for p in self._ordered(prompt)]
+        if any(f.prompt_tokens is None for f in fits):
+            return fits[0]
+        return max(fits, key=lambda f: f.prompt_tokens)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        batch_size: int = 8,
+        max_new_tokens: int | None = None,
+        stop_at_newline: bool | None = None,
+        first_logprobs: bool = False,
+        prefix_reuse: bool = False,
+        cancel: Cancel | None = None,
+    ) -> list[Generation]:
+        """One marginal answer per prompt.
+
+        Each returned :class:`Generation` is the chosen order's, with ``prompt_tokens`` the
+        longest order's (what the window must hold), ``prefill_tokens``, ``new_tokens`` and
+        ``seconds`` summed over all orders (what the answer cost) and ``votes``: per order, its
+        ``order``, ``answer``, ``confidence`` and ``flags``. An order whose answer is not a
+        measurement (an :data:`~ragfix.types.UNSCORED` flag such as ``empty_answer``) does
+        not vote; when none votes, the first order's answer and flags are returned.
+
+        Raises:
+            ConfigError: see :func:`aggregate`.
+            Cancelled: as the wrapped backend's.
+        """
+        expanded = [(i, p) for i, prompt in enumerate(prompts) for p in self._ordered(prompt)]
+        gens = self.inner.generate(
+            [p for _, p in expanded],
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            stop_at_newline=stop_at_newline,
+            first_logprobs=True,
+            prefix_reuse=prefix_reuse and self.inner.supports_prefix_reuse,
+            cancel=cancel,
+        )
+        by_prompt: list[list[Generation]] = [[] for _ in prompts]
+        for (i, _), gen in zip(expanded, gens, strict=True):
+            by_prompt[i].append(gen)
+        return [
+            self._marginal(prompt, answers, first_logprobs)
+            for prompt, answers in zip(prompts, by_prompt, strict=True)
+        ]
+
+    def _marginal(self, prompt: Prompt, gens: list[Generation], first_logprobs: bool) -> Generation:
+        orders = self.orders_of(prompt)
+        counted = [
+            (g.text if not UNSCORED.intersection(g.flags) else "", confidence(g)) for g in gens
+        ]
+        chosen = gens[aggregate(counted, self.options.aggregate)]
+        votes = [
+            {
+                "order": list(o),
+                "answer": g.text,
+                "confidence": None if c is None else round(c, 4),
+                "flags": list(g.flags),
+            }
+            for o, g, (_, c) in zip(orders, gens, counted, strict=True)
+        ]
+        return chosen.model_copy(
+            update={
+                "prompt_tokens": max(g.prompt_tokens for g in gens),
+                "prefill_tokens": sum(g.prefill_tokens for g in gens),
+                "new_tokens": sum(g.new_tokens for g in gens),
+                "seconds": sum(g.seconds for g in gens),
+                "first_logprobs": chosen.first_logprobs if first_logprobs else None,
+                "votes": votes if len(gens) > 1 else None,
+            }
+        )
+
+
+def marginalize_orders(backend: Backend, options: OrderOptions | None) -> Backend:
+    """``backend`` answering over ``options.orders`` orders of each prompt's passages, or
+    ``backend`` itself when ``options`` is ``None``."""
+    return backend if options is None else OrderMarginalBackend(backend, options)
+
+
+__all__ = [
+    "OrderMarginalBackend",
+    "OrderOptions",
+    "aggregate",
+    "confidence",
+    "marginalize_orders",
+    "passage_orders",
+]
