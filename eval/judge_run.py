@@ -396,7 +396,48 @@ def run_judge(
     )
 
 
+def compare_runs(baseline: str | Path, other: str | Path, field: str = "verdict_original") -> dict:
+    """Whether two judge runs on the same pairs agree with the labels differently: the exact
+    McNemar test (:func:`ragfix.metrics.mcnemar_exact`) of one verdict field of their
+    ``judgments.jsonl`` (``verdict_original``: the one-pass verdict) over the labelled pairs
+    both judged (overflowing pairs left out).
+
+    Returns:
+        ``{"pairs", "baseline_correct", "other_correct", "only_other", "only_baseline",
+        "p_value"}``.
+
+    Raises:
+        RagfixError: the runs share no labelled pair.
+    """
+    from ragfix.errors import RagfixError
+    from ragfix.io import JsonlStore
+    from ragfix.metrics import mcnemar_exact
+
+    def correct(folder) -> dict[str, bool]:
+        out = {}
+        for r in JsonlStore(Path(folder) / JUDGMENTS_FILE, key="pair_id").load().values():
+            if r.get("label") is not None and OVERFLOW not in r.get("flags", ()):
+                out[r["pair_id"]] = r.get(field) == r["label"]
+        return out
+
+    base, mine = correct(baseline), correct(other)
+    shared = sorted(set(base) & set(mine))
+    if not shared:
+        raise RagfixError(f"{baseline} and {other} share no labelled pair")
+    b = sum(mine[k] and not base[k] for k in shared)
+    c = sum(base[k] and not mine[k] for k in shared)
+    return {
+        "pairs": len(shared),
+        "baseline_correct": sum(base[k] for k in shared),
+        "other_correct": sum(mine[k] for k in shared),
+        "only_other": b,
+        "only_baseline": c,
+        "p_value": mcnemar_exact(b, c),
+    }
+
+
 __all__ = [
+    "compare_runs",
     "CONFIG_FILE",
     "JUDGMENTS_FILE",
     "PLOT_FILE",

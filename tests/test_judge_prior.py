@@ -173,3 +173,35 @@ def test_judge_run_records_letters_and_calibration_and_renders_them(tmp_path):
     assert "contextual argmax" in text and "content-free prior" in text
     with pytest.raises(ConfigMismatchError, match="calibrate"):
         run_judge(data, out, records="5:6", labels="content")
+
+
+def test_compare_runs_is_the_exact_mcnemar_test_of_one_verdict_field(tmp_path):
+    """Two hand-made runs on five labelled pairs (and one unlabelled, one overflowing): the other
+    run alone is right on 3 pairs, the baseline alone on none -> p = 2 * 0.5**3 = 0.25."""
+    from ragfix.eval.judge_run import compare_runs
+
+    base = ["B", "B", "B", "A", "B", "A", "A"]
+    other = ["A", "A", "A", "A", "B", "B", "B"]
+    labels = ["A", "A", "A", "A", "A", None, "B"]
+    for name, verdicts in (("base", base), ("other", other)):
+        (tmp_path / name).mkdir()
+        rows = [
+            {
+                "pair_id": f"p{i}",
+                "label": lab,
+                "verdict_original": v,
+                "flags": ["overflow"] if i == 6 else [],
+            }
+            for i, (v, lab) in enumerate(zip(verdicts, labels, strict=True))
+        ]
+        lines = "".join(json.dumps(r) + "\n" for r in rows)
+        (tmp_path / name / "judgments.jsonl").write_text(lines)
+    got = compare_runs(tmp_path / "base", tmp_path / "other")
+    assert got == {
+        "pairs": 5,
+        "baseline_correct": 1,
+        "other_correct": 4,
+        "only_other": 3,
+        "only_baseline": 0,
+        "p_value": pytest.approx(0.25),
+    }
