@@ -92,6 +92,8 @@ def judge_tables(result: dict) -> list[TableSpec]:
     tables = []
     for name, s in judges.items():
         where = f"{data}, first {limit} pairs" if limit is not None else data
+        if result.get("records"):
+            where += f", records {result['records']}"
         rows = []
         sources = (
             ("generated", "generated"),
