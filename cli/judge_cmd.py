@@ -51,8 +51,9 @@ def register(app: typer.Typer) -> None:
         data: Annotated[
             Path,
             typer.Argument(
-                help="pairs (LLMBar, PandaLM, MT-bench answers, or JSONL with question, "
-                "answer_a, answer_b, label), or LLMBar swap judgments of other judges"
+                help="pairs (LLMBar, PandaLM, MT-bench answers, KV-retrieval records, or JSONL "
+                "with question, answer_a, answer_b, label), or LLMBar swap judgments of other "
+                "judges"
             ),
         ],
         out: Annotated[Path, typer.Option("--out", "-o", help="run folder (resumable)")] = Path(
@@ -88,6 +89,24 @@ def register(app: typer.Typer) -> None:
                 "move (the answer blocks swap places, labels travel with them)"
             ),
         ] = "relabel",
+        labels: Annotated[
+            str,
+            typer.Option(
+                help="slot: the first slot is assistant A (MT-bench); content: each answer's "
+                "letter follows from its text, the same in both orders"
+            ),
+        ] = "slot",
+        calibrate: Annotated[
+            str,
+            typer.Option(
+                help="none, or content-free: divide the letter probabilities by the judge's "
+                "prior on content-free inputs (Zhao et al. 2021)"
+            ),
+        ] = "none",
+        records: Annotated[
+            str | None,
+            typer.Option(help="judge the records START:END of the file (0-based, END excluded)"),
+        ] = None,
         batch_size: Annotated[
             int | None, typer.Option(help="prompts per batch (default 4 on CPU, 32 on CUDA)")
         ] = None,
@@ -131,6 +150,9 @@ def register(app: typer.Typer) -> None:
                 max_new_tokens=max_new_tokens,
                 tie_margin=tie_margin,
                 swap=swap,
+                labels=labels,
+                calibrate=calibrate,
+                records=records,
                 batch_size=batch_size,
                 mtbench_models=tuple(m.strip() for m in mtbench_models.split(",") if m.strip()),
                 skip_invalid=skip_invalid,

@@ -13,7 +13,10 @@ file, ``label`` as an answer verdict ``"A"`` / ``"B"`` / ``"tie"``):
   where present, GPT-4 reference answers; one pair per question for two chosen models, first turn;
   no labels;
 * ``simple``: our own JSON Lines: ``question``, ``answer_a``, ``answer_b``, optional ``label``
-  (``A``, ``B``, ``tie``; ``C``, ``1``, ``2``, ``0`` accepted), optional ``reference`` and ``id``.
+  (``A``, ``B``, ``tie``; ``C``, ``1``, ``2``, ``0`` accepted), optional ``reference`` and ``id``;
+* ``kv``: pairs made from Lost-in-the-Middle KV-retrieval records (``key``, ``value``,
+  ``ordered_kv_records``), a judge task whose ground truth is in the prompt
+  (:func:`load_kv_pairs`).
 
 Verdicts: ``swap_judgments`` (LLMBar's evaluator outputs: ``evaluator``, ``winner_original_order``
 and ``winner_swapped_order``, both in the original numbering).
@@ -31,6 +34,7 @@ one evaluator's verdicts on one item given twice are refused (they cannot both b
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -43,9 +47,9 @@ from ragfix.connectors.jsonl import (
     skip_or_raise,
 )
 from ragfix.errors import DataError
-from ragfix.types import JudgePair, pair_id
+from ragfix.types import JudgePair, Passage, pair_id
 
-FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "swap_judgments")
+FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "kv", "swap_judgments")
 
 #: the fields each format wants (named in the error for a file that is not JSON Lines)
 FIELDS = {
@@ -54,6 +58,7 @@ FIELDS = {
     "mtbench": "question_id, model_id, choices[turns]",
     "mtbench_questions": "question_id, turns",
     "simple": "question, answer_a, answer_b, optional label (A, B, tie)",
+    "kv": "key, value, ordered_kv_records",
     "swap_judgments": "evaluator, winner_original_order, winner_swapped_order",
 }
 
@@ -86,6 +91,8 @@ def detect_format(path: str | Path) -> str:
             return "mtbench"
         if "answer_a" in rec or "answer_b" in rec:
             return "simple"
+        if "ordered_kv_records" in rec:
+            return "kv"
         raise DataError(
             path,
             line,
@@ -253,6 +260,66 @@ def load_simple(
     return _read(path, limit, skip_invalid, skipped, parse, "simple")
 
 
+#: KV pairs per judge question (the gold pair and this many minus one distractor pairs)
+KV_PAIR_CONTEXT = 8
+#: seed of the KV pairs' random choices (with the record's line: each pair on its own)
+KV_PAIR_SEED = 0
+
+
+def load_kv_pairs(
+    path: str | Path,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[JudgePair]:
+    """Judge pairs from KV-retrieval records: a task whose answer is in the prompt, so a small
+    judge can do it and its slot or letter preference shows against a known truth.
+
+    Per record: the question is the KV task's user turn (:data:`ragfix.tasks.KV`: the JSON object
+    of the gold pair and the first ``KV_PAIR_CONTEXT - 1`` other pairs in file order, as
+    :func:`~ragfix.connectors.litm.load_kv` takes them, shuffled; the key asked), one answer is
+    the key's value, the other the value of a distractor pair of the same object; which
+    distractor, the order of the object and whether the right value is ``answer_a`` (label
+    ``A``) or ``answer_b`` (``B``) are drawn from ``random.Random(f"{KV_PAIR_SEED}:{line}")``,
+    so the pairs are the same on every read and a record's pair does not depend on the others.
+    The label is the ground truth (the value stored under the key), what a human annotator
+    would give. ``pair_id`` = ``kv:<line>:<key>``.
+
+    Raises:
+        DataError: a malformed record (:func:`~ragfix.connectors.litm.load_kv`'s checks) or
+            fewer than ``KV_PAIR_CONTEXT`` pairs (unless ``skip_invalid``).
+    """
+    from ragfix.connectors.litm import _parse_kv
+    from ragfix.tasks import KV
+
+    def parse(rec: dict, line: int) -> JudgePair:
+        key, value, others = _parse_kv(rec, path, line)
+        if len(others) < KV_PAIR_CONTEXT - 1:
+            raise DataError(
+                path,
+                line,
+                "ordered_kv_records",
+                f"a KV judge pair needs {KV_PAIR_CONTEXT} pairs, got {len(others) + 1}",
+            )
+        rng = random.Random(f"{KV_PAIR_SEED}:{line}")
+        members = [(key, value), *(tuple(p) for p in others[: KV_PAIR_CONTEXT - 1])]
+        rng.shuffle(members)
+        wrong = rng.choice([v for k, v in members if k != key])
+        label = rng.choice(("A", "B"))
+        a, b = (value, wrong) if label == "A" else (wrong, value)
+        context = [Passage(title=k, text=v) for k, v in members]
+        return JudgePair(
+            pair_id=f"kv:{line}:{key}",
+            question=KV.user_turn(key, context),
+            answer_a=a,
+            answer_b=b,
+            label=label,
+            source=f"{path}:{line}",
+        )
+
+    return _read(path, limit, skip_invalid, skipped, parse, "kv")
+
+
 def load_mtbench(
     path: str | Path,
     questions: str | Path,
@@ -400,6 +467,8 @@ def load_pairs(
         return load_pandalm(path, limit, skip_invalid, skipped)
     if fmt == "simple":
         return load_simple(path, limit, skip_invalid, skipped)
+    if fmt == "kv":
+        return load_kv_pairs(path, limit, skip_invalid, skipped)
     if fmt == "mtbench":
         folder = Path(path).parent
         questions = Path(mtbench_questions or folder / "mtbench_question.jsonl")

@@ -7,8 +7,13 @@ figures reported on a disjoint one never share a record.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from ragfix.errors import ConfigError
-from ragfix.types import QASample
+from ragfix.types import JudgePair, QASample
+
+#: what a record range selects from: items that know their ``"file:line"``
+_Sourced = TypeVar("_Sourced", QASample, JudgePair)
 
 
 def parse_records(spec: str) -> slice:
@@ -37,9 +42,10 @@ def format_records(records: slice) -> str:
     return f"{records.start or 0}:{'' if records.stop is None else records.stop}"
 
 
-def select_records(samples: list[QASample], records: slice | None) -> list[QASample]:
-    """The samples read from the records of ``records`` (record ``i`` is on line ``i + 1`` of its
-    file, from ``QASample.source`` = ``"file:line"``), in file order; all when ``None``."""
+def select_records(samples: list[_Sourced], records: slice | None) -> list[_Sourced]:
+    """The samples (or judge pairs) read from the records of ``records`` (record ``i`` is on
+    line ``i + 1`` of its file, from their ``source`` = ``"file:line"``), in file order; all
+    when ``None``."""
     if records is None:
         return samples
     lo, hi = records.start or 0, records.stop

@@ -364,6 +364,7 @@ def _judge_group(runs: list[JudgeRun], strings: _Strings) -> dict:
     rows: dict[str, dict] = {}
     for k, run in enumerate(runs):
         style, swap = run.config.get("style", "verdict"), run.config.get("swap", "relabel")
+        labels = run.config.get("labels", "slot")
         chat = reads_chat(run.config)
         for rec in run.records:
             pair = run.pairs.get(rec["pair_id"])
@@ -371,7 +372,9 @@ def _judge_group(runs: list[JudgeRun], strings: _Strings) -> dict:
                 rec["pair_id"],
                 {"key": rec["pair_id"], "pos": None, "q": None, "gold": None, "cells": {}},
             )
-            prompts = pair_prompts(pair, style, swap) if pair is not None else (None, None)
+            prompts = (
+                pair_prompts(pair, style, swap, labels=labels) if pair is not None else (None, None)
+            )
             if pair is not None:
                 row["q"] = pair.question
                 row["gold"] = [f"human label: {pair.label}"] if pair.label else None

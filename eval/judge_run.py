@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 from rich.console import Console
 
+from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.progress import progress_bar
 from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints, interrupted
@@ -38,6 +39,7 @@ from ragfix.judge import (
     summarize,
     summarize_swap_judgments,
 )
+from ragfix.judge.judge import pair_layouts
 from ragfix.judge.report import JUDGE_KIND, SWAP_JUDGMENTS_FORMAT
 from ragfix.types import OVERFLOW, JudgePair
 
@@ -125,10 +127,13 @@ class JudgeConfig(RunConfig):
         format: the pair file's format (:func:`ragfix.connectors.pairwise.detect_format`).
         model, backend, backend_options, adapter: the judge model (the options without a
             remote model's call settings; the adapter's resolved path).
-        style, max_new_tokens, repeats, tie_margin, swap: the judge settings
+        style, max_new_tokens, repeats, tie_margin, swap, labels, calibrate: the judge settings
             (:class:`ragfix.judge.PairwiseJudge`).
         mtbench_models: for MT-bench answers, the two models compared, else None.
     """
+
+    #: folders written before the letter prior could be removed: MT-bench letters, uncalibrated
+    ABSENT: ClassVar[dict] = {"labels": "slot", "calibrate": "none"}
 
     run: Literal["judge"] = "judge"
     data: str
@@ -142,20 +147,26 @@ class JudgeConfig(RunConfig):
     repeats: int = 1
     tie_margin: float = 0.0
     swap: str = "relabel"
+    labels: str = "slot"
+    calibrate: str = "none"
     mtbench_models: list[str] | None = None
 
 
-def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console):
-    """The pairs of ``data`` and the skip counter.
+def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console, records=None):
+    """The pairs of ``data`` (of the record range ``records``, a slice, when given; then the
+    first ``limit`` of them) and the skip counter.
 
     Raises:
         DataError: a malformed record (unless ``skip_invalid``), or no pairs at all.
     """
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.pairwise import load_pairs
+    from ragfix.connectors.records import select_records
 
     skipped = SkipCounter()
-    pairs = load_pairs(data, limit, skip_invalid, skipped, mtbench_models)
+    pairs = load_pairs(data, None if records else limit, skip_invalid, skipped, mtbench_models)
+    if records is not None:
+        pairs = select_records(pairs, records)[:limit]
     if skipped.count and console is not None:
         console.print(
             f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
@@ -213,6 +224,9 @@ def run_judge(
     max_new_tokens: int | None = None,
     tie_margin: float = 0.0,
     swap: str = "relabel",
+    labels: str = "slot",
+    calibrate: str = "none",
+    records: str | None = None,
     batch_size: int | None = None,
     mtbench_models: tuple[str, str] = ("gpt-4", "gpt-3.5-turbo"),
     skip_invalid: bool = False,
@@ -238,9 +252,12 @@ def run_judge(
         out: the run folder (created).
         model, backend, adapter, backend_options: what judges (:func:`ragfix.backends.
             load_backend`).
-        style, repeats, max_new_tokens, tie_margin, swap, batch_size: see
+        style, repeats, max_new_tokens, tie_margin, swap, labels, calibrate, batch_size: see
             :class:`ragfix.judge.PairwiseJudge` (``batch_size`` default: 32 on CUDA, 4 on CPU).
-        limit: judge the first ``limit`` pairs.
+        limit: judge the first ``limit`` pairs (of ``records`` when given).
+        records: judge the pairs of the record range ``"START:END"`` (record ``i`` on line
+            ``i + 1`` of the file; :mod:`ragfix.connectors.records`), e.g. a held-out range
+            disjoint from the one a judge option was chosen on.
         mtbench_models: for MT-bench answers, the two models to compare.
         skip_invalid: skip and count malformed records instead of stopping.
         device, dtype: where and how to load the model.
@@ -272,12 +289,13 @@ def run_judge(
     fmt = detect_format(data)
     if fmt == "swap_judgments":
         return summarize_judgments(data, out, limit)
-    check_judge_settings(style, repeats, swap)
+    check_judge_settings(style, repeats, swap, labels, calibrate)
+    span = parse_records(records) if records is not None else None
     if len(mtbench_models) != 2:
         raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
     opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
     resolve_model(model)
-    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, console)
+    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, console, span)
     config = JudgeConfig(
         data=str(data.resolve()),
         format=fmt,
@@ -290,6 +308,8 @@ def run_judge(
         repeats=repeats,
         tie_margin=tie_margin,
         swap=swap,
+        labels=labels,
+        calibrate=calibrate,
         mtbench_models=list(mtbench_models) if fmt == "mtbench" else None,
         inputs=input_fingerprints(data=data),
     )
@@ -310,6 +330,8 @@ def run_judge(
         tie_margin=tie_margin,
         batch_size=batch_size or b.preferred_batch_size or (32 if on_gpu else 4),
         swap=swap,
+        labels=labels,
+        calibrate=calibrate,
     )
     folder.bind(b.identity(), restart=restart)  # also for a finished folder
     done = folder.done()
@@ -331,6 +353,8 @@ def run_judge(
             raise interrupted(stored, "pair", out) from None
     records = folder.done()
     name = f"{model} · {backend}" + (f" · swap {swap}" if swap != "relabel" else "")
+    name += f" · {labels} letters" if labels != "slot" else ""
+    name += f" · {calibrate} calibration" if calibrate != "none" else ""
     mine = [records[p.pair_id] for p in pairs if p.pair_id in records]
     summary = summarize(mine)
     judged = [r for r in mine if OVERFLOW not in r.get("flags", ())]  # overflow: never asked
@@ -342,10 +366,18 @@ def run_judge(
             f"no logit verdict: the server returned no logprobs ({missing} of {len(orders)} "
             "judged orders have none)"
         )
+    if calibrate != "none":  # also for a finished folder: the priors are part of the figures
+        for p in pairs:
+            for lay in pair_layouts(p, swap, labels):
+                judge.letter_prior(lay, bool(p.reference))
     extra = {
         "data": str(data),
         "format": fmt,
         "limit": limit,
+        "records": format_records(span) if span is not None else None,
+        "content_free": (
+            {"priors": judge.priors, "passes": judge.prior_passes} if calibrate != "none" else None
+        ),
         "config": folder.config.stored(),
         "skipped_records": skipped.count,
         "torn_lines": folder.store.torn_lines,
@@ -364,7 +396,48 @@ def run_judge(
     )
 
 
+def compare_runs(baseline: str | Path, other: str | Path, field: str = "verdict_original") -> dict:
+    """Whether two judge runs on the same pairs agree with the labels differently: the exact
+    McNemar test (:func:`ragfix.metrics.mcnemar_exact`) of one verdict field of their
+    ``judgments.jsonl`` (``verdict_original``: the one-pass verdict) over the labelled pairs
+    both judged (overflowing pairs left out).
+
+    Returns:
+        ``{"pairs", "baseline_correct", "other_correct", "only_other", "only_baseline",
+        "p_value"}``.
+
+    Raises:
+        RagfixError: the runs share no labelled pair.
+    """
+    from ragfix.errors import RagfixError
+    from ragfix.io import JsonlStore
+    from ragfix.metrics import mcnemar_exact
+
+    def correct(folder) -> dict[str, bool]:
+        out = {}
+        for r in JsonlStore(Path(folder) / JUDGMENTS_FILE, key="pair_id").load().values():
+            if r.get("label") is not None and OVERFLOW not in r.get("flags", ()):
+                out[r["pair_id"]] = r.get(field) == r["label"]
+        return out
+
+    base, mine = correct(baseline), correct(other)
+    shared = sorted(set(base) & set(mine))
+    if not shared:
+        raise RagfixError(f"{baseline} and {other} share no labelled pair")
+    b = sum(mine[k] and not base[k] for k in shared)
+    c = sum(base[k] and not mine[k] for k in shared)
+    return {
+        "pairs": len(shared),
+        "baseline_correct": sum(base[k] for k in shared),
+        "other_correct": sum(mine[k] for k in shared),
+        "only_other": b,
+        "only_baseline": c,
+        "p_value": mcnemar_exact(b, c),
+    }
+
+
 __all__ = [
+    "compare_runs",
     "CONFIG_FILE",
     "JUDGMENTS_FILE",
     "PLOT_FILE",

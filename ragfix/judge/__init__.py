@@ -35,7 +35,7 @@ from ragfix.judge.metrics import (
     summarize,
     summarize_swap_judgments,
 )
-from ragfix.judge.prompts import STYLES, VERDICT_PREFIX, judge_prompt
+from ragfix.judge.prompts import STYLES, VERDICT_PREFIX, content_labels, judge_prompt
 from ragfix.judge.report import plot_judges, print_judge_summary
 from ragfix.judge.verdicts import (
     EMPTY_JUDGE_REPLY,
@@ -44,6 +44,8 @@ from ragfix.judge.verdicts import (
     PairJudgment,
     Verdict,
     combine,
+    content_free_prior,
+    contextual_calibration,
     letter_probs,
     logit_verdict,
     parse_verdict,
@@ -81,6 +83,9 @@ __all__ = [
     "check_judge_settings",
     "cohen_kappa",
     "combine",
+    "content_free_prior",
+    "content_labels",
+    "contextual_calibration",
     "judge_prompt",
     "letter_probs",
     "letter_token",

@@ -4,7 +4,10 @@ The judge talks to the model only through the model interface: one batched
 ``generate(..., first_logprobs=True)`` call gives each order's reply and, from exactly the input
 that reply was generated from, the log-probabilities of the verdict letter (so a backend that cuts
 or rewrites its input, e.g. ``truncated``, scores the letters on the same input it answers from).
-MT-bench pairwise judging with position swap: Zheng et al. 2023, section 3.4.
+MT-bench pairwise judging with position swap: Zheng et al. 2023, section 3.4. The letter prior
+(a judge that prefers a letter, whichever answer carries it) is removed by letters assigned by
+content (:func:`~ragfix.judge.prompts.content_labels`) and/or contextual calibration (Zhao et
+al., "Calibrate Before Use", ICML 2021, section 4).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ragfix.judge.prompts import (
     STYLES,
     VERDICT_PREFIX,
     answer_spans,
+    content_labels,
     judge_prompt,
 )
 from ragfix.judge.verdicts import (
@@ -29,6 +33,8 @@ from ragfix.judge.verdicts import (
     OrderJudgment,
     PairJudgment,
     combine,
+    content_free_prior,
+    contextual_calibration,
     in_slot_terms,
     letter_probs,
     overflowed,
@@ -49,17 +55,42 @@ from ragfix.types import (
 
 #: how the second order of a pair is made (see :class:`PairwiseJudge`)
 SWAPS = ("relabel", "move")
+#: how the assistant letters are given (see :class:`PairwiseJudge`)
+LABELS = ("slot", "content")
+#: how the letter probabilities are calibrated (see :class:`PairwiseJudge`)
+CALIBRATIONS = ("none", "content-free")
+#: the content-free inputs of contextual calibration (Zhao et al. 2021, section 4 and their
+#: code's ensemble): each replaces the question, both answers and the reference
+CONTENT_FREE_INPUTS = ("N/A", "", "[MASK]")
+#: the letters of the first and second slot in the MT-bench layout
+SLOT_LABELS = ("A", "B")
 
 
-def check_judge_settings(style: str, repeats: int, swap: str = "relabel") -> None:
+def check_judge_settings(
+    style: str,
+    repeats: int,
+    swap: str = "relabel",
+    labels: str = "slot",
+    calibrate: str = "none",
+) -> None:
     """Refuse judge settings that cannot work, before any model is loaded.
 
     Raises:
-        ConfigError: unknown ``style`` or ``swap``, ``repeats < 1``, or ``repeats > 1`` with a
-            style other than ``verdict`` (repeats sample the verdict token).
+        ConfigError: unknown ``style``, ``swap``, ``labels`` or ``calibrate``, ``repeats < 1``,
+            ``repeats > 1`` with a style other than ``verdict`` (repeats sample the verdict
+            token), or calibration with a style other than ``verdict`` (it calibrates the
+            verdict letter's probabilities).
     """
     if swap not in SWAPS:
         raise ConfigError(f"unknown swap {swap!r}; choose one of: {', '.join(SWAPS)}")
+    if labels not in LABELS:
+        raise ConfigError(f"unknown labels {labels!r}; choose one of: {', '.join(LABELS)}")
+    if calibrate not in CALIBRATIONS:
+        raise ConfigError(
+            f"unknown calibration {calibrate!r}; choose one of: {', '.join(CALIBRATIONS)}"
+        )
+    if calibrate != "none" and style != "verdict":
+        raise ConfigError("calibration calibrates the verdict letter: it needs style 'verdict'")
     if style not in STYLES:
         raise ConfigError(f"unknown judge style {style!r}; choose one of: {', '.join(STYLES)}")
     if repeats < 1:
@@ -68,20 +99,38 @@ def check_judge_settings(style: str, repeats: int, swap: str = "relabel") -> Non
         raise ConfigError("repeats > 1 samples the verdict token: it needs style 'verdict'")
 
 
+def pair_layouts(
+    pair: JudgePair, swap: str = "relabel", labels: str = "slot"
+) -> tuple[tuple[str, str], tuple[str, str]]:
+    """The assistant letters of the first and second slot in both orders of ``pair``: with
+    ``labels="slot"`` the original order reads ``("A", "B")`` and the swapped one ``("A", "B")``
+    (``relabel``: the answers exchange letters) or ``("B", "A")`` (``move``: the letters travel
+    with the answers); with ``labels="content"`` each answer keeps the letter its text gives it
+    (:func:`~ragfix.judge.prompts.content_labels`) in both orders, whatever ``swap``."""
+    if labels == "content":
+        la, lb = content_labels(pair.answer_a, pair.answer_b)
+        return (la, lb), (lb, la)
+    return SLOT_LABELS, (("B", "A") if swap == "move" else SLOT_LABELS)
+
+
 def pair_prompts(
-    pair: JudgePair, style: str = "verdict", swap: str = "relabel", max_new_tokens: int = 4
+    pair: JudgePair,
+    style: str = "verdict",
+    swap: str = "relabel",
+    max_new_tokens: int = 4,
+    labels: str = "slot",
 ) -> tuple[TaskPrompt, TaskPrompt]:
     """The prompts of both orders of ``pair`` (:class:`PairwiseJudge`'s, which a judge run's
-    report rebuilds from the pair file): the original order (``answer_a`` in slot A), then the
-    swapped one (``relabel``: the answers exchange places and labels; ``move``: the two answer
-    blocks exchange places with their labels). Each has its answer blocks as passages, the
-    assistant turn prefilled with ``[[`` in the ``verdict`` style, and ``max_new_tokens``."""
-
+    report rebuilds from the pair file): the original order (``answer_a`` in the first slot),
+    then the swapped one (``answer_b`` first), with the letters of :func:`pair_layouts`. Each
+    has its answer blocks as passages, the assistant turn prefilled with ``[[`` in the
+    ``verdict`` style, and ``max_new_tokens``."""
     q, ref = pair.question, pair.reference
-    first = order_prompt(q, pair.answer_a, pair.answer_b, ref, style, max_new_tokens)
-    if swap == "move":
-        return first, first.reordered([1, 0])
-    return first, order_prompt(q, pair.answer_b, pair.answer_a, ref, style, max_new_tokens)
+    one, two = pair_layouts(pair, swap, labels)
+    return (
+        order_prompt(q, pair.answer_a, pair.answer_b, ref, style, max_new_tokens, one),
+        order_prompt(q, pair.answer_b, pair.answer_a, ref, style, max_new_tokens, two),
+    )
 
 
 def order_prompt(
@@ -91,17 +140,18 @@ def order_prompt(
     reference: str | None,
     style: str = "verdict",
     max_new_tokens: int = 4,
+    labels: tuple[str, str] = SLOT_LABELS,
 ) -> TaskPrompt:
-    """The judge prompt of one order, ``first`` in slot A: the :func:`judge_prompt` user turn
-    with its answer blocks as passages, the assistant turn prefilled with ``[[`` in the
-    ``verdict`` style (the backend applies its chat template)."""
-    user = judge_prompt(question, first, second, reference, style)
+    """The judge prompt of one order, ``first`` in the first slot with letter ``labels[0]``:
+    the :func:`judge_prompt` user turn with its answer blocks as passages, the assistant turn
+    prefilled with ``[[`` in the ``verdict`` style (the backend applies its chat template)."""
+    user = judge_prompt(question, first, second, reference, style, labels)
     return TaskPrompt(
         user=user,
         assistant_prefix=VERDICT_PREFIX if style == "verdict" else "",
         max_new_tokens=max_new_tokens,
         stop_at_newline=False,
-        passages=answer_spans(user),
+        passages=answer_spans(user, labels),
         passage_separator=ANSWER_SEPARATOR,
     )
 
@@ -154,10 +204,21 @@ class PairwiseJudge:
         swap: how the second order is made: ``relabel`` (MT-bench: the answers exchange
             places and labels, answer_b is then "Assistant A") or ``move`` (the two answer
             blocks exchange places with their labels, answer_a stays "Assistant A" but is read
-            second: the test an order-invariant reader such as ``pine`` passes by
-            construction). Either way the swapped :class:`OrderJudgment` is stored in slot
-            terms (its verdict and letter probabilities about the first and second slot), so
-            every metric reads it the same way.
+            second). Every :class:`OrderJudgment` is stored in slot terms (its verdict and
+            letter probabilities about the first and second slot), so every metric reads it the
+            same way.
+        labels: ``slot`` (MT-bench: the first slot is "Assistant A") or ``content`` (each
+            answer's letter follows from its text, :func:`~ragfix.judge.prompts.content_labels`:
+            it keeps its letter in both orders, so a prior for a letter is no longer a prior
+            for a slot, and a reader of the answers as a set (``pine``) reads the same prompt
+            in both orders under either swap).
+        calibrate: ``none`` or ``content-free``: contextual calibration of each order's letter
+            probabilities (Zhao et al. 2021, section 4): the letter prior ``p_cf`` is measured
+            once per letter layout (and with or without a reference) on prompts whose question,
+            answers and reference are all one content-free input (:data:`CONTENT_FREE_INPUTS`,
+            averaged) and divided out (:func:`~ragfix.judge.verdicts.contextual_calibration`,
+            stored as ``q_a`` / ``q_b``); the priors are :attr:`priors`, the model passes they
+            took :attr:`prior_passes`.
 
     With a backend that has no tokenizer here (a remote model without ``--tokenizer``) the
     letters are read by their text from the top log-probabilities the server returns, and pairs
@@ -178,9 +239,17 @@ class PairwiseJudge:
         tie_margin: float = 0.0,
         batch_size: int = 8,
         swap: str = "relabel",
+        labels: str = "slot",
+        calibrate: str = "none",
     ):
-        check_judge_settings(style, repeats, swap)
+        check_judge_settings(style, repeats, swap, labels, calibrate)
         self.swap = swap
+        self.labels = labels
+        self.calibrate = calibrate
+        #: the content-free letter prior ``(p_cf(A), p_cf(B))`` per letter layout: ``"AB"`` /
+        #: ``"BA"``, ``+reference`` for prompts with a reference block
+        self.priors: dict[str, tuple[float, float]] = {}
+        self.prior_passes = 0
         self.backend = backend
         self.style = style
         self.max_new_tokens = max_new_tokens or (4 if style == "verdict" else 256)
@@ -202,19 +271,72 @@ class PairwiseJudge:
             "repeats": self.repeats,
             "tie_margin": self.tie_margin,
             "swap": self.swap,
+            "labels": self.labels,
+            "calibrate": self.calibrate,
         }
 
-    def prompt(self, question: str, first: str, second: str, reference: str | None) -> TaskPrompt:
-        """This judge's prompt with ``first`` in slot A (:func:`order_prompt`)."""
-        return order_prompt(question, first, second, reference, self.style, self.max_new_tokens)
+    def prompt(
+        self,
+        question: str,
+        first: str,
+        second: str,
+        reference: str | None,
+        labels: tuple[str, str] = SLOT_LABELS,
+    ) -> TaskPrompt:
+        """This judge's prompt with ``first`` in the first slot (:func:`order_prompt`)."""
+        return order_prompt(
+            question, first, second, reference, self.style, self.max_new_tokens, labels
+        )
 
-    def _order(self, gen: Generation) -> OrderJudgment:
+    def letter_prior(self, layout: tuple[str, str], reference: bool) -> tuple[float, float]:
+        """The content-free letter prior ``(p_cf(A), p_cf(B))`` of prompts laid out with the
+        letters ``layout`` (with a reference block when ``reference``), computed on first use
+        (one model pass per content-free input, counted in :attr:`prior_passes`) and kept in
+        :attr:`priors`. The content-free input ``""`` leaves no reference block (as for a pair
+        whose reference is empty).
+
+        Raises:
+            ConfigError: the judge put no mass on either letter for a content-free input.
+        """
+        key = "".join(layout) + ("+reference" if reference else "")
+        if key not in self.priors:
+            prompts = [
+                self.prompt(cf, cf, cf, cf if reference else None, layout)
+                for cf in CONTENT_FREE_INPUTS
+            ]
+            probs = [self._letter_probs(g) for g in self._generate(prompts)]
+            self.prior_passes += len(prompts)
+            if any(p is None for p in probs):
+                raise ConfigError(
+                    f"contextual calibration needs the letter probabilities, which "
+                    f"{self.backend.model_name} does not return"
+                )
+            self.priors[key] = content_free_prior(probs)
+        return self.priors[key]
+
+    def _letter_probs(self, gen: Generation) -> tuple[float, float] | None:
+        """``(p_A, p_B)`` at the verdict position: from the full first-step distribution, else
+        from the top alternatives a server returned (read by their text, a letter not among
+        them having probability 0); None without log-probabilities."""
+        if gen.first_logprobs is not None:
+            return letter_probs(gen.first_logprobs, self.token_a, self.token_b)
+        top = gen.first_top_logprobs
+        if top is None:
+            return None
+        return math.exp(top.get("A", -math.inf)), math.exp(top.get("B", -math.inf))
+
+    def _order(
+        self, gen: Generation, layout: tuple[str, str] = SLOT_LABELS, reference: bool = False
+    ) -> OrderJudgment:
         """One order's judgment from its generation (letter probabilities and sampled verdicts
         from the first-step log-probabilities in the ``verdict`` style: the full distribution of
         a local backend, or the top alternatives a server returned, read by their text ``A`` /
         ``B``, a letter not among them having probability 0; none when the server returned no
         log-probabilities). A reply the backend flagged ``empty_answer`` or
-        ``reasoning_unfinished`` keeps its reason in ``empty_reply_reason``.
+        ``reasoning_unfinished`` keeps its reason in ``empty_reply_reason``. With calibration,
+        ``q_a`` / ``q_b`` are the letter probabilities divided by the prior of the prompt's
+        letter ``layout`` (:meth:`letter_prior`). All in letter terms (``p_a`` is the letter
+        ``A``'s, wherever it stands).
 
         Raises:
             ConfigError: ``repeats > 1`` without the full first-step distribution.
@@ -228,17 +350,18 @@ class PairwiseJudge:
         if self.style != "verdict":
             return o
         lps = gen.first_logprobs
-        if lps is None:
-            if self.repeats > 1:
-                raise ConfigError(
-                    "repeats > 1 samples the verdict from the full next-token distribution, "
-                    f"which {self.backend.model_name} does not return; use repeats 1"
-                )
-            top = gen.first_top_logprobs
-            if top is not None:
-                o.p_a, o.p_b = (math.exp(top.get(x, -math.inf)) for x in ("A", "B"))
+        if lps is None and self.repeats > 1:
+            raise ConfigError(
+                "repeats > 1 samples the verdict from the full next-token distribution, "
+                f"which {self.backend.model_name} does not return; use repeats 1"
+            )
+        probs = self._letter_probs(gen)
+        if probs is None:
             return o
-        o.p_a, o.p_b = letter_probs(lps, self.token_a, self.token_b)
+        o.p_a, o.p_b = probs
+        if self.calibrate != "none":
+            q = contextual_calibration(probs, self.letter_prior(layout, reference))
+            o.q_a, o.q_b = q if q is not None else (None, None)
         if self.repeats > 1:
             draws = torch.multinomial(
                 lps.exp(), self.repeats, replacement=True, generator=self.generator
@@ -271,7 +394,8 @@ class PairwiseJudge:
     def _identical(self, pair: JudgePair) -> PairJudgment:
         """Both orders of a pair with identical answers: a tie, without asking the model."""
         same = 0.5 if self.style == "verdict" else None
-        tie = OrderJudgment(raw="", slot_verdict="tie", p_a=same, p_b=same)
+        cal = same if self.calibrate != "none" else None
+        tie = OrderJudgment(raw="", slot_verdict="tie", p_a=same, p_b=same, q_a=cal, q_b=cal)
         return combine(pair, tie, tie, self.tie_margin)
 
     def judge_pairs(
@@ -321,6 +445,7 @@ class PairwiseJudge:
         """
         results: dict[int, PairJudgment] = {}
         prompts: dict[int, tuple[TaskPrompt, TaskPrompt]] = {}
+        layouts: dict[int, tuple[tuple[str, str], tuple[str, str]]] = {}
         fits: dict[int, tuple[Fit, Fit]] = {}
 
         def done(i: int, res: PairJudgment) -> None:
@@ -332,10 +457,11 @@ class PairwiseJudge:
             if "identical_answers" in p.flags:
                 done(i, self._identical(p))
                 continue
-            both = pair_prompts(p, self.style, self.swap, self.max_new_tokens)
+            both = pair_prompts(p, self.style, self.swap, self.max_new_tokens, self.labels)
             fit = (self._fits(both[0]), self._fits(both[1]))
             if all(f.runs for f in fit):
                 prompts[i], fits[i] = both, fit
+                layouts[i] = pair_layouts(p, self.swap, self.labels)
             else:
                 done(i, overflowed(p))
         size = self.backend.count_tokens if self.backend.has_tokenizer else len
@@ -359,13 +485,18 @@ class PairwiseJudge:
             flags += sorted(
                 {f for g in both for f in g.flags if f in (SERVED_MODEL_MISMATCH, INVALID_TEXT)}
             )
-            original, swapped = (self._order(g) for g in both)
-            if self.swap == "move":  # its letters name the answers: A is in the second slot
-                swapped = in_slot_terms(swapped)
-            res = combine(pairs[i], original, swapped, self.tie_margin, flags)
+            orders = []
+            for g, lay in zip(both, layouts[i], strict=True):
+                o = self._order(g, lay, bool(pairs[i].reference))
+                orders.append(in_slot_terms(o) if lay[0] == "B" else o)  # A in the second slot
+            res = combine(pairs[i], *orders, self.tie_margin, flags)
             res.seconds = share
             done(i, res)
 
+        if self.calibrate != "none":  # the priors first: their passes are not a pair's time
+            for i in prompts:
+                for lay in layouts[i]:
+                    self.letter_prior(lay, bool(pairs[i].reference))
         order = sorted(prompts, key=key)
         per_step = max(1, self.batch_size // 2)
         for start in range(0, len(order), per_step):

@@ -157,13 +157,20 @@ VERDICT_KINDS = {
     "swap_aggregated": ("swap_verdict", "both orders, inconsistent -> tie (MT-bench)"),
     "logit_original": ("logit_original", "argmax p(A) vs p(B), original order only"),
     "logit_calibrated": ("logit_verdict", "p(A), p(B) of both orders averaged (order-free)"),
+    "contextual_original": (
+        "contextual_original",
+        "argmax of p / p_cf, original order only (one pass, Zhao et al. 2021)",
+    ),
 }
 
 
-def _logit_slot(o: dict) -> Verdict:
-    if o.get("p_a") is None or (o["p_a"] + o["p_b"]) <= 0:
+def _logit_slot(o: dict, field: str = "p") -> Verdict:
+    """The per-order argmax verdict of the letter probabilities (``field="p"``) or of the
+    calibrated ones (``"q"``), in slot terms; ``"invalid"`` without them."""
+    a, b = o.get(f"{field}_a"), o.get(f"{field}_b")
+    if a is None or b is None or a + b <= 0:
         return "invalid"
-    return "A" if o["p_a"] > o["p_b"] else "B" if o["p_b"] > o["p_a"] else "tie"
+    return "A" if a > b else "B" if b > a else "tie"
 
 
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
@@ -178,7 +185,9 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         ``{"pairs": all records, "overflow_pairs", "labelled": records with a label, "flags":
         {flag: records}, "empty_reply_reasons": {the server's reason: orders without reply
         text}, "generated": order_metrics, "logit": order_metrics of the per-order
-        argmax of p(A) vs p(B) or None, "agreement": {kind: agreement or None},
+        argmax of p(A) vs p(B) or None, "contextual": the same of the contextually calibrated
+        q(A) vs q(B) or None (a judge without calibration), "agreement": {kind: agreement or
+        None},
         "repetition_stability", "letter_mass", "seconds_per_pair"}``, the metrics over the
         judged pairs (their ``pairs`` / ``n`` count those). ``letter_mass`` is the mean
         next-token probability on ``A`` plus ``B`` (how much the judge is answering in the
@@ -196,11 +205,21 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         if has_logit
         else None
     )
+    has_cal = bool(records) and all(r["original"].get("q_a") is not None for r in records)
+    contextual = (
+        order_metrics(
+            (_logit_slot(r["original"], "q"), _logit_slot(r["swapped"], "q")) for r in records
+        )
+        if has_cal
+        else None
+    )
     labels = [r.get("label") for r in records]
     agree: dict[str, Any] = {}
     for kind, (field, _) in VERDICT_KINDS.items():
         if field == "logit_original":
             vs = [_logit_slot(r["original"]) for r in records] if has_logit else None
+        elif field == "contextual_original":
+            vs = [_logit_slot(r["original"], "q") for r in records] if has_cal else None
         else:
             vs = [r.get(field) for r in records]
             vs = None if any(v is None for v in vs) else vs
@@ -227,6 +246,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         "empty_reply_reasons": dict(empty),
         "generated": gen,
         "logit": logit,
+        "contextual": contextual,
         "agreement": agree,
         "repetition_stability": repetition_stability(s for s in samples if s),
         "letter_mass": sum(mass) / len(mass) if mass else None,

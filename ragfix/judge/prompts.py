@@ -5,6 +5,8 @@ MT-Bench and Chatbot Arena", section 3.1; FastChat ``pair-v2`` / ``pair-math-v1`
 
 from __future__ import annotations
 
+import hashlib
+
 from ragfix.errors import ConfigError
 
 _INSTRUCTIONS = (
@@ -34,17 +36,29 @@ STYLES = ("verdict", "explain")
 
 
 def judge_prompt(
-    question: str, first: str, second: str, reference: str | None = None, style: str = "verdict"
+    question: str,
+    first: str,
+    second: str,
+    reference: str | None = None,
+    style: str = "verdict",
+    labels: tuple[str, str] = ("A", "B"),
 ) -> str:
-    """The user turn of an MT-bench style pairwise judge prompt, ``first`` in slot A.
+    """The user turn of an MT-bench style pairwise judge prompt, ``first`` in the first slot.
 
     Laid out as FastChat's ``pair-v2`` / ``pair-math-v1`` templates (Zheng et al. 2023): the
     question, an optional reference answer, then the two answers in marked blocks; the verdict
     format is ``[[A]]`` / ``[[B]]`` / ``[[C]]``.
 
+    Args:
+        labels: the assistant letters of the first and the second block: ``("A", "B")``
+            (the MT-bench layout) or ``("B", "A")`` (letters assigned by content,
+            :func:`content_labels`).
+
     Raises:
-        ConfigError: unknown ``style``.
+        ConfigError: unknown ``style``, or ``labels`` not ``("A", "B")`` / ``("B", "A")``.
     """
+    if sorted(labels) != ["A", "B"]:
+        raise ConfigError(f"judge prompt labels must be A and B, got {labels!r}")
     if style not in STYLES:
         raise ConfigError(
             f"unknown judge prompt style {style!r}; choose one of: {', '.join(STYLES)}"
@@ -54,7 +68,7 @@ def judge_prompt(
     parts = [head, f"[User Question]\n{question}"]
     if reference:
         parts.append(f"[The Start of Reference Answer]\n{reference}\n[The End of Reference Answer]")
-    parts += [answer_block("A", first), answer_block("B", second)]
+    parts += [answer_block(labels[0], first), answer_block(labels[1], second)]
     return ANSWER_SEPARATOR.join(parts)
 
 
@@ -68,12 +82,28 @@ def answer_block(slot: str, answer: str) -> str:
     return f"[The Start of {name}]\n{answer}\n[The End of {name}]"
 
 
-def answer_spans(user: str) -> tuple[tuple[int, int], tuple[int, int]]:
+def answer_spans(
+    user: str, labels: tuple[str, str] = ("A", "B")
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """The character spans of the two answer blocks (labels included) at the end of a
-    :func:`judge_prompt` user turn: what a backend reading passages as a set reads as a set."""
-    second = user.rindex("[The Start of Assistant B's Answer]")
-    first = user.rindex("[The Start of Assistant A's Answer]", 0, second)
+    :func:`judge_prompt` user turn laid out with ``labels``: what a backend reading passages as
+    a set reads as a set."""
+    second = user.rindex(f"[The Start of Assistant {labels[1]}'s Answer]")
+    first = user.rindex(f"[The Start of Assistant {labels[0]}'s Answer]", 0, second)
     return (first, second - len(ANSWER_SEPARATOR)), (second, len(user))
+
+
+def content_labels(first: str, second: str) -> tuple[str, str]:
+    """Assistant letters that carry no order: each answer's letter follows from its text alone
+    (``A`` for the answer whose SHA-256 is the smaller), so an answer keeps its letter in both
+    orders and a judge's prior for a letter no longer falls on a slot.
+
+    Returns:
+        the letters of ``first`` and ``second``: ``("A", "B")`` or ``("B", "A")`` (identical
+        answers: ``("A", "B")``).
+    """
+    ha, hb = (hashlib.sha256(t.encode()).hexdigest() for t in (first, second))
+    return ("A", "B") if ha <= hb else ("B", "A")
 
 
 #: the assistant-turn prefix of the ``verdict`` style (the verdict letter comes next)

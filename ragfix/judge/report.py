@@ -92,8 +92,15 @@ def judge_tables(result: dict) -> list[TableSpec]:
     tables = []
     for name, s in judges.items():
         where = f"{data}, first {limit} pairs" if limit is not None else data
+        if result.get("records"):
+            where += f", records {result['records']}"
         rows = []
-        for source, label in (("generated", "generated"), ("logit", "logit argmax")):
+        sources = (
+            ("generated", "generated"),
+            ("logit", "logit argmax"),
+            ("contextual", "contextual argmax"),
+        )
+        for source, label in sources:
             m = s.get(source)
             if m is not None:
                 rows.append(
@@ -132,6 +139,15 @@ def judge_tables(result: dict) -> list[TableSpec]:
             )
         if s.get("letter_mass") is not None:
             lines.append(f"Mean p(A) + p(B) at the verdict position: {fmt_num(s['letter_mass'])}.")
+        cf = result.get("content_free")
+        if cf:
+            priors = ", ".join(
+                f"{k}: {fmt_num(a)} / {fmt_num(b)}" for k, (a, b) in cf["priors"].items()
+            )
+            lines.append(
+                f"Contextual calibration (Zhao et al. 2021): content-free prior p_cf(A) / p_cf(B) "
+                f"per letter layout {priors}; {cf['passes']} model passes for the whole run."
+            )
         if s.get("repetition_stability") is not None:
             lines.append(f"Repetition stability: {fmt_num(s['repetition_stability'])}.")
         if s.get("seconds_per_pair") is not None:

@@ -10,7 +10,8 @@ Vocabulary (used throughout ragfix):
 
 Sources: MT-bench swap aggregation (Zheng et al. 2023, section 3.4, FastChat ``llm_judge``); the
 calibrated logit verdict follows the balanced position calibration of Wang et al. 2023 ("Large
-Language Models are not Fair Evaluators", section 3.2).
+Language Models are not Fair Evaluators", section 3.2); the one-order contextual calibration of
+the letter probabilities is Zhao et al. 2021 ("Calibrate Before Use", ICML 2021, section 4).
 """
 
 from __future__ import annotations
@@ -183,6 +184,51 @@ def logit_verdict(
     return ("A" if p_a > p_b else "B"), p_a
 
 
+def content_free_prior(probs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The judge's letter prior ``p_cf``: the mean over the content-free inputs of the letter
+    probabilities ``(p_A, p_B)``, each normalised over the two letters (Zhao et al. 2021,
+    section 4; their code averages ``"N/A"``, ``""`` and ``"[MASK]"``).
+
+    Returns:
+        ``(p_cf(A), p_cf(B))``, summing to one.
+
+    Raises:
+        ConfigError: no inputs, or an input with no mass on either letter (nothing to divide by).
+    """
+    if not probs or any(a + b <= 0.0 for a, b in probs):
+        raise ConfigError(
+            "contextual calibration needs the letter probabilities of the content-free "
+            "inputs, and this judge put no mass on A or B there"
+        )
+    ca = sum(a / (a + b) for a, b in probs) / len(probs)
+    return ca, 1.0 - ca
+
+
+def contextual_calibration(
+    probs: tuple[float, float], prior: tuple[float, float]
+) -> tuple[float, float] | None:
+    """Contextual calibration of one order's letter probabilities (Zhao et al. 2021, section 4,
+    ``W = diag(p_cf)^-1``, ``b = 0``): ``p`` normalised over the two letters, divided by the
+    content-free prior, normalised again:
+
+        q(L) = (p(L) / p_cf(L)) / sum over L' in {A, B} of p(L') / p_cf(L')
+
+    A judge whose letter probabilities on a real pair equal its prior gets ``(0.5, 0.5)``.
+
+    Args:
+        probs: ``(p_A, p_B)`` of one order (unnormalised).
+        prior: ``(p_cf(A), p_cf(B))`` (:func:`content_free_prior`), both > 0.
+
+    Returns:
+        ``(q_A, q_B)`` summing to one, or None when ``probs`` has no mass on either letter.
+    """
+    (a, b), (ca, cb) = probs, prior
+    if a + b <= 0.0:
+        return None
+    x, y = a / (a + b) / ca, b / (a + b) / cb
+    return x / (x + y), y / (x + y)
+
+
 class OrderJudgment(BaseModel):
     """The judge's output for one order.
 
@@ -193,6 +239,8 @@ class OrderJudgment(BaseModel):
             position (``verdict`` style only, else None).
         samples: slot verdicts of ``repeats`` sampled verdict tokens (``verdict`` style, when
             ``repeats > 1``).
+        q_a, q_b: ``p_a``, ``p_b`` after contextual calibration
+            (:func:`contextual_calibration`; judges with ``calibrate="content-free"``, else None).
         empty_reply_reason: when the judge model gave no reply text (its answer flagged
             ``empty_answer``), the server's reason (``"content null, finish_reason stop,
             reasoning_content present"``); else None. The pair is then flagged
@@ -205,17 +253,22 @@ class OrderJudgment(BaseModel):
     p_b: float | None = None
     samples: list[Verdict] = Field(default_factory=list)
     empty_reply_reason: str | None = None
+    q_a: float | None = None
+    q_b: float | None = None
 
 
 def in_slot_terms(order: OrderJudgment) -> OrderJudgment:
-    """A judgment of a prompt whose answer "A" is in the second slot (the ``move`` swap), in
-    slot terms: its verdicts unswapped (``A`` <-> ``B``) and its letter probabilities exchanged,
-    so that ``slot_verdict`` and ``p_a`` are about the first slot as in every other order."""
+    """A judgment of a prompt whose answer "A" is in the second slot (the ``move`` swap, letters
+    assigned by content), in slot terms: its verdicts unswapped (``A`` <-> ``B``) and its letter
+    probabilities (raw and calibrated) exchanged, so that ``slot_verdict`` and ``p_a`` are about
+    the first slot as in every other order."""
     return order.model_copy(
         update={
             "slot_verdict": unswap(order.slot_verdict),
             "p_a": order.p_b,
             "p_b": order.p_a,
+            "q_a": order.q_b,
+            "q_b": order.q_a,
             "samples": [unswap(v) for v in order.samples],
         }
     )
