@@ -1,0 +1,118 @@
+"""Order marginalization (permutation self-consistency, arXiv 2310.07712): the designs, the
+aggregators by hand, each vote against the wrapped backend's own answer on that order, and the
+sweep's records, identity and refusals. The same answers through ``ragfix serve`` are checked
+in tests/test_remote.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import BUNDLED
+
+from ragfix.backends.orders import (
+    OrderOptions,
+    aggregate,
+    marginalize_orders,
+    passage_orders,
+)
+from ragfix.connectors.litm import load_samples
+from ragfix.errors import ConfigError, ConfigMismatchError
+from ragfix.tasks import task_prompt
+
+KV = BUNDLED / "kv_16pairs_sample.jsonl.gz"
+
+
+def test_rotate_with_k_equal_to_n_is_a_latin_square_and_fewer_are_evenly_spaced():
+    orders = passage_orders(8, OrderOptions(orders=8))
+    assert len(orders) == 8 and orders[0] == tuple(range(8))
+    for position in range(8):  # every passage once at every position
+        assert sorted(o[position] for o in orders) == list(range(8))
+    four = passage_orders(8, OrderOptions(orders=4))
+    assert [o[0] for o in four] == [0, 2, 4, 6]  # shifts 0, 2, 4, 6: a subset of the eight
+    assert set(four) <= set(orders)
+    assert len(passage_orders(3, OrderOptions(orders=8))) == 3  # distinct shifts only
+    assert passage_orders(1, OrderOptions(orders=8)) == [(0,)]
+
+
+def test_shuffled_orders_are_distinct_seeded_by_the_prompt_and_start_as_given():
+    opts = OrderOptions(orders=5, design="shuffle", seed=3)
+    a = passage_orders(6, opts, "prompt one")
+    assert a == passage_orders(6, opts, "prompt one")
+    assert a != passage_orders(6, opts, "prompt two")
+    assert a != passage_orders(6, OrderOptions(orders=5, design="shuffle", seed=4), "prompt one")
+    assert a[0] == tuple(range(6)) and len(set(a)) == 5
+    assert all(sorted(o) == list(range(6)) for o in a)
+    assert len(passage_orders(2, opts, "x")) == 2  # 2! orders exist
+
+
+def test_the_aggregators_by_hand():
+    # "x" three times, unsure; "y" twice, one very sure answer; "" never chosen
+    votes = [("x", -2.0), ("y", -0.1), ("X.", -1.5), ("y", -3.0), ("x", -2.5), ("", -0.01)]
+    assert aggregate(votes, "plurality") == 2  # x's class (x, X., x): its most confident
+    weights = {
+        "x": sum(math.exp(c) for c in (-2.0, -1.5, -2.5)),
+        "y": math.exp(-0.1) + math.exp(-3),
+    }
+    assert weights["y"] > weights["x"]
+    assert aggregate(votes, "weighted") == 1
+    assert aggregate(votes, "max") == 1
+    # a plurality tie goes to the class with the higher mean confidence
+    assert aggregate([("k", -1.0), ("m", -0.5), ("k", -2.0), ("m", -0.7)], "plurality") == 1
+    assert aggregate([("", None), ("", None)], "max") == 0
+    assert aggregate([("k", None), ("m", None), ("m", None)], "plurality") == 1
+    assert aggregate([("a", -0.1), ("m", -1.0)], "max") == 1  # "a" normalises to nothing
+    with pytest.raises(ConfigError, match="plurality"):
+        aggregate([("k", None), ("m", -1.0)], "weighted")
+
+
+def test_options_are_validated_when_built():
+    for bad in ({"orders": 1}, {"orders": 4, "design": "latin"}, {"orders": 4, "vote": "max"}):
+        with pytest.raises(ValueError):
+            OrderOptions(**bad)
+
+
+def test_each_vote_is_the_wrapped_backends_own_answer_and_confidence_on_that_order(smol):
+    sample = load_samples(KV, 4, limit=1)[0]
+    prompt = task_prompt(sample, sample.passages_with_gold_at(1))
+    wrapped = marginalize_orders(smol, OrderOptions(orders=4, aggregate="max"))
+    gen = wrapped.generate([prompt], batch_size=1)[0]
+    assert [tuple(v["order"]) for v in gen.votes] == passage_orders(4, wrapped.options)
+    singles = smol.generate([prompt.reordered(v["order"]) for v in gen.votes], batch_size=1)
+    firsts = smol.next_token_logprobs([prompt.reordered(v["order"]) for v in gen.votes])
+    for vote, single, first in zip(gen.votes, singles, firsts, strict=True):
+        assert vote["answer"] == single.text
+        assert vote["confidence"] == pytest.approx(float(first.max()), abs=1e-3)
+    best = max(range(4), key=lambda i: gen.votes[i]["confidence"])
+    assert gen.text == gen.votes[best]["answer"]
+    assert gen.new_tokens == sum(s.new_tokens for s in singles)
+    assert gen.prompt_tokens == max(s.prompt_tokens for s in singles)
+    assert wrapped.identity() == {**smol.identity(), "orders": wrapped.options.model_dump()}
+    # a prompt without passage spans has one order and is answered as it is
+    plain = wrapped.generate(["The capital of France is"], batch_size=1)[0]
+    assert plain.votes is None and plain.text == smol.generate(["The capital of France is"])[0].text
+
+
+def test_a_sweep_over_orders_keeps_every_vote_and_never_resumes_onto_other_orders(tmp_path):
+    from ragfix.eval import run_sweep
+
+    out = tmp_path / "run"
+    orders = {"orders": 3, "aggregate": "plurality"}
+    kw = dict(num_docs=3, limit=1, positions="0,2", device="cpu", workers=1)
+    summary = run_sweep(KV, out, orders=orders, **kw)
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and summary["cells"] == 2
+    for r in rows:
+        assert len(r["extra"]["votes"]) == 3
+        answers = [v["answer"] for v in r["extra"]["votes"]]
+        assert r["answer"] in answers
+    config = json.loads((out / "config.json").read_text())
+    assert config["backend_options"]["orders"]["orders"] == 3
+    assert config["identity"]["orders"]["aggregate"] == "plurality"
+    run_sweep(KV, out, orders=orders, **kw)  # a rerun finds every cell done
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(ConfigMismatchError):
+        run_sweep(KV, out, orders={**orders, "orders": 2}, **kw)
+    with pytest.raises(ConfigMismatchError):
+        run_sweep(KV, out, **kw)  # the same folder without orders
