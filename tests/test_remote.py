@@ -237,6 +237,27 @@ def test_sweep_through_serve_equals_local_and_resumes(server, local, tmp_path):
     }
 
 
+def test_order_marginalization_through_serve_gives_the_local_votes(server, tmp_path):
+    """The correction for a model behind an endpoint: the same cells over three orders of their
+    passages, locally and through the server, give the same votes and the same answers (the
+    server's first-token log-probabilities are the confidences)."""
+    orders = ["--orders", "3", "--orders-aggregate", "max"]
+    _cli("eval", str(KV), *SWEEP, *orders, "--device", "cpu", "--out", str(tmp_path / "l"))
+    remote = ("--model", MODEL, "--api-base", server, "--out", str(tmp_path / "r"))
+    _cli("eval", str(KV), *SWEEP, *orders, *remote)
+    mine, ref = _results(tmp_path / "r"), _results(tmp_path / "l")
+    assert mine.keys() == ref.keys() and len(mine) == 2
+    for k, r in mine.items():
+        assert r["answer"] == ref[k]["answer"] and r["correct"] == ref[k]["correct"]
+        votes, local_votes = r["extra"]["votes"], ref[k]["extra"]["votes"]
+        assert [v["answer"] for v in votes] == [v["answer"] for v in local_votes]
+        assert [v["order"] for v in votes] == [v["order"] for v in local_votes]
+        for v, lv in zip(votes, local_votes, strict=True):
+            assert v["confidence"] == pytest.approx(lv["confidence"], abs=1e-3)
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["identity"]["orders"]["orders"] == 3
+
+
 def test_failed_requests_are_retried(server, local, tmp_path):
     proxy = Proxy(server, fail={2, 3})
     try:
