@@ -58,9 +58,12 @@ What a request may be (anything else is refused with HTTP 400 in OpenAI's error 
   ``max_tokens: 0`` then scores the prompt without generating.
 
 Errors: an unknown model id is 404 (``model_not_found``); a missing or wrong API key 401
-(``invalid_api_key``); a request too slow 408 (``request_timeout``); a connection over the limit
-503 (``too_many_connections``); every error body is ``{"error": {"message", "type", "param",
-"code"}}``.
+(``invalid_api_key``); a body not sent as ``application/json`` 415
+(``unsupported_media_type``, :func:`_read`); a ``Host`` header that names another host 403
+(``host_not_allowed``, :class:`~ragfix.serve_guard.HostGate`, run by
+:func:`~ragfix.serve_guard.server_config`); a request too slow 408 (``request_timeout``); a
+connection over the limit 503 (``too_many_connections``); every error body is
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -812,12 +815,26 @@ async def _disconnected(receive) -> None:
 
 
 async def _read(request, model: type[_Request], limit: int) -> Any:
-    """The request body as ``model``.
+    """The request body as ``model``, read only when it is declared ``application/json``.
+
+    A cross-site form or a no-cors ``fetch`` can send ``text/plain``, a form's types or no type
+    without a CORS preflight (FastAPI GHSA-8h2j-cgx8-6xv7), so reading such a body as JSON would
+    let any web page drive a local server; only ``application/json``, which a browser sends
+    cross-site only after a preflight that this server does not answer, is read.
 
     Raises:
-        ApiError: a body over ``limit`` bytes (413, before it is parsed), or not JSON, or not
-            a valid ``model`` (400; lone surrogates and loose types included).
+        ApiError: another content type (415, before the body is read), a body over ``limit``
+            bytes (413, before it is parsed), or not JSON, or not a valid ``model`` (400; lone
+            surrogates and loose types included).
     """
+    given = request.headers.get("content-type", "")
+    if given.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(
+            415,
+            "the request body must be sent as content-type application/json (got "
+            f"{repr(given) if given else 'none'})",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
