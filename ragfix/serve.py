@@ -53,9 +53,13 @@ What a request may be (anything else is refused with HTTP 400 in OpenAI's error 
   the text of a token that holds part of a character shows the missing bytes as ``\\xNN``);
   not with ``stream``;
 * completions ``echo: true`` returns the prompt before the continuation and, with ``logprobs:
-  0``, each prompt token's log-probability (``None`` for the first), the
-  :meth:`~ragfix.backends.base.Backend.token_logprobs` that ``Backend.loglikelihood`` sums;
-  ``max_tokens: 0`` then scores the prompt without generating.
+  N``, each prompt token's log-probability and its ``N`` most likely alternatives (``None`` for
+  the first token), OpenAI's legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs``,
+  ``text_offset``), from :meth:`~ragfix.backends.base.Backend.token_scores`: the
+  ``token_logprobs`` that ``Backend.loglikelihood`` sums, with the alternatives of the same
+  pass (what lm-evaluation-harness's ``local-completions`` reads for loglikelihood requests);
+  ``max_tokens: 0`` then scores the prompt without generating. A backend that does not score
+  text (a remote model) refuses it (400).
 
 Errors: an unknown model id is 404 (``model_not_found``); a missing or wrong API key 401
 (``invalid_api_key``); a body not sent as ``application/json`` 415
@@ -91,7 +95,7 @@ from ragfix.types import Generation
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: no torch at import
     import torch
 
-    from ragfix.backends.base import Backend, Cancel, Prompt
+    from ragfix.backends.base import Backend, Cancel, Prompt, TokenScores
 
 #: answer budget of a request without ``max_tokens``
 DEFAULT_MAX_TOKENS = 256
@@ -291,7 +295,7 @@ class CompletionRequest(_Request):
 
     def check_fields(self) -> None:
         """See :meth:`_Request.check_fields`; also ``max_tokens: 0`` without ``echo``, and
-        ``echo`` with top alternatives or ``stream``.
+        ``echo`` with ``stream``.
 
         Raises:
             ApiError: as there.
@@ -300,13 +304,6 @@ class CompletionRequest(_Request):
         if self.max_tokens == 0 and not self.echo:
             raise ApiError(
                 400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens"
-            )
-        if self.echo and (self.logprobs or 0) > 0:
-            raise ApiError(
-                400,
-                "echo gives each prompt token's own log-probability (logprobs 0); the top "
-                "alternatives of prompt tokens are not computed",
-                param="logprobs",
             )
         if self.echo and self.stream:
             raise ApiError(400, "echo is not streamed: ask without stream", param="echo")
@@ -597,12 +594,14 @@ class Server:
         self.worker.submit(job)
         return job
 
-    def scores_job(self, ids: list[int]) -> Job:
-        """Queued log-probabilities of each token of ``ids`` after the ones before it (its
-        result: float32 ``[len(ids) - 1]``, empty for one token)."""
+    def scores_job(self, ids: list[int], top: int) -> Job:
+        """Queued log-probabilities of each token of ``ids`` after the ones before it, with its
+        ``top`` most likely alternatives (its result:
+        :class:`~ragfix.backends.base.TokenScores` of :meth:`Backend.token_scores
+        <ragfix.backends.base.Backend.token_scores>`, ``None`` for one token)."""
 
         def run(cancel: Cancel) -> Any:
-            return self.backend.token_logprobs(ids) if len(ids) >= 2 else []
+            return self.backend.token_scores(ids, top) if len(ids) >= 2 else None
 
         job = Job(asyncio.get_running_loop(), run=run)
         self.worker.submit(job)
@@ -699,12 +698,16 @@ class Server:
         prompt: str,
         prompt_tokens: int,
         gen: Generation | None,
-        scored: tuple[list[int], torch.Tensor] | None,
+        scored: tuple[list[int], TokenScores | None] | None,
         budget: int,
     ) -> dict:
         """The ``text_completion`` body: the continuation of ``gen`` (none with ``max_tokens``
-        0), after the prompt with ``echo``, whose ``scored`` tokens (ids, and the
-        log-probability of each after the first) then lead the log-probabilities (tokenizer)."""
+        0), after the prompt with ``echo``, whose ``scored`` tokens (ids, and their
+        :class:`~ragfix.backends.base.TokenScores` after the first) then lead the
+        log-probabilities in OpenAI's legacy shape: ``tokens``, ``token_logprobs`` (``None``
+        for the first prompt token), ``top_logprobs`` (``{token text: log-probability}`` of the
+        ``logprobs`` most likely tokens at that place, ``None`` for the first prompt token) and
+        ``text_offset`` (tokenizer)."""
         text = "" if gen is None else self.raw_text(gen, bool(req.stops()))
         logprobs = None
         if req.logprobs is not None:
@@ -714,15 +717,19 @@ class Server:
             if scored is not None:
                 ids, scores = scored
                 tokens = [t for t, _ in self.token_texts(ids)]
-                values = [None, *(float(v) for v in scores)]
-                tops = [None] * len(ids)
+                values, tops = [None], [None]
+                if scores is not None:
+                    values += [float(v) for v in scores.logprobs]
+                    names = self.token_texts(scores.top_ids.flatten().tolist())
+                    k = scores.top_ids.shape[1]
+                    for row, lps in enumerate(scores.top_logprobs.tolist()):
+                        texts = [t for t, _ in names[row * k : (row + 1) * k]]
+                        tops.append(_alternatives(texts, lps))
             if gen is not None:
                 top = self.top(gen.first_logprobs, req.logprobs)
-                alternatives: dict[str, float] = {}
-                for t, _, v in top[: req.logprobs]:
-                    alternatives.setdefault(t, v)
                 tokens, values = [*tokens, top[0][0]], [*values, top[0][2]]
-                tops.append(alternatives)
+                best = top[: req.logprobs]
+                tops.append(_alternatives([t for t, _, _ in best], [v for _, _, v in best]))
             logprobs = {
                 "tokens": tokens,
                 "token_logprobs": values,
@@ -791,6 +798,15 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
 def usage(gen: Generation) -> dict:
     """The ``usage`` of an answer."""
     return usage_of(gen.prompt_tokens, gen.new_tokens)
+
+
+def _alternatives(texts: list[str], logprobs: list[float]) -> dict[str, float]:
+    """OpenAI's legacy ``top_logprobs`` entry: token text -> log-probability, most likely first
+    (of two tokens with one text, the likelier is kept)."""
+    out: dict[str, float] = {}
+    for t, v in zip(texts, logprobs, strict=True):
+        out.setdefault(t, v)
+    return out
 
 
 def _offsets(tokens: list[str]) -> list[int]:
@@ -1058,8 +1074,15 @@ def create_app(
             jobs.append(server.answer_job(prompt, budget, stop, req.logprobs is not None))
         scoring = req.echo and req.logprobs is not None
         if scoring:
+            if not backend.has_tokenizer:
+                raise ApiError(
+                    400,
+                    "echo with logprobs scores the prompt's tokens, and this backend has no "
+                    "tokenizer here",
+                    param="echo",
+                )
             ids = await server.tokenizing(lambda: backend.tokenize(prompt))
-            jobs.append(server.scores_job(ids))
+            jobs.append(server.scores_job(ids, req.logprobs))
         got = await _wait(request, *jobs)
         if got is None:
             return Response(status_code=499)

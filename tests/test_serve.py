@@ -395,7 +395,7 @@ MALFORMED = [
 BAD_COMPLETIONS = [
     {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": ["a", "b"]}, {"prompt": [1, 2]},
     {"prompt": "\ud800"}, {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "max_tokens": -1},
-    {"prompt": "hi", "echo": True, "logprobs": 5}, {"prompt": "hi", "echo": True, "stream": True},
+    {"prompt": "hi", "echo": True, "logprobs": 21}, {"prompt": "hi", "echo": True, "stream": True},
 ]  # fmt: skip
 
 
@@ -530,6 +530,55 @@ def test_echo_scores_the_prompt_as_loglikelihood(served, smol):
     plain = post(url, "/v1/completions", {"model": MODEL, "prompt": ctx, "echo": True,
                                            "max_tokens": 3}).json()["choices"][0]  # fmt: skip
     assert plain["text"].startswith(ctx) and plain["logprobs"] is None
+
+
+def test_echo_with_top_logprobs_is_openai_legacy_shape_and_equals_the_backend(served, smol):
+    """Issue 43 (lm-evaluation-harness ``local-completions`` sends ``echo: true, logprobs: 1,
+    max_tokens: 1`` and was refused): ``echo`` with ``logprobs: N`` gives, in OpenAI's legacy
+    shape, each prompt token's log-probability (equal to ``Backend.token_logprobs``; the
+    continuation's sum to ``Backend.loglikelihood``, within 1e-4) and its ``N`` most likely
+    alternatives (the first token: ``None``), which equal the backend's next-token distribution
+    after the context; then the generated token, as lm-eval reads it."""
+    url, _, _ = served
+    ctx, cont = "The capital of France is", " Paris"
+    ids = smol.tokenize(ctx + cont)
+    n_ctx = len(smol.tokenize(ctx))
+    assert smol.tokenize(ctx) + smol.tokenize(cont) == ids
+    body = {"model": MODEL, "prompt": ctx + cont, "echo": True, "logprobs": 5, "max_tokens": 0}
+    out = post(url, "/v1/completions", body).json()
+    lp = out["choices"][0]["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(ids) == out["usage"]["prompt_tokens"]
+    assert "".join(lp["tokens"]) == ctx + cont
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(smol.token_logprobs(ids).tolist(), abs=1e-4)
+    [ref] = smol.loglikelihood([(ctx, cont)])
+    assert sum(lp["token_logprobs"][n_ctx:]) == pytest.approx(ref, abs=1e-4)
+    for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+        assert len(top) == 5 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert value <= max(top.values()) + 1e-6
+    # the alternatives where the continuation starts: the backend's distribution after the context
+    [after] = smol.next_token_logprobs([ctx])
+    best = after.topk(5)
+    want = dict(zip((t.decode() for t in smol.token_bytes(best.indices.tolist())),
+                    best.values.tolist(), strict=True))  # fmt: skip
+    got = lp["top_logprobs"][n_ctx]
+    assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()),
+                                                                           abs=1e-4)  # fmt: skip
+    assert lp["token_logprobs"][n_ctx] == max(got.values())  # " Paris" is the greedy choice
+    # lm-eval's request: max_tokens 1, logprobs 1; its reading, [ctxlen:-1]
+    lm = post(url, "/v1/completions", {**body, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+                                        "seed": 1234}).json()["choices"][0]  # fmt: skip
+    lml = lm["logprobs"]
+    assert len(lml["tokens"]) == len(ids) + 1 and lm["text"].startswith(ctx + cont)
+    assert sum(lml["token_logprobs"][n_ctx:-1]) == pytest.approx(ref, abs=1e-4)
+    assert all(len(t) == 1 for t in lml["top_logprobs"][1:])
+    continuation = zip(lml["token_logprobs"][n_ctx:-1], lml["top_logprobs"][n_ctx:-1], strict=True)
+    assert all(v == max(t.values()) for v, t in continuation)  # is_greedy, as lm-eval reads it
+    wrong = post(url, "/v1/completions", {**body, "prompt": ctx + " London", "logprobs": 1})
+    scores = wrong.json()["choices"][0]["logprobs"]
+    assert scores["token_logprobs"][n_ctx] < max(scores["top_logprobs"][n_ctx].values())
 
 
 def test_top_logprobs_carry_each_tokens_own_bytes(served, smol):
