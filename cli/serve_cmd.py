@@ -104,6 +104,14 @@ def register(app: typer.Typer) -> None:
                 "before it is read",
             ),
         ] = DEFAULT_MAX_CONNECTIONS,
+        allowed_hosts: Annotated[
+            str,
+            typer.Option(
+                help="host names the server answers to besides its own address (127.0.0.1, "
+                "localhost, [::1], --host), comma-separated, NAME or NAME:PORT, '*' for any; "
+                "another Host header gets HTTP 403 (a web page rebinding its name to this address)",
+            ),
+        ] = "",
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
     ) -> None:
@@ -112,8 +120,10 @@ def register(app: typer.Typer) -> None:
         --model openai:ID --api-base http://HOST:PORT/v1) then use the debiased model. Concurrent
         requests are batched; a client that goes away cancels its generation; a client too slow
         to send its request is cut off (408), and connections beyond --max-connections are
-        refused (503). A backend that needs a task prompt's passage spans (attention-sort,
-        set-based, ...) is refused at start: a request carries none."""
+        refused (503). Bodies are read only as application/json (415 otherwise) and only
+        requests for the server's own host names (or --allowed-hosts) are answered (403
+        otherwise), so no web page can drive it. A backend that needs a task prompt's passage
+        spans (attention-sort, set-based, ...) is refused at start: a request carries none."""
         import uvicorn
 
         from ragfix.backends import backend_class, load_backend
@@ -130,6 +140,7 @@ def register(app: typer.Typer) -> None:
                 body_timeout_s=body_timeout,
                 keep_alive_s=keep_alive_timeout,
                 max_connections=max_connections,
+                allowed_hosts=allowed_hosts,
             )
             require_plain_prompts(backend_class(backend, model), "ragfix serve", backend)
             reserve_open_files(limits)

@@ -26,10 +26,12 @@ answered is closed without an answer, as uvicorn's keep-alive timeout closes one
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 
 import h11
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ragfix.serve_errors import ApiError
@@ -67,6 +69,12 @@ OPEN_FILES_RESERVE = 64
 #: files with batches of 128, 775 with batches of 256 (measured for issue 45)
 ACCEPT_BURST = 128
 
+#: host names every server answers to, with its port: the loopback addresses and ``localhost``
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+#: one ``--allowed-hosts`` name: ``*``, or a host name, IPv4 or bracketed IPv6 address, with or
+#: without ``:PORT``
+_HOST_NAME = re.compile(r"(\*|(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]{1,5})?)")
+
 #: reason phrases of the answers the protocol writes itself
 _PHRASES = {408: "Request Timeout", 503: "Service Unavailable"}
 
@@ -85,12 +93,13 @@ def error_bytes(error: ApiError) -> bytes:
 
 
 class ServeLimits(BaseModel):
-    """How long a client may take to send a request and how many may be connected
-    (``ragfix serve --header-timeout --body-timeout --keep-alive-timeout --max-connections``;
-    frozen, validated when built, unknown fields refused). A request that misses a deadline is
-    answered 408 ``request_timeout`` and its connection closed; a connection beyond the limit is
-    answered 503 ``too_many_connections`` and closed before it is read
-    (:class:`GuardedH11Protocol`).
+    """How long a client may take to send a request, how many may be connected and which host
+    names it may ask for (``ragfix serve --header-timeout --body-timeout --keep-alive-timeout
+    --max-connections --allowed-hosts``; frozen, validated when built, unknown fields refused).
+    A request that misses a deadline is answered 408 ``request_timeout`` and its connection
+    closed; a connection beyond the limit is answered 503 ``too_many_connections`` and closed
+    before it is read (:class:`GuardedH11Protocol`); a request for another host is answered 403
+    (:class:`HostGate`).
 
     Attributes:
         header_timeout_s: a request's head must be complete this long after the connection was
@@ -99,6 +108,10 @@ class ServeLimits(BaseModel):
         keep_alive_s: an idle connection is closed this long after its last answer.
         max_connections: most connections open at once.
         max_header_bytes: largest request head (a longer one is 400).
+        allowed_hosts: ``Host`` header names answered beside the server's own
+            (:data:`LOOPBACK_HOSTS` and the bound address, with the port; :class:`HostGate`):
+            ``name`` (any port) or ``name:port``, ``*`` for any; a comma-separated string is
+            split. Names are compared without case.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -108,6 +121,31 @@ class ServeLimits(BaseModel):
     keep_alive_s: float = Field(default=DEFAULT_KEEP_ALIVE_S, gt=0)
     max_connections: int = Field(default=DEFAULT_MAX_CONNECTIONS, ge=1)
     max_header_bytes: int = Field(default=MAX_HEADER_BYTES, ge=1024)
+    allowed_hosts: tuple[str, ...] = ()
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value):
+        """A comma-separated string (``--allowed-hosts a.lan,b.lan:8000``) as its names, each
+        checked (:data:`_HOST_NAME`) and lower-cased.
+
+        Raises:
+            ValueError: an empty list item or a name that is not a host (a scheme, a path).
+        """
+        if isinstance(value, str):
+            value = value.split(",") if value.strip() else []
+        names = value
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError("expected host names (a comma-separated string or a list)")
+        out = []
+        for name in names:
+            name = name.strip()
+            if not _HOST_NAME.fullmatch(name):
+                raise ValueError(
+                    f"{name!r} is not a host name (expected NAME, NAME:PORT, [IPv6]:PORT or *)"
+                )
+            out.append(name.lower())
+        return tuple(out)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -211,11 +249,72 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+class HostGate:
+    """ASGI middleware: a request whose ``Host`` header is not one the server answers to is
+    refused 403 ``host_not_allowed`` in OpenAI's error format before the application sees it.
+
+    The server answers to :data:`LOOPBACK_HOSTS`, the bound ``host`` (unless a wildcard address,
+    ``0.0.0.0`` or ``::``) and the local address the connection came to (``scope["server"]``),
+    each with the connection's port (without it for port 80), and to ``allowed_hosts``
+    (:attr:`ServeLimits.allowed_hosts`). A request without a ``Host`` header is refused too.
+
+    Args:
+        app: the ASGI application.
+        host: the address the server is bound to (``ragfix serve --host``).
+        allowed_hosts: names answered beside those (``*``: any).
+    """
+
+    def __init__(self, app, host: str, allowed_hosts: tuple[str, ...] = ()):
+        self.app, self.allowed = app, set(allowed_hosts)
+        self.own = {*LOOPBACK_HOSTS}
+        if host not in ("0.0.0.0", "::", ""):
+            self.own.add(_bracketed(host).lower())
+
+    def answers(self, given: str, local: tuple[str, int] | None) -> bool:
+        """Whether a request with ``Host: given`` that came to ``local`` (address, port) is
+        answered."""
+        if "*" in self.allowed:
+            return True
+        given = given.strip().lower()
+        name, _, port = given.rpartition(":") if not given.endswith("]") else (given, "", "")
+        if not name or not port.isdigit():
+            name, port = given, "80"
+        if name in self.allowed or given in self.allowed:
+            return True
+        own = self.own | ({_bracketed(local[0]).lower()} if local else set())
+        return name in own and (local is None or int(port) == local[1])
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not self.answers(given, scope.get("server")):
+                from fastapi.responses import JSONResponse
+
+                refusal = ApiError(
+                    403,
+                    f"this server does not answer to Host {given!r} (ragfix serve "
+                    "--allowed-hosts names the host names it answers to besides its own address)",
+                    code="host_not_allowed",
+                )
+                await JSONResponse(refusal.body(), status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _bracketed(address: str) -> str:
+    """An address as a ``Host`` header writes it: an IPv6 address in brackets."""
+    try:
+        return f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+    except ValueError:
+        return address
+
+
 def server_config(
     app, host: str, port: int, limits: ServeLimits | None = None, log_level: str = "warning"
 ):
-    """The uvicorn configuration ``ragfix serve`` runs ``app`` with: uvicorn's h11 protocol with
-    the head and body deadlines and the connection limit of ``limits``
+    """The uvicorn configuration ``ragfix serve`` runs ``app`` with: ``app`` behind the ``Host``
+    check of ``host`` and ``limits.allowed_hosts`` (:class:`HostGate`), uvicorn's h11 protocol
+    with the head and body deadlines and the connection limit of ``limits``
     (:class:`GuardedH11Protocol`), uvicorn's keep-alive timeout
     (``timeout_keep_alive``) and head size limit (``h11_max_incomplete_event_size``) from them,
     and a listen ``backlog`` of :func:`accept_burst` (asyncio accepts that many connections at
@@ -237,7 +336,7 @@ def server_config(
 
     limits = limits or ServeLimits()
     return uvicorn.Config(
-        app,
+        HostGate(app, host, limits.allowed_hosts),
         host=host,
         port=port,
         log_level=log_level,
@@ -297,7 +396,9 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "MAX_HEADER_BYTES",
     "OPEN_FILES_RESERVE",
+    "LOOPBACK_HOSTS",
     "GuardedH11Protocol",
+    "HostGate",
     "ServeLimits",
     "accept_burst",
     "error_bytes",

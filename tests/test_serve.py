@@ -41,13 +41,14 @@ class Steps:
 
 
 @contextlib.contextmanager
-def running(app):
+def running(app, limits=None):
     """Serve ``app`` with uvicorn as ``ragfix serve`` configures it (:func:`server_config`:
-    deadlines and a connection limit) on a free port of 127.0.0.1 (a thread); yields its URL."""
+    the ``Host`` check, deadlines and a connection limit, of ``limits``) on a free port of
+    127.0.0.1 (a thread); yields its URL."""
     import uvicorn
 
     port = free_port()
-    srv = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="error"))
+    srv = uvicorn.Server(server_config(app, "127.0.0.1", port, limits, log_level="error"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -146,7 +147,8 @@ def test_a_dropped_socket_stops_its_generation(served):
     port = int(url.rsplit(":", 1)[1])
     sk = socket.create_connection(("127.0.0.1", port))
     sk.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+        + b"content-type: application/json\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body.encode()
     )
     start = steps.n
@@ -277,6 +279,72 @@ def test_docs_are_open_without_a_key_and_exposure_is_warned(served):
     assert "without an API key" in warning and "RAGFIX_API_KEY" in warning
 
 
+def test_a_web_page_cannot_drive_the_local_server(served):
+    """Issue 43: what a page of another site can send to 127.0.0.1 without a CORS preflight (a
+    form, a no-cors ``fetch``: ``text/plain``, form types, no type; FastAPI GHSA-8h2j-cgx8-6xv7)
+    is refused 415 before the model runs, and a request carrying the page's own name in ``Host``
+    (DNS rebinding, Ollama CVE-2024-28224) 403 on every route; the server's own names, with its
+    port, are answered."""
+    url, server, steps = served
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": MODEL, "messages": Q, "max_tokens": 2}).encode()
+    before = steps.n
+    for kind in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                 "multipart/form-data; boundary=x", None):  # fmt: skip
+        headers = {"content-type": kind} if kind else {}
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            r = post(url, path, body, headers=headers)
+            assert r.status_code == 415, (kind, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "unsupported_media_type" and "\n" not in error["message"]
+    form = httpx.post(url + "/v1/completions", data={"model": MODEL, "prompt": "hi"})
+    assert form.status_code == 415
+    assert steps.n == before  # the model never ran
+    r = post(url, "/v1/chat/completions", body, headers={"content-type": "Application/JSON"})
+    assert r.status_code == 200
+    for host in ("evil.example", f"evil.example:{port}", f"attacker.test:{port}", "127.0.0.1",
+                 f"localhost:{port + 1}", f"127.0.0.2:{port}"):  # fmt: skip
+        for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                             ("GET", "/health"), ("GET", "/docs")):  # fmt: skip
+            r = httpx.request(method, url + path, json={"model": MODEL, "messages": Q,
+                              "max_tokens": 2}, headers={"host": host})  # fmt: skip
+            assert r.status_code == 403, (host, path, r.status_code)
+            assert r.json()["error"]["code"] == "host_not_allowed"
+            assert repr(host) in r.json()["error"]["message"]
+    assert steps.n == before + 2  # the one accepted request (prefill, one step)
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", f"[::1]:{port}"):
+        assert httpx.get(url + "/v1/models", headers={"host": host}).status_code == 200
+
+
+def test_allowed_hosts_are_a_validated_setting(smol):
+    """``allowed_hosts`` (``ragfix serve --allowed-hosts``) adds names, with any port or the one
+    named, or any host with ``*``; a name that is not a host is refused when the setting is
+    built."""
+    from pydantic import ValidationError
+
+    from ragfix.serve_guard import ServeLimits
+
+    limits = ServeLimits(allowed_hosts=" rag.lan, Other.lan:8080")
+    assert limits.allowed_hosts == ("rag.lan", "other.lan:8080")
+    assert ServeLimits(allowed_hosts="").allowed_hosts == ()
+    for bad in ("http://rag.lan", "rag.lan/v1", "rag.lan,", "a b", "rag.lan:port"):
+        with pytest.raises(ValidationError, match="allowed_hosts"):
+            ServeLimits(allowed_hosts=bad)
+    app = create_app(smol, MODEL)
+    with running(app, limits) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for host, status in ((f"rag.lan:{port}", 200), ("RAG.lan:1", 200), ("other.lan:8080", 200),
+                             (f"other.lan:{port}", 403), (f"evil.example:{port}", 403),
+                             (f"localhost:{port}", 200)):  # fmt: skip
+            r = httpx.post(url + "/v1/completions", headers={"host": host},
+                           json={"model": MODEL, "prompt": "The capital of France is",
+                                 "max_tokens": 1})  # fmt: skip
+            assert r.status_code == status, (host, r.text)
+    with running(create_app(smol, MODEL), ServeLimits(allowed_hosts="*")) as url:
+        assert httpx.get(url + "/health", headers={"host": "any.example"}).status_code == 200
+
+
 def test_big_bodies_and_prompts_are_refused_without_the_model(served, smol):
     """S3 (FastAPI#1181): a 5 MB message is 413 before it is parsed; a prompt too long for the
     window is 400 before it is tokenized; one that must be tokenized to be found too long is
@@ -327,7 +395,7 @@ MALFORMED = [
 BAD_COMPLETIONS = [
     {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": ["a", "b"]}, {"prompt": [1, 2]},
     {"prompt": "\ud800"}, {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "max_tokens": -1},
-    {"prompt": "hi", "echo": True, "logprobs": 5}, {"prompt": "hi", "echo": True, "stream": True},
+    {"prompt": "hi", "echo": True, "logprobs": 21}, {"prompt": "hi", "echo": True, "stream": True},
 ]  # fmt: skip
 
 
@@ -462,6 +530,55 @@ def test_echo_scores_the_prompt_as_loglikelihood(served, smol):
     plain = post(url, "/v1/completions", {"model": MODEL, "prompt": ctx, "echo": True,
                                            "max_tokens": 3}).json()["choices"][0]  # fmt: skip
     assert plain["text"].startswith(ctx) and plain["logprobs"] is None
+
+
+def test_echo_with_top_logprobs_is_openai_legacy_shape_and_equals_the_backend(served, smol):
+    """Issue 43 (lm-evaluation-harness ``local-completions`` sends ``echo: true, logprobs: 1,
+    max_tokens: 1`` and was refused): ``echo`` with ``logprobs: N`` gives, in OpenAI's legacy
+    shape, each prompt token's log-probability (equal to ``Backend.token_logprobs``; the
+    continuation's sum to ``Backend.loglikelihood``, within 1e-4) and its ``N`` most likely
+    alternatives (the first token: ``None``), which equal the backend's next-token distribution
+    after the context; then the generated token, as lm-eval reads it."""
+    url, _, _ = served
+    ctx, cont = "The capital of France is", " Paris"
+    ids = smol.tokenize(ctx + cont)
+    n_ctx = len(smol.tokenize(ctx))
+    assert smol.tokenize(ctx) + smol.tokenize(cont) == ids
+    body = {"model": MODEL, "prompt": ctx + cont, "echo": True, "logprobs": 5, "max_tokens": 0}
+    out = post(url, "/v1/completions", body).json()
+    lp = out["choices"][0]["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(ids) == out["usage"]["prompt_tokens"]
+    assert "".join(lp["tokens"]) == ctx + cont
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(smol.token_logprobs(ids).tolist(), abs=1e-4)
+    [ref] = smol.loglikelihood([(ctx, cont)])
+    assert sum(lp["token_logprobs"][n_ctx:]) == pytest.approx(ref, abs=1e-4)
+    for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+        assert len(top) == 5 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert value <= max(top.values()) + 1e-6
+    # the alternatives where the continuation starts: the backend's distribution after the context
+    [after] = smol.next_token_logprobs([ctx])
+    best = after.topk(5)
+    want = dict(zip((t.decode() for t in smol.token_bytes(best.indices.tolist())),
+                    best.values.tolist(), strict=True))  # fmt: skip
+    got = lp["top_logprobs"][n_ctx]
+    assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()),
+                                                                           abs=1e-4)  # fmt: skip
+    assert lp["token_logprobs"][n_ctx] == max(got.values())  # " Paris" is the greedy choice
+    # lm-eval's request: max_tokens 1, logprobs 1; its reading, [ctxlen:-1]
+    lm = post(url, "/v1/completions", {**body, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+                                        "seed": 1234}).json()["choices"][0]  # fmt: skip
+    lml = lm["logprobs"]
+    assert len(lml["tokens"]) == len(ids) + 1 and lm["text"].startswith(ctx + cont)
+    assert sum(lml["token_logprobs"][n_ctx:-1]) == pytest.approx(ref, abs=1e-4)
+    assert all(len(t) == 1 for t in lml["top_logprobs"][1:])
+    continuation = zip(lml["token_logprobs"][n_ctx:-1], lml["top_logprobs"][n_ctx:-1], strict=True)
+    assert all(v == max(t.values()) for v, t in continuation)  # is_greedy, as lm-eval reads it
+    wrong = post(url, "/v1/completions", {**body, "prompt": ctx + " London", "logprobs": 1})
+    scores = wrong.json()["choices"][0]["logprobs"]
+    assert scores["token_logprobs"][n_ctx] < max(scores["top_logprobs"][n_ctx].values())
 
 
 def test_top_logprobs_carry_each_tokens_own_bytes(served, smol):
@@ -701,7 +818,8 @@ def test_slow_clients_are_cut_off_and_the_others_answered(tmp_path, monkeypatch)
 
         assert answer() >= 1  # warm
         body_head = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+            + b"Authorization: Bearer s3cret\r\n"
             b"content-type: application/json\r\ncontent-length: 200\r\n\r\n{"
         )
         heads = [Slow(port, PARTIAL_HEAD, b"X-Slow: " + b"y" * 200) for _ in range(50)]

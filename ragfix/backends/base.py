@@ -19,7 +19,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -32,6 +32,38 @@ Prompt = TaskPrompt | str
 
 #: answer budget of a plain-string prompt (which also stops at a newline)
 DEFAULT_MAX_NEW_TOKENS = 32
+
+
+class TokenScores(NamedTuple):
+    """What the model gives each token of a sequence of ``n`` tokens after the ones before it
+    (:meth:`Backend.token_scores`), all on the CPU, rows ``t = 1..n-1``.
+
+    Attributes:
+        logprobs: float32 ``[n - 1]``: ``log p(ids[t] | ids[:t])``.
+        top_logprobs: float32 ``[n - 1, k]``: the ``k`` largest log-probabilities of the
+            distribution ``ids[t]`` was drawn from, largest first (``k`` may be 0).
+        top_ids: int64 ``[n - 1, k]``: their token ids.
+    """
+
+    logprobs: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+
+    @staticmethod
+    def of(logp: torch.Tensor, targets: torch.Tensor, top: int) -> TokenScores:
+        """The scores of ``targets`` ``[m]`` under the log-probability rows ``logp``
+        ``[m, vocab]`` (row ``i`` is the distribution ``targets[i]`` was drawn from)."""
+        best = logp.topk(top, dim=-1)
+        return TokenScores(
+            logp.gather(1, targets[:, None]).squeeze(1).cpu(),
+            best.values.cpu(),
+            best.indices.cpu(),
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[TokenScores]) -> TokenScores:
+        """Consecutive rows of one sequence, joined in order."""
+        return TokenScores(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
 class Cancel(Protocol):
@@ -318,6 +350,27 @@ class Backend(ABC):
         Returns:
             float32 ``[n - 1]`` on the CPU: ``log p(ids[t] | ids[:t])`` for ``t = 1..n-1``.
         """
+
+    def token_scores(self, ids: Sequence[int], top: int) -> TokenScores:
+        """:meth:`token_logprobs` with each token's ``top`` most likely alternatives, computed in
+        the same pass (``logprobs`` equal to :meth:`token_logprobs`'s; what a scoring client of
+        ``ragfix serve`` reads: OpenAI completions ``echo`` with ``logprobs: N``).
+
+        Args:
+            ids: one token sequence of length ``n >= 2``.
+            top: alternatives per token (``0``: none).
+
+        Returns:
+            :class:`TokenScores` of rows ``t = 1..n-1``.
+
+        Raises:
+            RagfixError: a backend that does not give the distributions of a text's tokens (the
+                base: every backend that scores text overrides it).
+        """
+        raise RagfixError(
+            f"backend {self.name!r} does not give the distribution of each token of a text "
+            "(top alternatives of scored tokens): use a local model"
+        )
 
     def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
         """Summed log-probability (nats) of each continuation given its context.

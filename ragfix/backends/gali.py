@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import Field
 
-from ragfix.backends.base import BackendOptions, Cancel, Prompt, check_cancel
+from ragfix.backends.base import BackendOptions, Cancel, Prompt, TokenScores, check_cancel
 from ragfix.backends.family import Family, model_family, project_qkv
 from ragfix.backends.hf import HFBackend, greedy_steps
 from ragfix.backends.patching import routed
@@ -462,7 +462,14 @@ class GaliBackend(HFBackend):
         """
         if len(ids) < 2:
             raise ValueError("token_logprobs needs at least two tokens")
-        x = torch.tensor([list(ids)], device=self.device)
+        scores, positions = self._scores_with_positions(list(ids), 0)
+        return scores.logprobs, positions
+
+    @torch.no_grad()
+    def _scores_with_positions(self, ids: list[int], top: int) -> tuple[TokenScores, torch.Tensor]:
+        """:class:`TokenScores` of ``ids`` under GALI with ``top`` alternatives, and the query
+        positions of :meth:`token_logprobs_with_positions`."""
+        x = torch.tensor([ids], device=self.device)
         run = _GaliRun(self)
         parts, positions = [], []
         with self._patched(run):
@@ -470,11 +477,11 @@ class GaliBackend(HFBackend):
                 parts.append(torch.log_softmax(logits[0].float(), dim=-1))
                 positions.append(run.layout.positions[run.start : run.done])
         logp = torch.cat(parts)[:-1]
-        return logp.gather(1, x[0, 1:, None]).squeeze(1).cpu(), torch.cat(positions)[:-1]
+        return TokenScores.of(logp, x[0, 1:], top), torch.cat(positions)[:-1]
 
-    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
-        """``log p(ids[t] | ids[:t])`` for ``t = 1..n-1`` under GALI, float32 ``[n - 1]``."""
-        return self.token_logprobs_with_positions(ids)[0]
+    def _token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
+        """:class:`TokenScores` of ``ids`` under GALI (rows ``t = 1..n-1``)."""
+        return self._scores_with_positions(ids, top)[0]
 
     @torch.no_grad()
     def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:

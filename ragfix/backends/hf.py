@@ -5,7 +5,7 @@ with left padding through ``generate``, batched next-token log-probabilities, ro
 log-probabilities, streaming, and KV-cache prefix reuse. A method changes the model (an attention
 patch through :mod:`ragfix.backends.patching`, a RoPE variant) and, where it needs its own
 decoding loop (GALI) or its own input (truncation), overrides the protected ``_generate_ids`` /
-``_next_logprobs_ids`` / ``_token_logprobs_ids`` hooks; a method that reads each prompt through
+``_next_logprobs_ids`` / ``_token_scores_ids`` hooks; a method that reads each prompt through
 its own layout and runs its own forward pass (``set-based``, ``pine``, ``calibrated-attention``)
 builds on :class:`LayoutBackend`. Consumers use only the public
 :class:`~ragfix.backends.base.Backend` methods.
@@ -28,6 +28,7 @@ from ragfix.backends.base import (
     BackendOptions,
     Cancel,
     Prompt,
+    TokenScores,
     answer_rules,
     check_cancel,
     final_answer,
@@ -674,10 +675,12 @@ class HFBackend(Backend):
         return torch.cat(parts)
 
     @torch.no_grad()
-    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
+    def _token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
+        """:class:`TokenScores` of ``ids`` (``n >= 2``) with ``top`` alternatives, one forward
+        pass."""
         x = torch.tensor([ids], device=self.device)
         logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), dim=-1)
-        return logp.gather(1, x[0, 1:, None]).squeeze(1).cpu()
+        return TokenScores.of(logp, x[0, 1:], top)
 
     def token_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
         """See :meth:`Backend.token_logprobs`: float32 ``[n - 1]`` on the CPU.
@@ -685,9 +688,17 @@ class HFBackend(Backend):
         Raises:
             ValueError: fewer than two tokens.
         """
+        return self.token_scores(ids, 0).logprobs
+
+    def token_scores(self, ids: Sequence[int], top: int) -> TokenScores:
+        """See :meth:`Backend.token_scores` (the pass of :meth:`token_logprobs`).
+
+        Raises:
+            ValueError: fewer than two tokens.
+        """
         if len(ids) < 2:
             raise ValueError("token_logprobs needs at least two tokens")
-        return self._token_logprobs_ids(list(ids))
+        return self._token_scores_ids(list(ids), top)
 
 
 class LayoutBackend(HFBackend):

@@ -641,6 +641,14 @@ class RemoteBackend(Backend):
         """
         raise self._no_scores("loglikelihood")
 
+    def token_scores(self, ids: Sequence[int], top: int):
+        """Not available from a server (``ragfix serve`` over a remote model scoring ``echo``).
+
+        Raises:
+            RagfixError: always (names what needs it).
+        """
+        raise self._no_scores("scoring text (echo with logprobs)")
+
     def token_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
         """Not available from a server (perplexity, ``loglikelihood`` and calibration need it).
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ragfix.backends.base import BackendOptions, Cancel
+from ragfix.backends.base import BackendOptions, Cancel, TokenScores
 from ragfix.backends.hf import HFBackend
 from ragfix.errors import ConfigError
 from ragfix.types import Generation
@@ -76,7 +76,7 @@ class TruncatedBackend(HFBackend):
 
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)
-        #: targets scored per sliding window beyond the window (see :meth:`_token_logprobs_ids`)
+        #: targets scored per sliding window beyond the window (see :meth:`_token_scores_ids`)
         self.score_stride = self.options.score_stride or max(1, self.context_window // 4)
         if self.score_stride >= self.context_window:
             raise ConfigError(
@@ -121,8 +121,9 @@ class TruncatedBackend(HFBackend):
         ]
 
     @torch.no_grad()
-    def _token_logprobs_ids(self, ids: list[int]) -> torch.Tensor:
-        """``log p(ids[t] | context)`` for ``t = 1..n-1``, float32 ``[n - 1]``, reading at most
+    def _token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
+        """:class:`TokenScores` of ``log p(ids[t] | context)`` for ``t = 1..n-1`` (with ``top``
+        alternatives from the same distributions), reading at most
         ``L`` = :attr:`context_window` tokens (context plus the token) per forward pass.
 
         Strided sliding windows (module docstring): the first ``L`` tokens are scored as one
@@ -133,14 +134,14 @@ class TruncatedBackend(HFBackend):
         """
         big_l = self.context_window
         stride = self.score_stride
-        parts = [super()._token_logprobs_ids(ids[:big_l])]
+        parts = [super()._token_scores_ids(ids[:big_l], top)]
         for a in range(big_l, len(ids), stride):
             b = min(a + stride, len(ids))
             x = torch.tensor([ids[b - big_l : b]], device=self.device)
             logits = self.model(input_ids=x, logits_to_keep=b - a + 1).logits[0, :-1]
             logp = torch.log_softmax(logits.float(), dim=-1)
-            parts.append(logp.gather(1, x[0, big_l - (b - a) :, None]).squeeze(1).cpu())
-        return torch.cat(parts)
+            parts.append(TokenScores.of(logp, x[0, big_l - (b - a) :], top))
+        return TokenScores.cat(parts)
 
     def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
         """Next-token log-probabilities after the prompts cut to ``train_window - 1`` tokens."""

@@ -1,0 +1,365 @@
+"""The served backend of ``ragfix serve`` (:class:`Server`): the checks of a request against the
+model (its id, the window), the model work it queues on the model thread
+(:class:`~ragfix.serve.scheduler.ModelWorker`) and the OpenAI response bodies of the results."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ragfix.errors import RagfixError
+from ragfix.prompts import TaskPrompt
+from ragfix.serve.scheduler import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_WAIT_MS, Job, ModelWorker
+from ragfix.serve.schemas import (
+    DEFAULT_MAX_TOKENS,
+    MAX_CHARS_PER_TOKEN,
+    ApiRequest,
+    ChatRequest,
+    CompletionRequest,
+)
+from ragfix.serve_errors import ApiError
+from ragfix.types import Generation
+
+if TYPE_CHECKING:  # the CLI imports the package for its defaults: no torch at import
+    import torch
+
+    from ragfix.backends.base import Backend, Cancel, Prompt, TokenScores
+
+
+class Server:
+    """The served backend: request checks, the model thread, OpenAI response bodies.
+
+    Args:
+        backend: any loaded :class:`~ragfix.backends.base.Backend`.
+        model_id: the id clients ask for (``ragfix serve --model``'s value).
+        prefix_reuse: let the backend reuse the KV cache of the prompt prefix it shares with the
+            previous request (same greedy answers up to floating-point noise; faster when
+            consecutive prompts share a head, as a sweep's do).
+        max_batch_size, max_wait_ms: batching (see :class:`ModelWorker`).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        model_id: str,
+        prefix_reuse: bool = True,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+    ):
+        self.backend, self.model_id = backend, model_id
+        self.worker = ModelWorker(backend, prefix_reuse, max_batch_size, max_wait_ms)
+        #: held while the model computes (by the model thread only)
+        self.lock = self.worker.lock
+        #: held while a request thread tokenizes or detokenizes
+        self.tokenizer_lock = threading.Lock()
+        self.started = int(time.time())
+        self.identity = json.loads(json.dumps(backend.identity()))
+
+    def model_entry(self) -> dict:
+        """The served model's ``/v1/models`` entry, with its window (``max_model_len``) and the
+        backend's identity (``ragfix``: weight fingerprint, method, options, adapter)."""
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "ragfix",
+            "max_model_len": self.backend.context_window,
+            "ragfix": self.identity,
+        }
+
+    # ------------------------------------------------------------------ checks
+    async def tokenizing(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` in a worker thread under :attr:`tokenizer_lock` (never the model's lock)."""
+        from starlette.concurrency import run_in_threadpool
+
+        def locked():
+            with self.tokenizer_lock:
+                return fn()
+
+        return await run_in_threadpool(locked)
+
+    async def check(
+        self, req: ApiRequest, prompt: Prompt, max_tokens: int | None
+    ) -> tuple[int, int]:
+        """The prompt's tokens and the answer budget of a request for ``prompt``.
+
+        Raises:
+            ApiError: another model, a field the server cannot honour
+                (:meth:`ApiRequest.check_fields`), or a prompt that does not fit the window:
+                longer than :data:`MAX_CHARS_PER_TOKEN` characters a window token (refused
+                before tokenizing), or whose tokens plus ``max_tokens`` (default
+                :data:`DEFAULT_MAX_TOKENS`; 0 with ``echo``) exceed it (:meth:`Backend.fit`);
+                400 ``context_length_exceeded``.
+        """
+        if req.model != self.model_id:
+            raise ApiError(
+                404,
+                f"the model {req.model!r} does not exist here (this server serves "
+                f"{self.model_id!r})",
+                code="model_not_found",
+                param="model",
+            )
+        req.check_fields()
+        window = self.backend.context_window
+        param = "messages" if isinstance(prompt, TaskPrompt) else "prompt"
+        chars = len(prompt.user + prompt.assistant_prefix) if param == "messages" else len(prompt)
+        if chars > MAX_CHARS_PER_TOKEN * window:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {window} tokens; the prompt has {chars} "
+                f"characters, more than {window} tokens hold (refused before tokenizing)",
+                code="context_length_exceeded",
+                param=param,
+            )
+        budget = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        fit = await self.tokenizing(lambda: self.backend.fit(prompt, max_new_tokens=budget or 1))
+        fit = replace(fit, budget=budget)
+        if not fit.runs:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {fit.window} tokens; the prompt has "
+                f"{fit.prompt_tokens} tokens and max_tokens asks for {fit.budget}",
+                code="context_length_exceeded",
+                param=param,
+            )
+        return fit.prompt_tokens or 0, budget
+
+    # ------------------------------------------------------------------ model work
+    def answer_job(self, prompt: Prompt, budget: int, stop: bool, logprobs: bool) -> Job:
+        """A queued, batchable greedy answer (its result: a :class:`Generation`)."""
+        job = Job(asyncio.get_running_loop(), prompt=prompt, key=(budget, stop, logprobs))
+        self.worker.submit(job)
+        return job
+
+    def scores_job(self, ids: list[int], top: int) -> Job:
+        """Queued log-probabilities of each token of ``ids`` after the ones before it, with its
+        ``top`` most likely alternatives (its result:
+        :class:`~ragfix.backends.base.TokenScores` of :meth:`Backend.token_scores
+        <ragfix.backends.base.Backend.token_scores>`, ``None`` for one token)."""
+
+        def run(cancel: Cancel) -> Any:
+            return self.backend.token_scores(ids, top) if len(ids) >= 2 else None
+
+        job = Job(asyncio.get_running_loop(), run=run)
+        self.worker.submit(job)
+        return job
+
+    def stream_job(self, prompt: Prompt, budget: int, stop: bool) -> Job:
+        """A queued streamed answer: its pieces as the backend yields them (cut before the first
+        newline after leading white space with ``stop``)."""
+        from ragfix.backends.base import cut_at_newline
+
+        job = Job(asyncio.get_running_loop())
+
+        def run(cancel: Cancel) -> None:
+            pieces = self.backend.stream(
+                prompt, max_new_tokens=budget, stop_at_newline=stop, cancel=cancel
+            )
+            if stop:
+                pieces = cut_at_newline(pieces)
+            with contextlib.closing(pieces):
+                for piece in pieces:
+                    if piece:
+                        job.emit(piece)
+
+        job.run = run
+        self.worker.submit(job)
+        return job
+
+    # ------------------------------------------------------------------ bodies
+    def raw_text(self, gen: Generation, stop: bool) -> str:
+        """The continuation as the model generated it (what a stream sends): the generated
+        tokens decoded, cut before the first newline after leading white space with the
+        newline rule (tokenizer)."""
+        from ragfix.backends.base import cut_at_newline
+
+        if gen.token_ids is None:
+            return gen.text
+        text = self.backend.detokenize(gen.token_ids)
+        return "".join(cut_at_newline(iter([text]))) if stop else text
+
+    def token_texts(self, ids: list[int]) -> list[tuple[str, list[int]]]:
+        """``(text, bytes)`` of each token: its own bytes, and their UTF-8 text with the bytes of
+        a partial character written ``\\xNN`` (tokenizer)."""
+        out = []
+        for b in self.backend.token_bytes(ids):
+            out.append((b.decode("utf-8", errors="backslashreplace"), list(b)))
+        return out
+
+    def top(self, lps: torch.Tensor, k: int) -> list[tuple[str, list[int], float]]:
+        """The ``max(k, 1)`` most likely tokens of a distribution, most likely first, as
+        ``(text, bytes, logprob)`` (tokenizer)."""
+        values, ids = lps.topk(max(k, 1))
+        texts = self.token_texts(ids.tolist())
+        return [(t, b, float(v)) for (t, b), v in zip(texts, values, strict=True)]
+
+    def head(self, kind: str) -> dict:
+        """The fields every response body starts with."""
+        return {
+            "id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_id,
+        }
+
+    def chat_body(self, req: ChatRequest, gen: Generation, budget: int) -> dict:
+        """The ``chat.completion`` body of an answer (tokenizer)."""
+        logprobs = None
+        if req.logprobs:
+            k = req.top_logprobs or 0
+            top = self.top(gen.first_logprobs, k)
+            (tok, b, lp), alternatives = top[0], top[:k]
+            logprobs = {
+                "content": [
+                    {
+                        "token": tok,
+                        "logprob": lp,
+                        "bytes": b,
+                        "top_logprobs": [
+                            {"token": t, "logprob": v, "bytes": tb} for t, tb, v in alternatives
+                        ],
+                    }
+                ]
+            }
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": self.raw_text(gen, bool(req.stops()))},
+            "logprobs": logprobs,
+            "finish_reason": "length" if gen.new_tokens >= budget else "stop",
+        }
+        return {**self.head("chat.completion"), "choices": [choice], "usage": usage(gen)}
+
+    def completion_body(
+        self,
+        req: CompletionRequest,
+        prompt: str,
+        prompt_tokens: int,
+        gen: Generation | None,
+        scored: tuple[list[int], TokenScores | None] | None,
+        budget: int,
+    ) -> dict:
+        """The ``text_completion`` body: the continuation of ``gen`` (none with ``max_tokens``
+        0), after the prompt with ``echo``, whose ``scored`` tokens (ids, and their
+        :class:`~ragfix.backends.base.TokenScores` after the first) then lead the
+        log-probabilities in OpenAI's legacy shape: ``tokens``, ``token_logprobs`` (``None``
+        for the first prompt token), ``top_logprobs`` (``{token text: log-probability}`` of the
+        ``logprobs`` most likely tokens at that place, ``None`` for the first prompt token) and
+        ``text_offset`` (tokenizer)."""
+        text = "" if gen is None else self.raw_text(gen, bool(req.stops()))
+        logprobs = None
+        if req.logprobs is not None:
+            tokens: list[str] = []
+            values: list[float | None] = []
+            tops: list[dict[str, float] | None] = []
+            if scored is not None:
+                ids, scores = scored
+                tokens = [t for t, _ in self.token_texts(ids)]
+                values, tops = [None], [None]
+                if scores is not None:
+                    values += [float(v) for v in scores.logprobs]
+                    names = self.token_texts(scores.top_ids.flatten().tolist())
+                    k = scores.top_ids.shape[1]
+                    for row, lps in enumerate(scores.top_logprobs.tolist()):
+                        texts = [t for t, _ in names[row * k : (row + 1) * k]]
+                        tops.append(_alternatives(texts, lps))
+            if gen is not None:
+                top = self.top(gen.first_logprobs, req.logprobs)
+                tokens, values = [*tokens, top[0][0]], [*values, top[0][2]]
+                best = top[: req.logprobs]
+                tops.append(_alternatives([t for t, _, _ in best], [v for _, _, v in best]))
+            logprobs = {
+                "tokens": tokens,
+                "token_logprobs": values,
+                "top_logprobs": tops,
+                "text_offset": _offsets(tokens),
+            }
+        choice = {
+            "index": 0,
+            "text": (prompt if req.echo else "") + text,
+            "logprobs": logprobs,
+            "finish_reason": "length" if gen is None or gen.new_tokens >= budget else "stop",
+        }
+        counts = usage(gen) if gen is not None else usage_of(prompt_tokens, 0)
+        return {**self.head("text_completion"), "choices": [choice], "usage": counts}
+
+    async def events(
+        self, job: Job, kind: str, prompt_tokens: int, budget: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE lines of a streamed answer (``data: {chunk}``, ``data: [DONE]``): the pieces as
+        the model thread yields them, then a chunk with ``finish_reason`` (``length`` when the
+        streamed text counts ``max_tokens`` tokens, re-tokenized) and, with ``include_usage``,
+        a ``choices: []`` chunk with the usage. A failure after the first chunk ends the stream
+        with an ``{"error": ...}`` event."""
+        head = self.head(kind)
+        chat = kind == "chat.completion.chunk"
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(piece: str | None, finish: str | None = None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else {}
+                if piece:
+                    delta["content"] = piece
+                body = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                body = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return f"data: {json.dumps({**head, 'choices': [body], **extra})}\n\n"
+
+        text = ""
+        try:
+            if chat:
+                yield chunk(None, first=True)
+            async for piece in job.pieces():
+                text += piece
+                yield chunk(piece)
+            n = await self.tokenizing(lambda: self.backend.count_tokens(text))
+        except RagfixError as e:
+            yield f"data: {json.dumps(ApiError(400, str(e).splitlines()[0]).body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        yield chunk(None, "length" if n >= budget else "stop")
+        if include_usage:
+            body = {**head, "choices": [], "usage": usage_of(prompt_tokens, n)}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    """An OpenAI ``usage`` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def usage(gen: Generation) -> dict:
+    """The ``usage`` of an answer."""
+    return usage_of(gen.prompt_tokens, gen.new_tokens)
+
+
+def _alternatives(texts: list[str], logprobs: list[float]) -> dict[str, float]:
+    """OpenAI's legacy ``top_logprobs`` entry: token text -> log-probability, most likely first
+    (of two tokens with one text, the likelier is kept)."""
+    out: dict[str, float] = {}
+    for t, v in zip(texts, logprobs, strict=True):
+        out.setdefault(t, v)
+    return out
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    """Character offset of each token text in their concatenation."""
+    out, at = [], 0
+    for t in tokens:
+        out.append(at)
+        at += len(t)
+    return out
+
+
+__all__ = ["Server", "usage", "usage_of"]
