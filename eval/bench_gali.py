@@ -24,7 +24,8 @@ import torch
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from ragfix.backends import load_backend
-from ragfix.backends.gali import GaliBackend, _GaliRun, chunk_sizes, paper_logits, paper_setting
+from ragfix.backends.gali import GaliBackend, chunk_sizes, paper_logits, paper_setting
+from ragfix.backends.gali.backend import _GaliRun
 from ragfix.eval.bench_memory import measure
 from ragfix.eval.ppl import read_texts
 from ragfix.tables import TableSpec

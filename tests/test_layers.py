@@ -181,29 +181,61 @@ def test_the_checks_catch_a_cycle_and_an_upward_edge():
     assert _upper("ragfix.eval.sweep") and _upper("ragfix.cli") and not _upper("ragfix.evaluate")
 
 
-def _method_modules() -> set[str]:
-    """The modules of the registered backends (the methods), vanilla's ``hf`` left out."""
+def _method_packages() -> set[str]:
+    """The packages of the registered backends (the methods, one ``ragfix.backends.NAME`` folder
+    each), vanilla's ``hf`` left out."""
     from ragfix.backends import backend_names, backend_spec
 
     targets = [backend_spec(b).target for b in backend_names()]
-    return {t.split(":")[0] for t in targets if isinstance(t, str)} - {"ragfix.backends.hf"}
+    modules = {t.split(":")[0] for t in targets if isinstance(t, str)}
+    return {".".join(m.split(".")[:3]) for m in modules} - {"ragfix.backends.hf"}
+
+
+def _method_of(module: str, methods: set[str]) -> str | None:
+    """The method package ``module`` belongs to (itself or one of its modules), or ``None``."""
+    return next((m for m in methods if module == m or module.startswith(m + ".")), None)
 
 
 def _method_crossings(graph: dict[str, set[str]], methods: set[str]) -> dict[str, list[str]]:
-    """Per method module, the other method modules it imports (none when the rule holds)."""
-    return {m: sorted(graph[m] & methods) for m in sorted(methods) if graph[m] & methods}
+    """Per module of a method package, the modules of other method packages it imports (none
+    when the rule holds)."""
+    out = {}
+    for module in sorted(graph):
+        mine = _method_of(module, methods)
+        if mine is None:
+            continue
+        others = sorted(t for t in graph[module] if _method_of(t, methods) not in (None, mine))
+        if others:
+            out[module] = others
+    return out
+
+
+def test_each_method_is_one_package():
+    """Every registered method is a package of ``ragfix.backends`` (its options, backend and
+    calibration or tune in one folder), walked like every other module."""
+    graph = _graph()
+    methods = _method_packages()
+    assert {"ragfix.backends.pine", "ragfix.backends.attention_sort"} <= methods
+    for m in sorted(methods):
+        assert m in graph, f"{m} is not a package listed in pyproject"
+        assert _modules()[m][1], f"{m} is a module, not a package"
+    assert "ragfix.backends.channel_scaling.calibrate" in graph
+    assert "ragfix.backends.attention_sort.tune" in graph
 
 
 def test_no_method_imports_another():
-    """Each method imports only the shared toolkit (``base``, ``hf``, ``family``, ``passages``,
-    ``patching``), never another method's module."""
-    methods = _method_modules()
-    assert {"ragfix.backends.pine", "ragfix.backends.attention_sort"} <= methods
-    assert _method_crossings(_graph(), methods) == {}
+    """Each method package imports only the shared toolkit (``base``, ``hf``, ``family``,
+    ``passages``, ``patching``) and its own modules, never another method's package."""
+    assert _method_crossings(_graph(), _method_packages()) == {}
 
 
 def test_the_method_rule_catches_one_method_importing_another():
     graph = _graph()
-    graph["ragfix.backends.pine"] = graph["ragfix.backends.pine"] | {"ragfix.backends.set_based"}
-    crossings = _method_crossings(graph, _method_modules())
-    assert crossings == {"ragfix.backends.pine": ["ragfix.backends.set_based"]}
+    methods = _method_packages()
+    pine, gali = "ragfix.backends.pine.backend", "ragfix.backends.gali.options"
+    graph[pine] = graph[pine] | {"ragfix.backends.set_based.options"}
+    graph[gali] = graph[gali] | {"ragfix.backends.truncated", "ragfix.backends.gali.backend"}
+    assert _method_crossings(graph, methods) == {
+        gali: ["ragfix.backends.truncated"],
+        pine: ["ragfix.backends.set_based.options"],
+    }
