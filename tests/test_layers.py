@@ -1,5 +1,6 @@
-"""The import graph of the installed package: the library never imports the evaluation or the
-CLI, and no two modules import each other, directly or round a longer loop.
+"""The import graph of the installed package: the library never imports the evaluation, the
+benchmarks or the CLI, the evaluation never imports the benchmarks, no method package imports
+another, and no two modules import each other, directly or round a longer loop.
 
 Every ``.py`` file of every package listed in ``pyproject.toml`` is read where the installed
 package has it (``importlib.util.find_spec``: ``ragfix.eval`` lives in ``eval/``), and every
@@ -28,7 +29,7 @@ tomllib = pytest.importorskip("tomllib")
 
 REPO = Path(__file__).resolve().parents[1]
 #: the packages above the library: nothing in the library imports them
-UPPER = ("ragfix.eval", "ragfix.cli")
+UPPER = ("ragfix.eval", "ragfix.bench", "ragfix.cli")
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -154,8 +155,9 @@ def _loop(graph: dict[str, set[str]], scc: list[str]) -> str:
 
 def test_the_walk_sees_every_package():
     graph = _graph()
-    for pkg in ("ragfix", "ragfix.backends", "ragfix.eval", "ragfix.cli", "ragfix.connectors"):
+    for pkg in ("ragfix", "ragfix.backends", "ragfix.eval", "ragfix.bench", "ragfix.cli"):
         assert pkg in graph
+    assert "ragfix.connectors" in graph and "ragfix.bench.memory" in graph["ragfix.bench.gali"]
     assert "ragfix.eval.sweep" in graph["ragfix.eval.compare"]
     assert "ragfix.cli.eval_cmd" in graph["ragfix.cli.app"]  # a dynamic import counts
 
@@ -166,6 +168,20 @@ def test_the_library_never_imports_eval_or_cli():
         f"{m} -> {t}" for m, targets in graph.items() if not _upper(m) for t in targets if _upper(t)
     )
     assert not upward, "library modules import ragfix.eval / ragfix.cli:\n" + "\n".join(upward)
+
+
+def test_only_the_cli_imports_the_benchmarks():
+    """``ragfix.bench`` sits above the evaluation: it imports ``ragfix.eval``, never the reverse."""
+    graph = _graph()
+    inward = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if not m.startswith(("ragfix.bench", "ragfix.cli"))
+        for t in targets
+        if t == "ragfix.bench" or t.startswith("ragfix.bench.")
+    )
+    assert not inward, "modules below ragfix.bench import it:\n" + "\n".join(inward)
+    assert "ragfix.eval.sweep" in graph["ragfix.bench.sweep"]
 
 
 def test_no_import_cycle():

@@ -442,7 +442,7 @@ class GaliBackend(HFBackend):
     def prefill_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """GALI's chunked prefill of one prompt at any length (within the window too: one chunk
         at whole-number positions); the next-token logits ``[vocab_size]`` on the model's device
-        and dtype (what ``eval/bench_gali.py`` times)."""
+        and dtype (what ``bench/gali.py`` times)."""
         run = _GaliRun(self)
         with self._patched(run):
             *_, logits = self._prefill(run, torch.tensor([list(ids)], device=self.device), 1)
