@@ -11,8 +11,11 @@ from typing import Annotated
 
 import typer
 
+from ragfix.cli.common import RagfixGroup
+
 app = typer.Typer(
     name="ragfix",
+    cls=RagfixGroup,
     help="Fix position bias (lost in the middle) in retrieval-augmented generation.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

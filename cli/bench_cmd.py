@@ -29,7 +29,7 @@ def sweep_cmd(
     """The same sweep cells naive, with KV-cache prefix reuse, and with prefix reuse then the
     answers of a sample decoded in one batch: tokens, wall time, cells/s, peak memory, labels,
     answers and generated tokens compared with naive."""
-    from ragfix.eval.bench_sweep import bench_sweep
+    from ragfix.bench.sweep import bench_sweep
 
     with user_errors(), console.status("benchmark") as status:
         table, details = bench_sweep(data, num_docs, limit, model, device, status.update)
@@ -73,7 +73,7 @@ def gpu_cmd(
     """The check of a CUDA machine in one command: the family mechanism tests on the device
     (bf16 and fp32) and SmolLM2's held-out KV-8 sweep with vanilla, attention-sort and pine,
     each writing a result file (results/gpu-*.json)."""
-    from ragfix.eval.bench_gpu import gpu_check
+    from ragfix.bench.gpu import gpu_check
     from ragfix.eval.compare import comparison_tables
     from ragfix.tables import print_tables
 
@@ -105,8 +105,8 @@ def threads_cmd(
 ) -> None:
     """Seconds per sweep cell for torch thread counts, on an idle machine and beside busy
     processes (each setting in a fresh process)."""
+    from ragfix.bench.threads import bench_threads
     from ragfix.cli.common import parse_numbers
-    from ragfix.eval.bench_threads import bench_threads
 
     with user_errors(), console.status("benchmark") as status:
         t = parse_numbers(threads, "--threads", int)
@@ -132,7 +132,7 @@ def processes_cmd(
 ) -> None:
     """The same sweep from scratch in one process or several (``ragfix eval --workers``), each
     setting in a fresh process on the CPU: wall time, cells/s, answers compared with the first."""
-    from ragfix.eval.bench_scaleout import bench_processes, parse_settings
+    from ragfix.bench.scaleout import bench_processes, parse_settings
 
     with user_errors(), console.status("benchmark") as status:
         table, details = bench_processes(
@@ -162,8 +162,8 @@ def gali_cmd(
     """GALI prefill time and peak memory against vanilla at several lengths, and one layer's
     blocked attention against the paper's two-full-matrices form (run with
     MALLOC_MMAP_THRESHOLD_=65536 on the CPU)."""
+    from ragfix.bench.gali import bench_gali
     from ragfix.cli.common import parse_numbers
-    from ragfix.eval.bench_gali import bench_gali
 
     with user_errors(), console.status("benchmark") as status:
         tables, details = bench_gali(
@@ -199,8 +199,8 @@ def methods_cmd(
     """Prefill time, 8-token generation time and prefill peak memory of each backend against
     vanilla on the same prompts, gold passage in the middle (run with
     MALLOC_MMAP_THRESHOLD_=65536 on the CPU)."""
+    from ragfix.bench.methods import bench_methods
     from ragfix.cli.common import parse_numbers
-    from ragfix.eval.bench_methods import bench_methods
 
     with user_errors(), console.status("benchmark") as status:
         table, details = bench_methods(
@@ -232,7 +232,7 @@ def channel_scaling_cmd(
 ) -> None:
     """Prefill time and decode speed of channel-scaled against vanilla on the same prompts (one
     model, patched and unpatched in turn)."""
-    from ragfix.eval.bench_channel_scaling import bench_channel_scaling
+    from ragfix.bench.channel_scaling import bench_channel_scaling
 
     with user_errors(), console.status("benchmark") as status:
         table, details = bench_channel_scaling(
@@ -254,8 +254,8 @@ def remote_cmd(
 ) -> None:
     """Requests/s of the same prompts through the local backend and through `ragfix serve` at
     several client concurrencies, with the answers compared."""
+    from ragfix.bench.remote import bench_remote
     from ragfix.cli.common import parse_numbers
-    from ragfix.eval.bench_remote import bench_remote
 
     with user_errors(), console.status("benchmark") as status:
         levels = parse_numbers(concurrency, "--concurrency", int)
@@ -293,8 +293,8 @@ def serve_cmd(
     """A bounded load test of `ragfix serve` on 127.0.0.1: requests/s, p50/p95 latency and
     answers against the sequential ones, for short prompts at several client counts, during a
     burst of malformed and oversized requests, and for long prompts (a second table)."""
+    from ragfix.bench.serve import bench_serve
     from ragfix.cli.common import parse_numbers
-    from ragfix.eval.bench_serve import bench_serve
 
     with user_errors(), console.status("benchmark") as status:
         levels = parse_numbers(clients, "--clients", int)

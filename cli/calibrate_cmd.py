@@ -89,9 +89,9 @@ def register(app: typer.Typer) -> None:
         `--backend channel-scaled --calibration FILE`."""
         with user_errors():
             from ragfix.backends import load_backend
+            from ragfix.backends.channel_scaling.calibrate import CalibrationSettings
+            from ragfix.backends.channel_scaling.calibrate import calibrate as run_calibration
             from ragfix.bundled import resolve_data
-            from ragfix.calibrate import CalibrationSettings
-            from ragfix.calibrate import calibrate as run_calibration
 
             chosen = {
                 "samples": samples,
@@ -129,7 +129,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _print_result(cal, out: Path, table: Path | None) -> None:
-    from ragfix.calibrate import calibration_table
+    from ragfix.backends.channel_scaling.calibrate import calibration_table
     from ragfix.eval.results import write_benchmark
     from ragfix.tables import print_tables
 

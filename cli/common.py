@@ -10,9 +10,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from typer.core import TyperGroup
 
 from ragfix.errors import ConfigError, RagfixError
 
@@ -98,6 +100,34 @@ def parse_numbers(text: str | None, flag: str, kind: type = float) -> list | Non
         raise ConfigError(f"{flag} {text!r}: expected {what} separated by commas") from None
 
 
+def backend_help() -> tuple[str, str]:
+    """``--backend``'s help (the registered names) and the list of the registered backends with
+    their summaries (Markdown, the epilog of a command that takes ``--backend``), read from the
+    registry (``ragfix.backends`` imports neither torch nor a method)."""
+    from ragfix.backends import backend_names, backend_spec
+
+    names = backend_names()
+    listing = "\n".join(
+        f"* {n}" + (f": {backend_spec(n).summary}" if backend_spec(n).summary else "")
+        for n in names
+    )
+    return f"one of: {', '.join(names)}", f"**Backends** (--backend):\n\n{listing}"
+
+
+class RagfixGroup(TyperGroup):
+    """The ``ragfix`` command group: the help of a command's ``--backend`` option and the list of
+    backends after its help are read from the backend registry when the command is resolved (a
+    backend registered after the CLI was imported is listed too)."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """The command ``cmd_name``, with :func:`backend_help` when it takes ``--backend``."""
+        cmd = super().get_command(ctx, cmd_name)
+        for param in getattr(cmd, "params", ()):
+            if "--backend" in param.opts:
+                param.help, cmd.epilog = backend_help()
+        return cmd
+
+
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -107,13 +137,9 @@ ModelOpt = Annotated[
         "with --api-base)",
     ),
 ]
-#: ``--backend``'s help: every registered backend (a test keeps it equal to the registry; the
-#: registry itself imports torch, too slow for ``--help``)
-BACKEND_HELP = (
-    "vanilla, attention-sort, calibrated-attention, pine, set-based, channel-scaled, gali, "
-    "pos2distill, rope-scaled, truncated"
-)
-BackendOpt = Annotated[str, typer.Option("--backend", "-b", help=BACKEND_HELP)]
+BackendOpt = Annotated[
+    str, typer.Option("--backend", "-b", help="a registered backend (listed by --help)")
+]
 BackendOptsOpt = Annotated[
     list[str] | None,
     typer.Option("--backend-opt", help="backend option key=value (repeatable)"),

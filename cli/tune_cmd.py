@@ -35,10 +35,10 @@ def attention_sort_cmd(
     """How often each attention-sort variant (layers x calibrate) scores the gold passage
     highest, per gold position: the default is the variant with the best worst position."""
     from ragfix.backends import load_backend
+    from ragfix.backends.attention_sort.tune import tune_attention_sort
     from ragfix.bundled import resolve_data
     from ragfix.connectors.litm import load_samples
     from ragfix.eval.progress import progress_bar
-    from ragfix.eval.sort_tune import tune_attention_sort
     from ragfix.eval.sweep import parse_positions
 
     with user_errors():

@@ -203,7 +203,7 @@ def test_the_sweep_answers_the_sorted_prompts(smol):
 
 
 def test_forget_prompts_drops_the_memoised_sorts(smol, monkeypatch):
-    import ragfix.backends.attention_sort as scorer
+    import ragfix.backends.attention_sort.backend as scorer
 
     backend = AttentionSortBackend(smol.model, smol.tokenizer, calibrate=False)
     prompt = get_task("qa").prompt("Which river?", DOCS)

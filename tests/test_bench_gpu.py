@@ -10,8 +10,8 @@ import torch
 from conftest import ROOT
 from typer.testing import CliRunner
 
+from ragfix.bench.gpu import gpu_check
 from ragfix.cli.app import app
-from ragfix.eval.bench_gpu import gpu_check
 
 
 def test_without_cuda_the_command_refuses_in_one_line(tmp_path):

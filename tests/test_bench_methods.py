@@ -18,8 +18,8 @@ KV = "litm_kv_retrieval_140_keys.jsonl.gz"
 
 def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
     from ragfix.backends.set_based import SetBasedBackend
+    from ragfix.bench.methods import bench_methods
     from ragfix.connectors.litm import load_samples
-    from ragfix.eval.bench_methods import bench_methods
     from ragfix.eval.results import write_benchmark
     from ragfix.tasks import task_prompt
 
@@ -69,7 +69,7 @@ def test_backends_are_checked_before_anything_is_read_an_unknown_one_in_one_line
 ):
     import ragfix.backends
     import ragfix.connectors.litm
-    from ragfix.eval.bench_methods import bench_methods, check_backends
+    from ragfix.bench.methods import bench_methods, check_backends
 
     # vanilla, the ratios' baseline, is measured first whether named or not; each name once
     assert check_backends(["set-based", "vanilla", "set-based"]) == ["vanilla", "set-based"]

@@ -9,8 +9,8 @@ import json
 from conftest import tiny_folder
 from typer.testing import CliRunner
 
+from ragfix.bench.serve import SHORT_PROMPT_TOKENS, bad_requests, short_prompts
 from ragfix.cli.app import app
-from ragfix.eval.bench_serve import SHORT_PROMPT_TOKENS, bad_requests, short_prompts
 
 runner = CliRunner()
 

@@ -19,8 +19,7 @@ from ragfix.backends.channel_scaling import (
     SettingScore,
     apply_channel_scaling,
 )
-from ragfix.backends.hf import HFBackend
-from ragfix.calibrate import (
+from ragfix.backends.channel_scaling.calibrate import (
     CalibrationPrompt,
     CalibrationSettings,
     _split,
@@ -36,6 +35,7 @@ from ragfix.calibrate import (
     screen_channels,
     select,
 )
+from ragfix.backends.hf import HFBackend
 from ragfix.errors import ConfigError, DataError
 from ragfix.models import content_fingerprint
 

@@ -159,7 +159,7 @@ def test_case25_attention_sort_without_a_query_is_refused(smol, monkeypatch):
         backend=smol,
     )
     reads: list = []
-    import ragfix.backends.attention_sort as scorer
+    import ragfix.backends.attention_sort.backend as scorer
 
     real = scorer.passage_attention
     monkeypatch.setattr(scorer, "passage_attention", lambda b, p: reads.append(p) or real(b, p))

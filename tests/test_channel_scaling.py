@@ -13,10 +13,10 @@ from ragfix.backends.channel_scaling import (
     PRESETS,
     ChannelScalingBackend,
     apply_channel_scaling,
-    attention_modules,
     default_layers,
     parse_layers,
 )
+from ragfix.backends.patching import attention_modules
 from ragfix.errors import IncompatibleMethodsError, UnsupportedModelError
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

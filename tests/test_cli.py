@@ -211,10 +211,21 @@ def test_distill_records_select_the_training_records_and_are_recorded(tmp_path):
     assert meta["questions_tried"] == 3 and meta["teacher_answers"]["wrong"] == 2
 
 
-def test_backend_help_names_every_registered_backend():
-    from ragfix.backends import backend_names
-    from ragfix.cli.common import BACKEND_HELP
+def test_backend_help_names_every_registered_backend(monkeypatch):
+    """``--backend``'s help and the backend list after ``eval --help`` come from the registry,
+    read when the command is resolved: a backend registered after the CLI was imported is
+    listed with its summary."""
+    import ragfix.backends as registry
 
-    assert sorted(BACKEND_HELP.split(", ")) == backend_names()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    built_in = registry.backend_names()
+    registry.register_backend("test-order", "tests.nowhere:Backend", summary="a test's backend")
+    names = registry.backend_names()
+    assert names == sorted([*built_in, "test-order"])
     out = runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "400"}).output
-    assert BACKEND_HELP in out
+    assert f"one of: {', '.join(names)} " in out
+    for name in names:
+        summary = registry.backend_spec(name).summary
+        assert summary and f"• {name}: {summary}" in out
+    assert "• test-order: a test's backend" in out
+    assert "test-order" in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "400"}).output

@@ -1,5 +1,6 @@
-"""The import graph of the installed package: the library never imports the evaluation or the
-CLI, and no two modules import each other, directly or round a longer loop.
+"""The import graph of the installed package: the library never imports the evaluation, the
+benchmarks or the CLI, the evaluation never imports the benchmarks, no method package imports
+another, and no two modules import each other, directly or round a longer loop.
 
 Every ``.py`` file of every package listed in ``pyproject.toml`` is read where the installed
 package has it (``importlib.util.find_spec``: ``ragfix.eval`` lives in ``eval/``), and every
@@ -28,7 +29,7 @@ tomllib = pytest.importorskip("tomllib")
 
 REPO = Path(__file__).resolve().parents[1]
 #: the packages above the library: nothing in the library imports them
-UPPER = ("ragfix.eval", "ragfix.cli")
+UPPER = ("ragfix.eval", "ragfix.bench", "ragfix.cli")
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -154,8 +155,9 @@ def _loop(graph: dict[str, set[str]], scc: list[str]) -> str:
 
 def test_the_walk_sees_every_package():
     graph = _graph()
-    for pkg in ("ragfix", "ragfix.backends", "ragfix.eval", "ragfix.cli", "ragfix.connectors"):
+    for pkg in ("ragfix", "ragfix.backends", "ragfix.eval", "ragfix.bench", "ragfix.cli"):
         assert pkg in graph
+    assert "ragfix.connectors" in graph and "ragfix.bench.memory" in graph["ragfix.bench.gali"]
     assert "ragfix.eval.sweep" in graph["ragfix.eval.compare"]
     assert "ragfix.cli.eval_cmd" in graph["ragfix.cli.app"]  # a dynamic import counts
 
@@ -166,6 +168,20 @@ def test_the_library_never_imports_eval_or_cli():
         f"{m} -> {t}" for m, targets in graph.items() if not _upper(m) for t in targets if _upper(t)
     )
     assert not upward, "library modules import ragfix.eval / ragfix.cli:\n" + "\n".join(upward)
+
+
+def test_only_the_cli_imports_the_benchmarks():
+    """``ragfix.bench`` sits above the evaluation: it imports ``ragfix.eval``, never the reverse."""
+    graph = _graph()
+    inward = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if not m.startswith(("ragfix.bench", "ragfix.cli"))
+        for t in targets
+        if t == "ragfix.bench" or t.startswith("ragfix.bench.")
+    )
+    assert not inward, "modules below ragfix.bench import it:\n" + "\n".join(inward)
+    assert "ragfix.eval.sweep" in graph["ragfix.bench.sweep"]
 
 
 def test_no_import_cycle():
@@ -181,29 +197,61 @@ def test_the_checks_catch_a_cycle_and_an_upward_edge():
     assert _upper("ragfix.eval.sweep") and _upper("ragfix.cli") and not _upper("ragfix.evaluate")
 
 
-def _method_modules() -> set[str]:
-    """The modules of the registered backends (the methods), vanilla's ``hf`` left out."""
+def _method_packages() -> set[str]:
+    """The packages of the registered backends (the methods, one ``ragfix.backends.NAME`` folder
+    each), vanilla's ``hf`` left out."""
     from ragfix.backends import backend_names, backend_spec
 
     targets = [backend_spec(b).target for b in backend_names()]
-    return {t.split(":")[0] for t in targets if isinstance(t, str)} - {"ragfix.backends.hf"}
+    modules = {t.split(":")[0] for t in targets if isinstance(t, str)}
+    return {".".join(m.split(".")[:3]) for m in modules} - {"ragfix.backends.hf"}
+
+
+def _method_of(module: str, methods: set[str]) -> str | None:
+    """The method package ``module`` belongs to (itself or one of its modules), or ``None``."""
+    return next((m for m in methods if module == m or module.startswith(m + ".")), None)
 
 
 def _method_crossings(graph: dict[str, set[str]], methods: set[str]) -> dict[str, list[str]]:
-    """Per method module, the other method modules it imports (none when the rule holds)."""
-    return {m: sorted(graph[m] & methods) for m in sorted(methods) if graph[m] & methods}
+    """Per module of a method package, the modules of other method packages it imports (none
+    when the rule holds)."""
+    out = {}
+    for module in sorted(graph):
+        mine = _method_of(module, methods)
+        if mine is None:
+            continue
+        others = sorted(t for t in graph[module] if _method_of(t, methods) not in (None, mine))
+        if others:
+            out[module] = others
+    return out
+
+
+def test_each_method_is_one_package():
+    """Every registered method is a package of ``ragfix.backends`` (its options, backend and
+    calibration or tune in one folder), walked like every other module."""
+    graph = _graph()
+    methods = _method_packages()
+    assert {"ragfix.backends.pine", "ragfix.backends.attention_sort"} <= methods
+    for m in sorted(methods):
+        assert m in graph, f"{m} is not a package listed in pyproject"
+        assert _modules()[m][1], f"{m} is a module, not a package"
+    assert "ragfix.backends.channel_scaling.calibrate" in graph
+    assert "ragfix.backends.attention_sort.tune" in graph
 
 
 def test_no_method_imports_another():
-    """Each method imports only the shared toolkit (``base``, ``hf``, ``family``, ``passages``,
-    ``patching``), never another method's module."""
-    methods = _method_modules()
-    assert {"ragfix.backends.pine", "ragfix.backends.attention_sort"} <= methods
-    assert _method_crossings(_graph(), methods) == {}
+    """Each method package imports only the shared toolkit (``base``, ``hf``, ``family``,
+    ``passages``, ``patching``) and its own modules, never another method's package."""
+    assert _method_crossings(_graph(), _method_packages()) == {}
 
 
 def test_the_method_rule_catches_one_method_importing_another():
     graph = _graph()
-    graph["ragfix.backends.pine"] = graph["ragfix.backends.pine"] | {"ragfix.backends.set_based"}
-    crossings = _method_crossings(graph, _method_modules())
-    assert crossings == {"ragfix.backends.pine": ["ragfix.backends.set_based"]}
+    methods = _method_packages()
+    pine, gali = "ragfix.backends.pine.backend", "ragfix.backends.gali.options"
+    graph[pine] = graph[pine] | {"ragfix.backends.set_based.options"}
+    graph[gali] = graph[gali] | {"ragfix.backends.truncated", "ragfix.backends.gali.backend"}
+    assert _method_crossings(graph, methods) == {
+        gali: ["ragfix.backends.truncated"],
+        pine: ["ragfix.backends.set_based.options"],
+    }

@@ -163,7 +163,7 @@ def test_no_or_one_passage_needs_no_placement(strategy):
 
 
 def test_attention_sort_of_one_passage_reads_nothing(smol, monkeypatch):
-    import ragfix.backends.attention_sort as scorer
+    import ragfix.backends.attention_sort.backend as scorer
 
     monkeypatch.setattr(scorer, "passage_attention", lambda *a: pytest.fail("model read"))
     assert attention_sort_order(smol, "Where is Berlin?", PASSAGES[:1]) == ([0], [])

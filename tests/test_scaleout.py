@@ -146,7 +146,7 @@ def test_data_errors_cross_process_boundaries_intact():
 
 
 def test_bench_processes_runs_each_setting_from_scratch_and_compares_answers(tmp_path):
-    from ragfix.eval.bench_scaleout import bench_processes, parse_settings
+    from ragfix.bench.scaleout import bench_processes, parse_settings
 
     settings = parse_settings("naive:1x1,batched:2x1")
     assert settings == [("naive", 1, 1), ("batched", 2, 1)]
@@ -161,8 +161,8 @@ def test_bench_processes_runs_each_setting_from_scratch_and_compares_answers(tmp
 
 @pytest.mark.parametrize("bad", ["fast:1x1", "batched:2", "batched:0x1", "naive:1xT"])
 def test_bench_processes_settings_are_validated(bad):
+    from ragfix.bench.scaleout import parse_settings
     from ragfix.errors import ConfigError
-    from ragfix.eval.bench_scaleout import parse_settings
 
     with pytest.raises(ConfigError, match="--settings item"):
         parse_settings(bad)

@@ -299,7 +299,7 @@ def test_bench_sweep_compares_the_three_modes_token_by_token(tmp_path):
     # trie prefill plus batched decode, and compares their generated tokens with naive's
     from transformers import AutoTokenizer
 
-    from ragfix.eval.bench_sweep import bench_sweep
+    from ragfix.bench.sweep import bench_sweep
     from ragfix.models import checkpoint_dir, resolve_model
 
     tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))

@@ -5,6 +5,11 @@ A backend is registered under a name with its options model and a factory
 when asked for. Loading validates the options first (before any weights are read), loads the
 model (:func:`ragfix.models.load_model`), applies an adapter if one is given
 (:func:`ragfix.lora.load_adapter`: every backend takes one) and builds the backend.
+
+``import ragfix.backends`` imports neither torch nor a method: the registry (names, summaries)
+is read without them (the CLI's ``--help``), and the model interface's names (``Backend``,
+``BackendOptions``, ``Fit``, ``Prompt``) are imported from :mod:`ragfix.backends.base` on first
+use.
 """
 
 from __future__ import annotations
@@ -12,13 +17,25 @@ from __future__ import annotations
 import importlib
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragfix.backends.base import Backend, BackendOptions, Fit, Prompt
-from ragfix.backends.orders import OrderOptions, marginalize_orders
 from ragfix.errors import ConfigError
-from ragfix.models import REMOTE_PREFIX
+
+if TYPE_CHECKING:
+    from ragfix.backends.base import Backend, BackendOptions
+    from ragfix.backends.orders import OrderOptions
+
+#: names re-exported from the model interface, imported on first use (see the module docstring)
+_LAZY = {name: "ragfix.backends.base" for name in ("Backend", "BackendOptions", "Fit", "Prompt")}
+
+
+def __getattr__(name: str):
+    """The model interface's names, imported on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ragfix.backends' has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,8 @@ def backend_class(name: str, model: str) -> type[Backend]:
     Raises:
         ConfigError: unknown backend.
     """
+    from ragfix.models import REMOTE_PREFIX
+
     spec = backend_spec(name)
     if model.startswith(REMOTE_PREFIX):
         from ragfix.backends.remote import RemoteBackend
@@ -166,6 +185,8 @@ def validate_backend(
             backend or adapter asked of a remote model.
         pydantic.ValidationError: an unknown or invalid option.
     """
+    from ragfix.models import REMOTE_PREFIX
+
     spec = backend_spec(name)
     if model is not None and model.startswith(REMOTE_PREFIX):
         if name != "vanilla" or adapter:
@@ -227,7 +248,8 @@ def load_backend(
         AdapterError: the adapter belongs to other weights or does not attach.
     """
     from ragfix.backends.family import read_family
-    from ragfix.models import load_config, load_model
+    from ragfix.backends.orders import marginalize_orders
+    from ragfix.models import REMOTE_PREFIX, load_config, load_model
 
     if validated is None:
         opts = validate_backend(name, adapter, model=model, **options)

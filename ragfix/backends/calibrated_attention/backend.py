@@ -56,13 +56,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
 from ragfix.backends.base import BackendOptions, Prompt
+from ragfix.backends.calibrated_attention.options import CalibratedAttentionOptions
 from ragfix.backends.family import (
     Family,
     apply_rotary,
@@ -76,27 +76,8 @@ from ragfix.backends.patching import attention_modules, routed
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 
-#: the paper's temperature (Appendix B)
-PAPER_TEMPERATURE = 5e-5
 #: bias tables kept per backend (one per template and number of passages)
 _BIAS_CACHE = 64
-
-
-class CalibratedAttentionOptions(BackendOptions):
-    """Options of the ``calibrated-attention`` backend.
-
-    Attributes:
-        layers: the calibrated layers: ``upper`` (``L // 2 .. L - 1``) or ``all``.
-        temperature: ``t`` of ``softmax(r / t)`` (> 0; the paper's 5e-5 by default): lower
-            gives the most relevant passage more of the passages' mass.
-        heads: ``each``: every head redistributes by its own relevance ``r``; ``mean``: by the
-            relevance averaged over the layer's heads (one ranking of the passages per layer and
-            reader, each head keeping its own passage mass ``M``).
-    """
-
-    layers: Literal["upper", "all"] = "upper"
-    temperature: float = Field(default=PAPER_TEMPERATURE, gt=0)
-    heads: Literal["each", "mean"] = "each"
 
 
 @dataclass(frozen=True)
@@ -430,9 +411,4 @@ class CalibratedAttentionBackend(LayoutBackend):
         return self._forward(layouts, extra, keep=1 + max((len(e) for e in extra), default=0))
 
 
-__all__ = [
-    "PAPER_TEMPERATURE",
-    "CalibratedAttentionBackend",
-    "CalibratedAttentionOptions",
-    "ReaderLayout",
-]
+__all__ = ["CalibratedAttentionBackend", "ReaderLayout"]

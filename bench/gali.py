@@ -11,7 +11,7 @@ Peak memory is the growth of the process's peak resident set (``VmHWM`` of
 ``/proc/self/status``, reset through ``/proc/self/clear_refs``) over its size before the call on
 the CPU (run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go back to the system
 and each peak is measured from a clean state), and ``torch.cuda.max_memory_allocated`` growth on
-CUDA (:func:`ragfix.eval.bench_memory.measure`). The machine's load makes CPU timings noisy:
+CUDA (:func:`ragfix.bench.memory.measure`). The machine's load makes CPU timings noisy:
 compare ratios, not seconds.
 """
 
@@ -24,8 +24,9 @@ import torch
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from ragfix.backends import load_backend
-from ragfix.backends.gali import GaliBackend, _GaliRun, chunk_sizes, paper_logits, paper_setting
-from ragfix.eval.bench_memory import measure
+from ragfix.backends.gali import GaliBackend, chunk_sizes, paper_logits, paper_setting
+from ragfix.backends.gali.backend import _GaliRun
+from ragfix.bench.memory import measure
 from ragfix.eval.ppl import read_texts
 from ragfix.tables import TableSpec
 

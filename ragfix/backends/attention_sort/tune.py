@@ -15,11 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ragfix.backends.attention_sort import (
-    AttentionSortOptions,
-    combine_scores,
-    passage_attention,
-)
+from ragfix.backends.attention_sort.backend import combine_scores, passage_attention
+from ragfix.backends.attention_sort.options import AttentionSortOptions
 from ragfix.backends.hf import HFBackend
 from ragfix.tables import TableSpec, fmt_num
 from ragfix.tasks import task_prompt

@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ragfix.bench.remote import kv_prompts
 from ragfix.errors import ConfigError
-from ragfix.eval.bench_remote import kv_prompts
 from ragfix.serve import serving
 from ragfix.tables import TableSpec
 

@@ -73,7 +73,7 @@ def bench_threads(
             p.start()
         try:
             for t in threads:
-                cmd = [sys.executable, "-m", "ragfix.eval.bench_threads", "--child", str(t)]
+                cmd = [sys.executable, "-m", "ragfix.bench.threads", "--child", str(t)]
                 cmd += ["--limit", str(limit), "--num-docs", str(num_docs)]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 runs[b, t] = json.loads(out.strip().splitlines()[-1])

@@ -24,7 +24,7 @@ memoised sort, the prefix KV cache), so that both times are those of a new promp
 * generate: ``backend.generate([prompt], max_new_tokens=8)``, a prefill and up to 8 greedy
   tokens (the prompt's stop rule applies; the generated counts are in the details);
 * peak MiB: growth of memory during the prefill over the memory in use before it
-  (:func:`ragfix.eval.bench_memory.measure`): the resident set on the CPU (run with
+  (:func:`ragfix.bench.memory.measure`): the resident set on the CPU (run with
   ``MALLOC_MMAP_THRESHOLD_=65536``), allocated memory on CUDA.
 
 A row is one backend at one number of passages: the median over the prompts of both times, the
@@ -103,7 +103,7 @@ def _fmt(x: float | None, spec: str) -> str:
 def _measure_prompt(backend, prompt, device: torch.device) -> dict:
     """One prompt on one backend: its token count, the prefill's seconds and peak MiB, the
     generation's seconds and new tokens."""
-    from ragfix.eval.bench_memory import measure
+    from ragfix.bench.memory import measure
 
     backend.forget_prompts()  # each call pays what a new prompt costs (attention-sort's sort)
     prefill_s, prefill_mib = measure(lambda: backend.next_token_logprobs([prompt]), device)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ragfix.eval.bench_memory import peak_mib, reset_peak
+from ragfix.bench.memory import peak_mib, reset_peak
 from ragfix.tables import TableSpec
 
 MODES = {"naive": (False, 1), "prefix reuse": (True, 1), "prefix + batched": (True, None)}

@@ -53,17 +53,17 @@ from rich.progress import track
 from scipy.signal import savgol_filter
 
 from ragfix.backends.base import Backend
-from ragfix.backends.channel_scaling import (
+from ragfix.backends.channel_scaling.backend import (
     CandidateScore,
     ChannelScalingCalibration,
     SettingScore,
     StabilityCheck,
     apply_channel_scaling,
-    attention_modules,
-    default_layers,
     scaled_keys,
 )
+from ragfix.backends.channel_scaling.options import default_layers
 from ragfix.backends.hf import HFBackend
+from ragfix.backends.patching import attention_modules
 from ragfix.errors import ConfigError, RagfixError
 from ragfix.models import model_identity
 from ragfix.prompts import TaskPrompt

@@ -20,26 +20,12 @@ the visible keys carry information from further back.
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
-from ragfix.backends.base import BackendOptions, Cancel, TokenScores
+from ragfix.backends.base import Cancel, TokenScores
 from ragfix.backends.hf import HFBackend
+from ragfix.backends.truncated.options import TruncatedOptions
 from ragfix.errors import ConfigError
 from ragfix.types import Generation
-
-
-class TruncatedOptions(BackendOptions):
-    """Options of the ``truncated`` backend.
-
-    Attributes:
-        train_window: the window in tokens (prompt plus answer; default: the model's
-            ``max_position_embeddings``).
-        score_stride: tokens scored per sliding window when scoring a text longer than the
-            window (default ``train_window // 4``); must be below ``train_window``.
-    """
-
-    train_window: int | None = Field(None, ge=2)
-    score_stride: int | None = Field(None, ge=1)
 
 
 def truncate_middle(ids: list[int], budget: int) -> list[int]:

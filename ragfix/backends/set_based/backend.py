@@ -35,24 +35,14 @@ prefix reuse: a cached prefix of another prompt was computed under another mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
 from ragfix.backends.base import BackendOptions
 from ragfix.backends.family import full_cache, layer_masks
 from ragfix.backends.passages import OUTSIDE, PAD, PassageSet, PassageSetBackend, padded_batch
-
-
-class SetBasedOptions(BackendOptions):
-    """Options of the ``set-based`` backend.
-
-    Attributes:
-        align: where the parallel positions of the passages sit: ``end`` (each ends next to the
-            question) or ``start`` (each starts after the prefix, as in the paper).
-    """
-
-    align: Literal["start", "end"] = "end"
+from ragfix.backends.set_based.options import SetBasedOptions
 
 
 def set_visibility(blocks: torch.Tensor) -> torch.Tensor:
@@ -131,4 +121,4 @@ class SetBasedBackend(PassageSetBackend):
         return out.logits, step
 
 
-__all__ = ["SetBasedBackend", "SetBasedOptions", "set_visibility"]
+__all__ = ["SetBasedBackend", "set_visibility"]

@@ -19,29 +19,12 @@ base depends on the batch's longest sequence).
 from __future__ import annotations
 
 import copy
-from typing import Literal
-
-from pydantic import Field
 
 from ragfix.backends.base import BackendOptions
 from ragfix.backends.family import Family
 from ragfix.backends.hf import HFBackend
+from ragfix.backends.rope_scaled.options import RopeScaledOptions
 from ragfix.errors import ConfigError
-
-
-class RopeScaledOptions(BackendOptions):
-    """Options of the ``rope-scaled`` backend.
-
-    Attributes:
-        rope_type: ``linear``, ``dynamic`` (NTK) or ``yarn``.
-        factor: the window stretch; the reported ``context_window`` is ``factor * train_window``.
-        train_window: the trained window the scaling starts from (default: the model's
-            ``max_position_embeddings``; lower it to compare with GALI at the same lowered window).
-    """
-
-    rope_type: Literal["linear", "dynamic", "yarn"] = "yarn"
-    factor: float = Field(4.0, gt=1.0)
-    train_window: int | None = Field(None, ge=2)
 
 
 class RopeScaledBackend(HFBackend):
