@@ -54,6 +54,29 @@ def attention_sort_cmd(
     show_tables(table, details, json_out)
 
 
+@tune.command("orders")
+def orders_cmd(
+    run: Annotated[
+        Path,
+        typer.Argument(
+            help="a finished sweep of the tune range made with --orders K (the largest)"
+        ),
+    ],
+    json_out: Annotated[
+        Path | None,
+        typer.Option("--json", help="keep the table as a result file (results/NAME.json)"),
+    ] = None,
+) -> None:
+    """Accuracy per gold position of every number of orders up to K and every aggregator,
+    re-aggregated from the run's recorded votes (no model is run): the default is the setting
+    with the best worst position."""
+    from ragfix.eval.orders_tune import tune_orders
+
+    with user_errors():
+        table, details = tune_orders(run)
+    show_tables(table, details, json_out)
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``tune`` command group to ``app``."""
     app.add_typer(tune, name="tune")

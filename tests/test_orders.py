@@ -110,6 +110,16 @@ def test_a_sweep_over_orders_keeps_every_vote_and_never_resumes_onto_other_order
     config = json.loads((out / "config.json").read_text())
     assert config["backend_options"]["orders"]["orders"] == 3
     assert config["identity"]["orders"]["aggregate"] == "plurality"
+    # the tune re-aggregates the votes: the run's own setting scores as the run did
+    from ragfix.eval.orders_tune import tune_orders
+
+    table, details = tune_orders(out)
+    mine = details["accuracy"]["orders=3 aggregate=plurality"]
+    assert mine == [float(r["correct"]) for r in sorted(rows, key=lambda r: r["position"])]
+    assert set(details["accuracy"]) == {
+        f"orders={k} aggregate={a}" for k in (2, 3) for a in ("plurality", "weighted", "max")
+    }
+    assert details["default"]["orders"] in (2, 3) and len(table.rows) == 6
     run_sweep(KV, out, orders=orders, **kw)  # a rerun finds every cell done
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
     with pytest.raises(ConfigMismatchError):

@@ -156,6 +156,24 @@ def aggregate(answers: Sequence[tuple[str, float | None]], how: str) -> int:
     return max(best, key=lambda i: (conf[i], -i))
 
 
+def choose(votes: Sequence[dict], how: str) -> int:
+    """The index of the marginal answer among ``votes`` (each order's ``answer``,
+    ``confidence`` and ``flags``, as :attr:`Generation.votes` and a sweep record's
+    ``extra["votes"]`` hold them): :func:`aggregate` over the answers, an answer with an
+    :data:`~ragfix.types.UNSCORED` flag (``empty_answer``, ``overflow``) not voting.
+
+    Raises:
+        ConfigError: see :func:`aggregate`.
+    """
+    return aggregate(
+        [
+            ("" if UNSCORED.intersection(v["flags"]) else v["answer"], v["confidence"])
+            for v in votes
+        ],
+        how,
+    )
+
+
 class OrderMarginalBackend(Backend):
     """A backend answering over several orders of each prompt's passages (module docstring).
 
@@ -289,20 +307,16 @@ class OrderMarginalBackend(Backend):
         ]
 
     def _marginal(self, prompt: Prompt, gens: list[Generation], first_logprobs: bool) -> Generation:
-        orders = self.orders_of(prompt)
-        counted = [
-            (g.text if not UNSCORED.intersection(g.flags) else "", confidence(g)) for g in gens
-        ]
-        chosen = gens[aggregate(counted, self.options.aggregate)]
         votes = [
             {
                 "order": list(o),
                 "answer": g.text,
-                "confidence": None if c is None else round(c, 4),
+                "confidence": None if (c := confidence(g)) is None else round(c, 4),
                 "flags": list(g.flags),
             }
-            for o, g, (_, c) in zip(orders, gens, counted, strict=True)
+            for o, g in zip(self.orders_of(prompt), gens, strict=True)
         ]
+        chosen = gens[choose(votes, self.options.aggregate)]
         return chosen.model_copy(
             update={
                 "prompt_tokens": max(g.prompt_tokens for g in gens),
@@ -325,6 +339,7 @@ __all__ = [
     "OrderMarginalBackend",
     "OrderOptions",
     "aggregate",
+    "choose",
     "confidence",
     "marginalize_orders",
     "passage_orders",

@@ -1,0 +1,115 @@
+"""The tune of order marginalization's defaults from one sweep's recorded votes.
+
+A sweep run with ``--orders K`` keeps every order's answer and confidence in each record
+(``extra["votes"]``). Every smaller number of orders ``K' < K`` whose orders are among the
+recorded ones (``rotate``: the evenly spaced shifts of ``K'``, e.g. shifts 0, 2, 4, 6 of 8;
+``shuffle``: the first ``K'`` orders, drawn from the same seeded sequence) and every aggregator
+is then scored from the same answers, with the function the backend itself chooses with
+(:func:`ragfix.backends.orders.choose`): no model is run. The default is the setting with the
+best worst position, then the best mean, then the fewer orders (the cheaper).
+
+Run: ``ragfix tune orders RUN --json results/NAME.json``, ``RUN`` a sweep of the tune range.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ragfix.backends.orders import OrderOptions, choose, passage_orders
+from ragfix.errors import DataError
+from ragfix.eval.compare import load_run
+from ragfix.tables import TableSpec, fmt_num
+from ragfix.tasks import get_task
+
+#: the aggregators scored, in the order of the table
+AGGREGATORS = ("plurality", "weighted", "max")
+
+
+def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
+    """Accuracy per gold position of every derivable (orders, aggregator) setting of ``run``.
+
+    Args:
+        run: a finished sweep folder made with ``--orders`` (its scored cells are used, as
+            ``ragfix report`` uses them).
+
+    Returns:
+        ``(table, details)``: one row per setting (accuracy per position, mean, worst
+        position), the default marked; ``details`` holds the run, its range, the accuracies and
+        the ``default`` (``{"orders", "aggregate"}``).
+
+    Raises:
+        DataError: not a run folder (:func:`~ragfix.eval.compare.load_run`), a run made
+            without ``--orders``, or a record without its votes or its prompt.
+    """
+    loaded = load_run(run)
+    options = loaded.config.get("backend_options", {}).get("orders")
+    if options is None:
+        raise DataError(loaded.folder, None, "orders", "a run made without --orders")
+    recorded = OrderOptions(**options)
+    task = get_task(loaded.config["task"])
+    scored = {(s, p) for cells in loaded.curves.values() for s, p in cells}
+    records = [r for r in loaded.records if (r["sample_id"], r["position"]) in scored]
+    positions = sorted({r["position"] for r in records})
+    hits: dict[str, list[int]] = {}
+    for k in range(2, recorded.orders + 1):
+        sub = recorded.model_copy(update={"orders": k})
+        picks = []
+        for r in records:
+            votes = r.get("extra", {}).get("votes")
+            if not votes or r.get("prompt") is None:
+                raise DataError(loaded.folder, None, "votes", f"cell {r['cell_id']} has none")
+            by_order = {tuple(v["order"]): v for v in votes}
+            wanted = passage_orders(len(votes[0]["order"]), sub, r["prompt"]["text"])
+            if not all(o in by_order for o in wanted):
+                break
+            picks.append([by_order[o] for o in wanted])
+        else:
+            for how in AGGREGATORS:
+                row = [0] * len(positions)
+                for r, votes in zip(records, picks, strict=True):
+                    answer = votes[choose(votes, how)]["answer"]
+                    row[positions.index(r["position"])] += task.score(answer, r["gold_answers"])
+                hits[f"orders={k} aggregate={how}"] = row
+    n = len(records) // len(positions)
+    rates = {name: [h / n for h in row] for name, row in hits.items()}
+    names = list(rates)
+    best = max(
+        names, key=lambda m: (min(rates[m]), sum(rates[m]), -int(m.split()[0].split("=")[1]))
+    )
+    rows = []
+    for name in names:
+        worst = min(range(len(positions)), key=lambda i: rates[name][i])
+        rows.append(
+            [
+                name + (" (default)" if name == best else ""),
+                *(fmt_num(x) for x in rates[name]),
+                fmt_num(sum(rates[name]) / len(positions)),
+                f"{fmt_num(rates[name][worst])} @ {positions[worst]}",
+            ]
+        )
+    table = TableSpec(
+        title=f"order marginalization tune · {loaded.config.get('model')} · "
+        f"{recorded.design} design · records {loaded.config.get('records') or 'all'}",
+        headers=["setting", *(f"pos {p}" for p in positions), "mean", "worst"],
+        rows=rows,
+        lines=[
+            f"{n} samples x {len(positions)} gold positions, re-aggregated from the votes of "
+            f"{loaded.name} (orders={recorded.orders}); accuracy of the marginal answer. "
+            "Default: the best worst position, then the best mean, then fewer orders."
+        ],
+    )
+    k, how = (part.split("=")[1] for part in best.split())
+    details = {
+        "run": loaded.name,
+        "data": loaded.config.get("data"),
+        "records": loaded.config.get("records"),
+        "design": recorded.design,
+        "positions": positions,
+        "samples": n,
+        "accuracy": rates,
+        "default": {"orders": int(k), "aggregate": how},
+    }
+    return table, details
+
+
+__all__ = ["AGGREGATORS", "tune_orders"]
