@@ -84,6 +84,10 @@ def test_each_vote_is_the_wrapped_backends_own_answer_and_confidence_on_that_ord
     for vote, single, first in zip(gen.votes, singles, firsts, strict=True):
         assert vote["answer"] == single.text
         assert vote["confidence"] == pytest.approx(float(first.max()), abs=1e-3)
+    # the orders run over the prefix cache and decoded in one batch: the same votes
+    reused = wrapped.generate([prompt], batch_size=4, prefix_reuse=True)[0]
+    assert [v["answer"] for v in reused.votes] == [v["answer"] for v in gen.votes]
+    assert reused.prefill_tokens < gen.prefill_tokens
     best = max(range(4), key=lambda i: gen.votes[i]["confidence"])
     assert gen.text == gen.votes[best]["answer"]
     assert gen.new_tokens == sum(s.new_tokens for s in singles)

@@ -11,8 +11,10 @@ log-probabilities), and returns one answer per prompt (:func:`aggregate`). A pro
 passage spans (a plain text) has one order and is answered as it is; a consumer whose prompts
 never carry spans refuses the wrapper (:attr:`needs_passage_spans`).
 
-Cost: ``orders`` times the prefill and the decoding of one answer (the prompts of one call are
-sent together, so a remote server or a GPU batch runs them in parallel).
+Cost: ``orders`` times the decoding of one answer, and at most ``orders`` times its prefill
+(less with prefix reuse: the orders of a call share the instruction and, for the cells of one
+sample, runs of passages; the prompts of one call are sent together, so a remote server or a
+GPU batch runs them in parallel).
 
 Designs:
 
@@ -183,12 +185,12 @@ class OrderMarginalBackend(Backend):
     """
 
     needs_passage_spans = True
-    supports_prefix_reuse = False
 
     def __init__(self, inner: Backend, options: OrderOptions):
         self.inner = inner
         self.options = options
         self.name = inner.name
+        self.supports_prefix_reuse = inner.supports_prefix_reuse
         self.has_tokenizer = inner.has_tokenizer
         self.cuts_long_prompts = inner.cuts_long_prompts
         self.preferred_batch_size = inner.preferred_batch_size
@@ -275,7 +277,10 @@ class OrderMarginalBackend(Backend):
         prefix_reuse: bool = False,
         cancel: Cancel | None = None,
     ) -> list[Generation]:
-        """One marginal answer per prompt.
+        """One marginal answer per prompt. With ``prefix_reuse`` (where the wrapped backend
+        supports it) the orders of all ``prompts`` run in the lexicographic order of their text
+        over the wrapped backend's prefix reuse, so a prefix that several orders share (the
+        instruction, the passages before the first moved one) is prefilled once.
 
         Each returned :class:`Generation` is the chosen order's, with ``prompt_tokens`` the
         longest order's (what the window must hold), ``prefill_tokens``, ``new_tokens`` and
@@ -289,17 +294,24 @@ class OrderMarginalBackend(Backend):
             Cancelled: as the wrapped backend's.
         """
         expanded = [(i, p) for i, prompt in enumerate(prompts) for p in self._ordered(prompt)]
+        reuse = prefix_reuse and self.inner.supports_prefix_reuse
+        run = list(range(len(expanded)))
+        if reuse:  # a depth-first order of the prompts' trie: each shared prefix computed once
+            run.sort(key=lambda j: self.inner.format_prompt(expanded[j][1]))
         gens = self.inner.generate(
-            [p for _, p in expanded],
+            [expanded[j][1] for j in run],
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
             stop_at_newline=stop_at_newline,
             first_logprobs=True,
-            prefix_reuse=prefix_reuse and self.inner.supports_prefix_reuse,
+            prefix_reuse=reuse,
             cancel=cancel,
         )
+        answered: list[Generation | None] = [None] * len(expanded)
+        for j, gen in zip(run, gens, strict=True):
+            answered[j] = gen
         by_prompt: list[list[Generation]] = [[] for _ in prompts]
-        for (i, _), gen in zip(expanded, gens, strict=True):
+        for (i, _), gen in zip(expanded, answered, strict=True):
             by_prompt[i].append(gen)
         return [
             self._marginal(prompt, answers, first_logprobs)
