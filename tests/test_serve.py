@@ -943,7 +943,8 @@ def error(r: httpx.Response, status: int = 400) -> dict:
 def test_documents_are_answered_as_the_qa_task_prompt(served, smol):
     """A chat request with ``documents`` is answered as the backend answers the QA task's prompt
     of its question over those passages (spans included), streamed or not; the usage counts that
-    prompt's tokens. Without ``documents`` the same question is another prompt."""
+    prompt's tokens; the openai client sends them as ``extra_body``. Without ``documents`` the
+    same question is another prompt."""
     url, server, _ = served
     prompt = qa_prompt()
     assert len(prompt.passages) == 3 and prompt.passage_texts()[2].startswith(
@@ -960,6 +961,13 @@ def test_documents_are_answered_as_the_qa_task_prompt(served, smol):
     body = {"model": MODEL, "messages": ASK, "documents": DOCS, "max_tokens": 8}
     text, _ = streamed(url, "/v1/chat/completions", body)
     assert text == local
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=8, extra_body={"documents": DOCS}
+    )
+    assert reply.choices[0].message.content == local
     plain = chat(url, ASK, max_tokens=8).json()
     assert plain["usage"]["prompt_tokens"] < gen.prompt_tokens
 
