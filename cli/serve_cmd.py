@@ -23,6 +23,7 @@ from ragfix.serve import (
     API_KEY_ENV,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_DOCUMENTS,
     DEFAULT_MAX_WAIT_MS,
 )
 from ragfix.serve_guard import (
@@ -52,6 +53,31 @@ def register(app: typer.Typer) -> None:
         calibration: CalibrationOpt = None,
         adapter: AdapterOpt = None,
         train_window: TrainWindowOpt = None,
+        orders: Annotated[
+            int | None,
+            typer.Option(
+                min=2,
+                help="answer each request over K orders of its documents and aggregate (order "
+                "marginalization, arXiv 2310.07712; K times the cost; requests must send "
+                "documents)",
+            ),
+        ] = None,
+        orders_design: Annotated[
+            str,
+            typer.Option(help="--orders: rotate (evenly spaced cyclic shifts) or shuffle"),
+        ] = "rotate",
+        orders_aggregate: Annotated[
+            str,
+            typer.Option(
+                help="--orders: weighted (vote weighted by each answer's probability), "
+                "plurality or max (the most confident order)"
+            ),
+        ] = "weighted",
+        orders_seed: Annotated[int, typer.Option(help="--orders-design shuffle: seed")] = 0,
+        max_documents: Annotated[
+            int,
+            typer.Option(min=1, help="most documents a chat request may send (more: HTTP 400)"),
+        ] = DEFAULT_MAX_DOCUMENTS,
         host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
         prefix_reuse: Annotated[
@@ -122,12 +148,15 @@ def register(app: typer.Typer) -> None:
         to send its request is cut off (408), and connections beyond --max-connections are
         refused (503). Bodies are read only as application/json (415 otherwise) and only
         requests for the server's own host names (or --allowed-hosts) are answered (403
-        otherwise), so no web page can drive it. A backend that needs a task prompt's passage
-        spans (attention-sort, set-based, ...) is refused at start: a request carries none."""
+        otherwise), so no web page can drive it. A chat request may send its retrieved passages as
+        documents ([{"title": ..., "text": ...}], vLLM's field): the server then builds the QA
+        task's prompt, which says where each passage is; a backend that needs that
+        (attention-sort, pine, set-based, calibrated-attention) or --orders answers only such
+        requests (HTTP 400 naming documents for the others)."""
         import uvicorn
 
-        from ragfix.backends import backend_class, load_backend
-        from ragfix.backends.base import require_plain_prompts
+        from ragfix.backends import load_backend
+        from ragfix.backends.orders import OrderOptions
         from ragfix.serve import check_api_key, create_app, exposure_warning
         from ragfix.serve_guard import ServeLimits, reserve_open_files, server_config
 
@@ -142,7 +171,16 @@ def register(app: typer.Typer) -> None:
                 max_connections=max_connections,
                 allowed_hosts=allowed_hosts,
             )
-            require_plain_prompts(backend_class(backend, model), "ragfix serve", backend)
+            order_options = (
+                None
+                if orders is None
+                else OrderOptions(
+                    orders=orders,
+                    design=orders_design,
+                    aggregate=orders_aggregate,
+                    seed=orders_seed,
+                )
+            )
             reserve_open_files(limits)
             b = load_backend(
                 backend,
@@ -150,6 +188,7 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 dtype=dtype,
                 adapter=str(adapter) if adapter else None,
+                orders=order_options,
                 **backend_options(backend_opt, calibration, train_window),
             )
             app_ = create_app(
@@ -160,11 +199,13 @@ def register(app: typer.Typer) -> None:
                 max_body_bytes=max_body_bytes,
                 max_batch_size=max_batch_size,
                 max_wait_ms=max_wait_ms,
+                max_documents=max_documents,
             )
         warning = exposure_warning(host, api_key)
         if warning:
             err_console.print(warning, highlight=False)
+        over = "" if orders is None else f", over {orders} orders of the documents"
         err_console.print(
-            f"ragfix serve: {model} ({backend}) at http://{host}:{port}/v1", highlight=False
+            f"ragfix serve: {model} ({backend}{over}) at http://{host}:{port}/v1", highlight=False
         )
         uvicorn.Server(server_config(app_, host, port, limits)).run()

@@ -912,38 +912,180 @@ def test_limits_are_settings_and_the_open_files_they_need_are_reserved(tmp_path)
     ]
 
 
-@pytest.mark.parametrize("backend", ["attention-sort", "set-based", "pine", "calibrated-attention"])
-def test_serve_refuses_a_backend_that_needs_passage_spans_at_start(backend, tmp_path_factory):
-    """Issue 45: ``ragfix serve --backend set-based`` (or ``attention-sort``, ``pine``,
-    ``calibrated-attention``) started, then refused every request (a chat request carries no
-    passage spans); it now exits at start with one line naming the backend and why, before its
-    model is even looked for (each declares that it needs spans)."""
-    from typer.testing import CliRunner
+# ------------------------------------------------------------------ passages as documents
 
-    from ragfix.cli.app import app
+DOCS = [
+    {"title": "Paris", "text": "Paris is the capital of France."},
+    {"title": "Berlin", "text": "Berlin is the capital of Germany."},
+    {"text": "Rome is the capital of Italy."},
+]
+QUESTION = "What is the capital of Germany?"
+ASK = [{"role": "user", "content": QUESTION}]
 
-    folder = tmp_path_factory.getbasetemp() / "span-tiny"
-    if not (folder / "config.json").exists():
-        tiny_folder(folder)
-    res = CliRunner().invoke(app, ["serve", "--backend", backend, "--model", str(folder),
-                                   "--device", "cpu", "--port", str(free_port())])  # fmt: skip
-    assert res.exit_code == 2, res.output
-    [line] = [x for x in res.output.splitlines() if x.startswith("error: ")]
-    assert line.startswith(f"error: backend {backend!r} cannot run under ragfix serve")
-    assert line.endswith(  # declared: refused before the model is looked for
-        ": it reads a prompt's passages where the prompt says they are, and ragfix serve "
-        "gets prompts that do not say (a chat message, a framework's text); use it with "
-        "ragfix eval or ragfix judge, or choose another backend"
+
+def qa_prompt() -> TaskPrompt:
+    """The task prompt a request with :data:`DOCS` and :data:`QUESTION` stands for, built by the
+    QA task itself."""
+    from ragfix.tasks import QA
+    from ragfix.types import Passage
+
+    return QA.prompt(QUESTION, [Passage(**d) for d in DOCS])
+
+
+def error(r: httpx.Response, status: int = 400) -> dict:
+    """The OpenAI error of a refusal (one line)."""
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "\n" not in err["message"]
+    return err
+
+
+def test_documents_are_answered_as_the_qa_task_prompt(served, smol):
+    """A chat request with ``documents`` is answered as the backend answers the QA task's prompt
+    of its question over those passages (spans included), streamed or not; the usage counts that
+    prompt's tokens; the openai client sends them as ``extra_body``. Without ``documents`` the
+    same question is another prompt."""
+    url, server, _ = served
+    prompt = qa_prompt()
+    assert len(prompt.passages) == 3 and prompt.passage_texts()[2].startswith(
+        "Document [3](Title: )"
     )
-    res = CliRunner().invoke(app, ["serve", "--backend", backend, "--model", "/nowhere"])
-    assert res.exit_code == 2 and res.output.strip() == line
+    gen = smol.generate([prompt], max_new_tokens=8, stop_at_newline=False)[0]
+    local = server.raw_text(gen, False)
+    r = chat(url, ASK, documents=DOCS, max_tokens=8)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and local.strip()
+    assert body["choices"][0]["message"]["content"] == local
+    assert body["usage"]["prompt_tokens"] == gen.prompt_tokens
+    body = {"model": MODEL, "messages": ASK, "documents": DOCS, "max_tokens": 8}
+    text, _ = streamed(url, "/v1/chat/completions", body)
+    assert text == local
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=8, extra_body={"documents": DOCS}
+    )
+    assert reply.choices[0].message.content == local
+    plain = chat(url, ASK, max_tokens=8).json()
+    assert plain["usage"]["prompt_tokens"] < gen.prompt_tokens
 
 
-def test_the_library_refuses_a_backend_that_needs_passage_spans(smol):
-    """The same refusal where a program builds the server or a framework component itself:
-    ``create_app`` and ``RagFixLLM`` over ``attention-sort`` or ``set-based`` raise one-line
-    ``ConfigError``s; vanilla and GALI read a chat prompt and are accepted. A backend that
-    declares nothing but refuses a chat prompt is refused too, with its own reason."""
+BAD_DOCUMENTS = [  # (request fields, param named)
+    ({"documents": []}, "documents"),
+    ({"documents": "Paris is the capital of France."}, "documents"),
+    ({"documents": [{"title": "Paris"}]}, "documents.0.text"),
+    ({"documents": [DOCS[0], {"text": 3}]}, "documents.1.text"),
+    ({"documents": [DOCS[0], {"text": " \n"}]}, "documents.1.text"),
+    ({"documents": [{"text": "x", "title": None}]}, "documents.0.title"),
+    ({"documents": [{"text": "x", "url": "https://x"}]}, "documents.0.url"),
+    ({"documents": [{"text": "x"}] * 101}, "documents"),
+    ({"documents": DOCS, "messages": [{"role": "system", "content": "Be brief."}, *ASK]},
+     "messages"),
+    ({"documents": DOCS, "messages": [*ASK, {"role": "assistant", "content": "The"}],
+      "continue_final_message": True, "add_generation_prompt": False}, "messages"),
+    ({"documents": DOCS, "messages": [{"role": "user", "content": "  "}]}, "messages"),
+]  # fmt: skip
+
+
+def test_malformed_documents_are_400s_naming_the_field(served):
+    """Documents must be a non-empty list (at most ``max_documents``, 100 by default) of
+    ``{"text": non-empty string, "title": optional string}`` with no other keys, sent with one
+    user message; anything else is a 400 naming the field, before the model runs."""
+    url, server, steps = served
+    idle(server)
+    before = steps.n
+    for fields, param in BAD_DOCUMENTS:
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **fields}
+        err = error(post(url, "/v1/chat/completions", body))
+        assert err["param"] == param, (fields, err)
+    assert steps.n == before
+    assert error(post(url, "/v1/chat/completions", BAD_DOCUMENTS[-4][0] | {
+        "model": MODEL, "messages": ASK}))["message"] == (
+        "documents holds 101 documents, more than this server's 100 (--max-documents)"
+    )  # fmt: skip
+
+
+def test_order_marginalization_is_served_over_documents(smol):
+    """``create_app`` over order marginalization (3 orders): a request with ``documents`` gets the
+    answer the local wrapped backend chooses for the QA task prompt over its votes; ``/v1/models``
+    carries the orders, and a remote client's identity binds them; a request without documents,
+    or a raw completion, is a 400 naming ``documents`` (``prompt``)."""
+    from ragfix.backends import load_backend
+    from ragfix.backends.orders import OrderOptions, marginalize_orders
+
+    options = OrderOptions(orders=3, aggregate="max")
+    wrapped = marginalize_orders(smol, options)
+    gen = wrapped.generate([qa_prompt()], max_new_tokens=6, stop_at_newline=False)[0]
+    assert [v["order"] for v in gen.votes] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    app = create_app(wrapped, MODEL)
+    local = app.state.server.raw_text(gen, False)
+    with running(app) as url:
+        r = chat(url, ASK, documents=DOCS, max_tokens=6)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == local
+        assert r.json()["usage"]["completion_tokens"] == gen.new_tokens
+        entry = httpx.get(url + "/v1/models").json()["data"][0]
+        assert entry["ragfix"]["orders"] == options.model_dump(mode="json")
+        remote = load_backend("vanilla", model=f"openai:{MODEL}", api_base=url + "/v1")
+        assert remote.identity()["model"]["server"]["ragfix"]["orders"]["orders"] == 3
+        err = error(chat(url, ASK, max_tokens=6))
+        assert err["param"] == "documents"
+        assert err["message"].startswith("this server answers over several orders")
+        body = {"model": MODEL, "prompt": "Paris is", "max_tokens": 2}
+        assert error(post(url, "/v1/completions", body))["param"] == "prompt"
+
+
+def test_attention_sort_is_served_over_documents(smol):
+    """A backend that reads passages where the prompt says they are (attention-sort) is served:
+    a request without documents is a 400 naming ``documents`` before the model runs; one with
+    documents gets the backend's own answer to the QA task prompt."""
+    from ragfix.backends.attention_sort import AttentionSortBackend
+
+    backend = AttentionSortBackend(smol.model, smol.tokenizer)
+    gen = backend.generate([qa_prompt()], max_new_tokens=4, stop_at_newline=False)[0]
+    app = create_app(backend, MODEL)
+    with running(app) as url:
+        err = error(chat(url, ASK, max_tokens=4))
+        assert err["param"] == "documents"
+        assert err["message"] == (
+            "backend 'attention-sort' reads a prompt's passages where the prompt says they are: "
+            "send the passages as documents ([{title, text}], the question as the one user "
+            "message) to /v1/chat/completions"
+        )
+        r = chat(url, ASK, documents=DOCS, max_tokens=4)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == app.state.server.raw_text(gen, False)
+
+
+def test_serve_cli_takes_orders_and_a_span_backend(tmp_path):
+    """``ragfix serve --backend attention-sort --orders 3 --orders-design shuffle ...`` starts
+    (a span backend is no longer refused at start), reports its orders in ``/v1/models``,
+    refuses a request without documents and answers one with them."""
+    folder = tiny_folder(tmp_path / "tiny")
+    args = ["--model", str(folder), "--backend", "attention-sort", "--device", "cpu",
+            "--orders", "3", "--orders-design", "shuffle", "--orders-aggregate", "plurality",
+            "--orders-seed", "5", "--max-documents", "3"]  # fmt: skip
+    with serving(*args) as base:
+        entry = httpx.get(base + "/models").json()["data"][0]
+        assert entry["ragfix"]["orders"] == {
+            "orders": 3, "design": "shuffle", "aggregate": "plurality", "seed": 5}  # fmt: skip
+        assert entry["ragfix"]["backend"] == "attention-sort"
+        ask = {"model": str(folder), "messages": ASK, "max_tokens": 2}
+        r = httpx.post(base + "/chat/completions", json=ask, timeout=120)
+        assert error(r)["param"] == "documents"
+        r = httpx.post(base + "/chat/completions", json={**ask, "documents": DOCS}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        r = httpx.post(base + "/chat/completions", json={**ask, "documents": DOCS * 2}, timeout=120)
+        assert error(r)["param"] == "documents"
+
+
+def test_frameworks_refuse_a_backend_that_needs_passage_spans(smol):
+    """A framework's LLM component gets rendered text, never passages: ``RagFixLLM`` over
+    ``attention-sort`` or ``set-based`` raises a one-line ``ConfigError``; ``create_app`` serves
+    them, answering only requests with documents. A backend that declares nothing but refuses a
+    plain prompt is treated alike, with its own reason; vanilla and GALI read a plain prompt."""
     from ragfix.backends.attention_sort import AttentionSortBackend
     from ragfix.backends.gali import GaliBackend
     from ragfix.backends.set_based import SetBasedBackend
@@ -952,26 +1094,36 @@ def test_the_library_refuses_a_backend_that_needs_passage_spans(smol):
 
     for backend in (AttentionSortBackend(smol.model, smol.tokenizer),
                     SetBasedBackend(smol.model, smol.tokenizer)):  # fmt: skip
-        for build, who in ((lambda b: create_app(b, MODEL), "ragfix serve"),
-                           (RagFixLLM, "a framework's LLM component")):  # fmt: skip
-            with pytest.raises(ConfigError) as e:
-                build(backend)
-            assert str(e.value).startswith(f"backend {backend.name!r} cannot run under {who}")
-            assert "\n" not in str(e.value)
+        with pytest.raises(ConfigError) as e:
+            RagFixLLM(backend)
+        assert str(e.value).startswith(
+            f"backend {backend.name!r} cannot run under a framework's LLM component"
+        )
+        assert "\n" not in str(e.value)
+        assert create_app(backend, MODEL).state.server.needs_documents == (
+            f"backend {backend.name!r} reads a prompt's passages where the prompt says they are"
+        )
 
     class Undeclared(SetBasedBackend):
         needs_passage_spans = False
 
+    reason = (
+        "backend 'set-based' reads a prompt's passages as a set and this prompt does not say "
+        "where they are (a plain text, or a prompt built without passages): use a task prompt "
+        "(ragfix eval, ragfix judge) or another backend"
+    )
     with pytest.raises(ConfigError) as e:
-        create_app(Undeclared(smol.model, smol.tokenizer), MODEL)
+        RagFixLLM(Undeclared(smol.model, smol.tokenizer))
     assert str(e.value) == (
-        "backend 'set-based' cannot run under ragfix serve, whose prompts do not say where "
-        "passages are: backend 'set-based' reads a prompt's passages as a set and this prompt "
-        "does not say where they are (a plain text, or a prompt built without passages): use a "
-        "task prompt (ragfix eval, ragfix judge) or another backend"
+        "backend 'set-based' cannot run under a framework's LLM component, whose prompts do not "
+        f"say where passages are: {reason}"
+    )
+    assert (
+        create_app(Undeclared(smol.model, smol.tokenizer), MODEL).state.server.needs_documents
+        == reason
     )
     for backend in (smol, GaliBackend(smol.model, smol.tokenizer, train_window=96)):
-        assert create_app(backend, MODEL).state.server.backend is backend
+        assert create_app(backend, MODEL).state.server.needs_documents is None
         assert RagFixLLM(backend).backend is backend
 
 

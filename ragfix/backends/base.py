@@ -181,9 +181,10 @@ class Backend(ABC):
         needs_passage_spans: the backend reads a prompt's passages where the prompt says they
             are (:attr:`~ragfix.prompts.TaskPrompt.passages`: the task prompts of the sweep and
             the judge) and refuses any other prompt (a plain text, a chat message, a
-            framework's rendered prompt); a consumer whose prompts never carry passages
-            (``ragfix serve``, the framework components) refuses such a backend before any work
-            (:func:`require_plain_prompts`).
+            framework's rendered prompt); a consumer whose prompts never carry passages (the
+            framework components) refuses such a backend before any work
+            (:func:`require_plain_prompts`), and ``ragfix serve`` refuses the requests that do
+            not send their passages as ``documents`` (:func:`plain_prompt_refusal`).
     """
 
     name: ClassVar[str] = "vanilla"
@@ -468,21 +469,38 @@ def cut_at_newline(pieces: Iterator[str]) -> Iterator[str]:
             close()
 
 
+def plain_prompt_refusal(backend: Backend) -> str | None:
+    """Why a loaded ``backend`` refuses a prompt that does not say where its passages are (a
+    plain chat message), or ``None`` when it answers one.
+
+    Declared by :attr:`~Backend.needs_passage_spans`, or found by trying one: a backend that
+    declares nothing but refuses a one-word task prompt (:meth:`~Backend.fit` raises a
+    :class:`~ragfix.errors.RagfixError`) gives its own reason (the first line). A caller whose
+    prompts sometimes say (``ragfix serve``: a chat request with ``documents``) refuses only the
+    others with this reason; :func:`require_plain_prompts` refuses the backend.
+    """
+    if backend.needs_passage_spans:
+        return f"backend {backend.name!r} reads a prompt's passages where the prompt says they are"
+    try:
+        backend.fit(TaskPrompt(user="Hello"))
+    except RagfixError as e:
+        return str(e).strip().splitlines()[0]
+    return None
+
+
 def require_plain_prompts(
     backend: Backend | type[Backend], consumer: str, name: str | None = None
 ) -> None:
-    """Refuse ``backend`` for ``consumer``, a caller whose prompts carry no passage spans (a chat
-    request, a framework's rendered text), when the backend would refuse every such prompt.
+    """Refuse ``backend`` for ``consumer``, a caller whose prompts carry no passage spans (a
+    framework's rendered text), when the backend would refuse every such prompt.
 
     A class is judged by its declaration, :attr:`~Backend.needs_passage_spans` (so a caller can
     refuse before any weights are loaded: :func:`ragfix.backends.backend_class`); a loaded
-    backend also by trying one: a backend that declares nothing but refuses a one-word task
-    prompt (:meth:`~Backend.fit` raises a :class:`~ragfix.errors.RagfixError`) is refused with
-    its own reason.
+    backend also by trying one (:func:`plain_prompt_refusal`), refused with its own reason.
 
     Args:
         backend: the backend, or its class.
-        consumer: who asks, as the message names it (``"ragfix serve"``).
+        consumer: who asks, as the message names it (``"a framework's LLM component"``).
         name: the backend's registry name (default: ``backend.name``).
 
     Raises:
@@ -492,17 +510,13 @@ def require_plain_prompts(
     if backend.needs_passage_spans:
         raise ConfigError(
             f"{head}: it reads a prompt's passages where the prompt says they are, and "
-            f"{consumer} gets prompts that do not say (a chat message, a framework's text); use "
-            "it with ragfix eval or ragfix judge, or choose another backend"
+            f"{consumer} gets prompts that do not say (a framework's text); use it with ragfix "
+            "eval, ragfix judge or ragfix serve (documents), or choose another backend"
         )
     if isinstance(backend, Backend):
-        try:
-            backend.fit(TaskPrompt(user="Hello"))
-        except RagfixError as e:
-            raise ConfigError(
-                f"{head}, whose prompts do not say where passages are: "
-                f"{str(e).strip().splitlines()[0]}"
-            ) from None
+        reason = plain_prompt_refusal(backend)
+        if reason is not None:
+            raise ConfigError(f"{head}, whose prompts do not say where passages are: {reason}")
 
 
 def check_cancel(cancel: Cancel | None) -> None:
@@ -527,6 +541,7 @@ __all__ = [
     "check_cancel",
     "final_answer",
     "cut_at_newline",
+    "plain_prompt_refusal",
     "require_plain_prompts",
     "validated_options",
 ]

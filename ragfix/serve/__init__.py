@@ -30,9 +30,17 @@ answered 408 ``request_timeout`` and its connection closed; a connection made wh
 ``max_connections`` are open is answered 503 ``too_many_connections`` and closed before it is
 read (:mod:`ragfix.serve_guard`), so trickling clients never hold the server's open files.
 
-A backend that reads passages only where a task prompt says they are
-(:attr:`~ragfix.backends.base.Backend.needs_passage_spans`: ``attention-sort``, ...) is refused
-at start: a request carries no passage spans.
+Passages as ``documents`` (Hugging Face chat templates' and vLLM's field): a chat request may
+send its retrieved passages as ``documents: [{"title": ..., "text": ...}]`` (``title`` optional,
+``text`` a non-empty string, no other keys, at most ``max_documents`` of them) with one user
+message, the question; the server then builds the QA task's prompt (:data:`ragfix.tasks.QA`,
+Lost in the Middle's multi-document template, the documents in the order sent), which knows
+where each passage is. A backend that reads passages only where a task prompt says they are
+(:func:`~ragfix.backends.base.plain_prompt_refusal`: ``attention-sort``, ``pine``,
+``set-based``, ``calibrated-attention``) or answers over several orders of them
+(:class:`~ragfix.backends.orders.OrderMarginalBackend`, ``--orders``) answers only such
+requests; any other request to it is refused (400, param ``documents``; ``prompt`` for
+``/v1/completions``).
 
 What a request may be (anything else is refused with HTTP 400 in OpenAI's error format, one line):
 
@@ -40,6 +48,7 @@ What a request may be (anything else is refused with HTTP 400 in OpenAI's error 
   continues (``continue_final_message: true``, ``add_generation_prompt: false``, vLLM's
   convention): the backend's :class:`~ragfix.prompts.TaskPrompt` (user turn in the chat
   template, assistant turn prefilled). System messages and earlier turns are not supported;
+  with ``documents``, one user message only (the QA template has its own instruction);
 * decoding is greedy: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``seed`` are accepted
   and have no effect; the fields of :data:`NEUTRAL` are accepted at the values that leave greedy
   decoding as it is and refused at any other; ``user``, ``metadata``, ``store``,
@@ -84,11 +93,13 @@ from ragfix.serve.process import free_port, serving
 from ragfix.serve.scheduler import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_WAIT_MS, Job, ModelWorker
 from ragfix.serve.schemas import (
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_DOCUMENTS,
     DEFAULT_MAX_TOKENS,
     MAX_CHARS_PER_TOKEN,
     NEUTRAL,
     ChatRequest,
     CompletionRequest,
+    Document,
     Message,
 )
 from ragfix.serve.server import Server
@@ -98,6 +109,7 @@ __all__ = [
     "API_KEY_ENV",
     "DEFAULT_MAX_BATCH_SIZE",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_DOCUMENTS",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_MAX_WAIT_MS",
     "MAX_CHARS_PER_TOKEN",
@@ -105,6 +117,7 @@ __all__ = [
     "ApiError",
     "ChatRequest",
     "CompletionRequest",
+    "Document",
     "Job",
     "KeyGate",
     "Message",

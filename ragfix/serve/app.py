@@ -16,6 +16,7 @@ from ragfix.errors import ConfigError, RagfixError
 from ragfix.serve.scheduler import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_WAIT_MS, Job
 from ragfix.serve.schemas import (
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_DOCUMENTS,
     ChatRequest,
     CompletionRequest,
     read_request,
@@ -104,6 +105,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+    max_documents: int = DEFAULT_MAX_DOCUMENTS,
 ):
     """The FastAPI application serving ``backend`` as model ``model_id`` (see the module
     docstring).
@@ -117,25 +119,27 @@ def create_app(
             off.
         max_body_bytes: larger request bodies are refused (413).
         max_batch_size, max_wait_ms: batching (see :class:`ModelWorker`).
+        max_documents: most ``documents`` a chat request may send (more: 400).
 
     Returns:
         a ``fastapi.FastAPI`` application (run it with uvicorn:
         :func:`~ragfix.serve_guard.server_config`).
 
+    A backend that reads passages only where a task prompt says they are
+    (:func:`~ragfix.backends.base.plain_prompt_refusal`: ``attention-sort``, ``pine``,
+    ``set-based``, ``calibrated-attention``, order marginalization) is served: it answers the
+    chat requests that send their passages as ``documents`` and refuses the others (400, param
+    ``documents``).
+
     Raises:
-        ConfigError: an empty API key (:func:`check_api_key`), or a backend that reads
-            passages only where a task prompt says they are
-            (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`): a request carries none.
+        ConfigError: an empty API key (:func:`check_api_key`).
     """
     from fastapi import FastAPI, Response
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    from ragfix.backends.base import require_plain_prompts
-
     check_api_key(api_key)
-    require_plain_prompts(backend, "ragfix serve")
-    server = Server(backend, model_id, prefix_reuse, max_batch_size, max_wait_ms)
+    server = Server(backend, model_id, prefix_reuse, max_batch_size, max_wait_ms, max_documents)
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="ragfix serve", version="1", **docs)
     app.state.server = server
@@ -212,7 +216,7 @@ def create_app(
     async def chat(request: Request):
         """OpenAI chat completions (see the module docstring)."""
         req = await read_request(request, ChatRequest, max_body_bytes)
-        prompt = req.prompt()
+        prompt = req.prompt(server.max_documents)
         n_prompt, budget = await server.check(req, prompt, req.budget())
         stop = bool(req.stops())
         if req.stream:

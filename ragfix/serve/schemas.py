@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ragfix.prompts import TaskPrompt, join_text_parts
 from ragfix.serve_errors import ApiError
+from ragfix.tasks import QA
+from ragfix.types import Passage
 
 #: answer budget of a request without ``max_tokens``
 DEFAULT_MAX_TOKENS = 256
@@ -18,6 +20,8 @@ DEFAULT_MAX_TOKENS = 256
 MAX_TOP_LOGPROBS = 20
 #: largest request body accepted (bytes); a larger one is 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: most ``documents`` a chat request may send (``ragfix serve --max-documents``)
+DEFAULT_MAX_DOCUMENTS = 100
 #: characters a prompt may have per token of the window: a longer prompt cannot fit (no token of
 #: a usual vocabulary is longer; SmolLM2's longest is 81) and is refused before it is tokenized
 MAX_CHARS_PER_TOKEN = 128
@@ -132,10 +136,26 @@ class Message(BaseModel):
         return self.content or ""
 
 
+class Document(BaseModel):
+    """One retrieved passage of a chat request's ``documents`` (the field of Hugging Face chat
+    templates, ``apply_chat_template(..., documents=[...])``, and of vLLM's OpenAI-compatible
+    server): a ``text``, not empty, and an optional ``title``; other keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    title: str = ""
+    text: str
+
+    def passage(self) -> Passage:
+        """The document as a :class:`~ragfix.types.Passage`."""
+        return Passage(title=self.title, text=self.text)
+
+
 class ChatRequest(ApiRequest):
     """A ``/v1/chat/completions`` request."""
 
     messages: list[Message]
+    documents: list[Document] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -162,13 +182,20 @@ class ChatRequest(ApiRequest):
         """The answer budget asked for (``max_completion_tokens``, else ``max_tokens``)."""
         return self.max_completion_tokens or self.max_tokens
 
-    def prompt(self) -> TaskPrompt:
-        """The backend prompt: the user message, and the assistant message to continue.
+    def prompt(self, max_documents: int = DEFAULT_MAX_DOCUMENTS) -> TaskPrompt:
+        """The backend prompt: the user message, and the assistant message to continue; with
+        ``documents``, the QA task's prompt (:data:`ragfix.tasks.QA`: Lost in the Middle's
+        multi-document template) of the user message's question over the documents in the
+        order sent, which knows where each passage is (:attr:`TaskPrompt.passages`).
 
         Raises:
-            ApiError: any other shape of conversation.
+            ApiError: any other shape of conversation; with ``documents``: none, more than
+                ``max_documents``, one whose ``text`` is empty or white space (param
+                ``documents.I.text``), or messages other than one user message with text.
         """
         roles = [m.role for m in self.messages]
+        if self.documents is not None:
+            return self._qa_prompt(roles, max_documents)
         if self.continue_final_message and roles == ["user", "assistant"]:
             if self.add_generation_prompt:
                 raise ApiError(
@@ -188,6 +215,34 @@ class ChatRequest(ApiRequest):
             f"supported (got roles {roles})",
             param="messages",
         )
+
+    def _qa_prompt(self, roles: list[str], max_documents: int) -> TaskPrompt:
+        docs = self.documents or []
+        if not docs:
+            raise ApiError(400, "documents is empty: send at least one", param="documents")
+        if len(docs) > max_documents:
+            raise ApiError(
+                400,
+                f"documents holds {len(docs)} documents, more than this server's "
+                f"{max_documents} (--max-documents)",
+                param="documents",
+            )
+        for i, d in enumerate(docs):
+            if not d.text.strip():
+                raise ApiError(400, f"documents.{i}.text is empty", param=f"documents.{i}.text")
+        if roles != ["user"] or self.continue_final_message:
+            raise ApiError(
+                400,
+                "with documents, ragfix serve reads one user message, the question (the "
+                "documents are put in the QA task's template, which has its own instruction): "
+                "system messages, earlier turns and continue_final_message are not supported "
+                f"(got roles {roles})",
+                param="messages",
+            )
+        question = self.messages[0].text()
+        if not question.strip():
+            raise ApiError(400, "the user message (the question) is empty", param="messages")
+        return QA.prompt(question, [d.passage() for d in docs])
 
 
 class CompletionRequest(ApiRequest):
@@ -279,12 +334,14 @@ async def read_request(request, model: type[ApiRequest], limit: int) -> Any:
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_DOCUMENTS",
     "DEFAULT_MAX_TOKENS",
     "MAX_CHARS_PER_TOKEN",
     "MAX_TOP_LOGPROBS",
     "NEUTRAL",
     "ChatRequest",
     "CompletionRequest",
+    "Document",
     "Message",
     "StreamOptions",
     "read_request",

@@ -18,6 +18,7 @@ from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 from ragfix.serve.scheduler import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_WAIT_MS, Job, ModelWorker
 from ragfix.serve.schemas import (
+    DEFAULT_MAX_DOCUMENTS,
     DEFAULT_MAX_TOKENS,
     MAX_CHARS_PER_TOKEN,
     ApiRequest,
@@ -43,6 +44,13 @@ class Server:
             previous request (same greedy answers up to floating-point noise; faster when
             consecutive prompts share a head, as a sweep's do).
         max_batch_size, max_wait_ms: batching (see :class:`ModelWorker`).
+        max_documents: most ``documents`` a chat request may send.
+
+    Attributes:
+        needs_documents: why the backend refuses a prompt that does not say where its passages
+            are (:func:`~ragfix.backends.base.plain_prompt_refusal`: a span backend,
+            order marginalization), or ``None``; then only chat requests with ``documents`` are
+            answered.
     """
 
     def __init__(
@@ -52,8 +60,19 @@ class Server:
         prefix_reuse: bool = True,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+        max_documents: int = DEFAULT_MAX_DOCUMENTS,
     ):
+        from ragfix.backends.base import plain_prompt_refusal
+        from ragfix.backends.orders import OrderMarginalBackend
+
         self.backend, self.model_id = backend, model_id
+        self.max_documents = max_documents
+        self.needs_documents = (
+            "this server answers over several orders of a prompt's passages (--orders), so it "
+            "must know where they are"
+            if isinstance(backend, OrderMarginalBackend)
+            else plain_prompt_refusal(backend)
+        )
         self.worker = ModelWorker(backend, prefix_reuse, max_batch_size, max_wait_ms)
         #: held while the model computes (by the model thread only)
         self.lock = self.worker.lock
@@ -92,7 +111,9 @@ class Server:
 
         Raises:
             ApiError: another model, a field the server cannot honour
-                (:meth:`ApiRequest.check_fields`), or a prompt that does not fit the window:
+                (:meth:`ApiRequest.check_fields`), a prompt without passage spans for a backend
+                that needs them (:attr:`needs_documents`; param ``documents``, ``prompt`` for a
+                completion), or a prompt that does not fit the window:
                 longer than :data:`MAX_CHARS_PER_TOKEN` characters a window token (refused
                 before tokenizing), or whose tokens plus ``max_tokens`` (default
                 :data:`DEFAULT_MAX_TOKENS`; 0 with ``echo``) exceed it (:meth:`Backend.fit`);
@@ -109,6 +130,13 @@ class Server:
         req.check_fields()
         window = self.backend.context_window
         param = "messages" if isinstance(prompt, TaskPrompt) else "prompt"
+        if self.needs_documents and not (isinstance(prompt, TaskPrompt) and prompt.passages):
+            raise ApiError(
+                400,
+                f"{self.needs_documents}: send the passages as documents ([{{title, text}}], "
+                "the question as the one user message) to /v1/chat/completions",
+                param="documents" if param == "messages" else "prompt",
+            )
         chars = len(prompt.user + prompt.assistant_prefix) if param == "messages" else len(prompt)
         if chars > MAX_CHARS_PER_TOKEN * window:
             raise ApiError(
