@@ -257,6 +257,67 @@ class OptionGroup:
         return OptionGroup(self.name, **self.options, **other.options)
 
 
+#: order marginalization's options (``--orders K`` and its settings), for :func:`order_options`
+ORDER_OPTIONS = OptionGroup(
+    "order_flags",
+    orders=(
+        Annotated[
+            int | None,
+            typer.Option(
+                min=2,
+                help="answer each prompt over K orders of its passages and aggregate (order "
+                "marginalization, arXiv 2310.07712; any backend, a remote one too; K times the "
+                "decoding)",
+            ),
+        ],
+        None,
+    ),
+    orders_design=(
+        Annotated[
+            str | None,
+            typer.Option(
+                help="--orders: rotate (evenly spaced cyclic shifts; default) or shuffle "
+                "(seeded permutations)"
+            ),
+        ],
+        None,
+    ),
+    orders_aggregate=(
+        Annotated[
+            str | None,
+            typer.Option(
+                help="--orders: max (the most confident order's answer; default, the tune "
+                "range's best), weighted (a vote weighted by probability) or plurality"
+            ),
+        ],
+        None,
+    ),
+    orders_seed=(
+        Annotated[int | None, typer.Option(help="--orders-design shuffle: seed (default 0)")],
+        None,
+    ),
+)
+
+
+def order_options(flags: dict):
+    """The :class:`~ragfix.backends.orders.OrderOptions` of the :data:`ORDER_OPTIONS` flags
+    given, or ``None`` without ``--orders``.
+
+    Raises:
+        ConfigError: a setting of ``--orders`` without it.
+        pydantic.ValidationError: an unknown design or aggregator.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    if "orders" not in given:
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise ConfigError(f"{flag} is a setting of --orders K: give --orders too")
+        return None
+    from ragfix.backends.orders import OrderOptions
+
+    return OrderOptions(**{k.removeprefix("orders_"): v for k, v in given.items()})
+
+
 #: the options of a served model (``--model openai:NAME``), for :func:`remote_options`
 REMOTE_OPTIONS = OptionGroup(
     "remote",

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ragfix.cli.common import (
+    ORDER_OPTIONS,
     REMOTE_OPTIONS,
     AdapterOpt,
     BackendOpt,
@@ -21,6 +22,7 @@ from ragfix.cli.common import (
     TrainWindowOpt,
     backend_options,
     console,
+    order_options,
     remote_options,
     user_errors,
 )
@@ -42,6 +44,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("eval")
     @REMOTE_OPTIONS
+    @ORDER_OPTIONS
     def eval_cmd(
         data: Annotated[
             Path | None,
@@ -71,27 +74,6 @@ def register(app: typer.Typer) -> None:
         calibration: CalibrationOpt = None,
         adapter: AdapterOpt = None,
         train_window: TrainWindowOpt = None,
-        orders: Annotated[
-            int | None,
-            typer.Option(
-                min=2,
-                help="answer each cell over K orders of its passages and aggregate (order "
-                "marginalization, arXiv 2310.07712; any backend, a remote one too; K times "
-                "the cost)",
-            ),
-        ] = None,
-        orders_design: Annotated[
-            str,
-            typer.Option(help="--orders: rotate (evenly spaced cyclic shifts) or shuffle"),
-        ] = "rotate",
-        orders_aggregate: Annotated[
-            str,
-            typer.Option(
-                help="--orders: weighted (vote weighted by each answer's probability), "
-                "plurality or max (the most confident order)"
-            ),
-        ] = "weighted",
-        orders_seed: Annotated[int, typer.Option(help="--orders-design shuffle: seed")] = 0,
         distractor_pool: Annotated[
             Path | None, typer.Option(help="file to draw distractors from (BM25)")
         ] = None,
@@ -185,6 +167,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = True,
         remote: dict | None = None,
+        order_flags: dict | None = None,
     ) -> None:
         """Accuracy as the gold passage moves through every position (table, summary.json,
         curve.png). With --corpus: the same sweep through a real LlamaIndex, LangChain or
@@ -200,6 +183,7 @@ def register(app: typer.Typer) -> None:
                 **remote_options(model, remote if answer_remote else {}),
             }
             writer = remote_options(questions_from, remote) if writer_remote else {}
+            orders = order_options(order_flags or {})
             pipeline = (questions, needles, questions_from)
             if corpus is not None or any(x is not None for x in pipeline):
                 if corpus is None:
@@ -262,14 +246,7 @@ def register(app: typer.Typer) -> None:
                 backend=backend,
                 adapter=adapter,
                 backend_options=options,
-                orders=None
-                if orders is None
-                else {
-                    "orders": orders,
-                    "design": orders_design,
-                    "aggregate": orders_aggregate,
-                    "seed": orders_seed,
-                },
+                orders=None if orders is None else orders.model_dump(),
                 num_docs=num_docs,
                 positions=positions,
                 records=records,

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ragfix.cli.common import (
+    ORDER_OPTIONS,
     AdapterOpt,
     BackendOpt,
     BackendOptsOpt,
@@ -17,6 +18,7 @@ from ragfix.cli.common import (
     TrainWindowOpt,
     backend_options,
     err_console,
+    order_options,
     user_errors,
 )
 from ragfix.serve import (
@@ -38,6 +40,7 @@ def register(app: typer.Typer) -> None:
     """Add ``serve`` to the CLI."""
 
     @app.command("serve")
+    @ORDER_OPTIONS
     def serve_cmd(
         model: Annotated[
             str,
@@ -53,27 +56,6 @@ def register(app: typer.Typer) -> None:
         calibration: CalibrationOpt = None,
         adapter: AdapterOpt = None,
         train_window: TrainWindowOpt = None,
-        orders: Annotated[
-            int | None,
-            typer.Option(
-                min=2,
-                help="answer each request over K orders of its documents and aggregate (order "
-                "marginalization, arXiv 2310.07712; K times the cost; requests must send "
-                "documents)",
-            ),
-        ] = None,
-        orders_design: Annotated[
-            str,
-            typer.Option(help="--orders: rotate (evenly spaced cyclic shifts) or shuffle"),
-        ] = "rotate",
-        orders_aggregate: Annotated[
-            str,
-            typer.Option(
-                help="--orders: weighted (vote weighted by each answer's probability), "
-                "plurality or max (the most confident order)"
-            ),
-        ] = "weighted",
-        orders_seed: Annotated[int, typer.Option(help="--orders-design shuffle: seed")] = 0,
         max_documents: Annotated[
             int,
             typer.Option(min=1, help="most documents a chat request may send (more: HTTP 400)"),
@@ -140,6 +122,7 @@ def register(app: typer.Typer) -> None:
         ] = "",
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
+        order_flags: dict | None = None,
     ) -> None:
         """Serve a ragfix backend over HTTP, OpenAI-compatible: /v1/chat/completions (streaming,
         logprobs), /v1/completions (echo), /v1/models, /health. Other programs (or ragfix with
@@ -156,7 +139,6 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from ragfix.backends import load_backend
-        from ragfix.backends.orders import OrderOptions
         from ragfix.serve import check_api_key, create_app, exposure_warning
         from ragfix.serve_guard import ServeLimits, reserve_open_files, server_config
 
@@ -171,16 +153,7 @@ def register(app: typer.Typer) -> None:
                 max_connections=max_connections,
                 allowed_hosts=allowed_hosts,
             )
-            order_options = (
-                None
-                if orders is None
-                else OrderOptions(
-                    orders=orders,
-                    design=orders_design,
-                    aggregate=orders_aggregate,
-                    seed=orders_seed,
-                )
-            )
+            orders = order_options(order_flags or {})
             reserve_open_files(limits)
             b = load_backend(
                 backend,
@@ -188,7 +161,7 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 dtype=dtype,
                 adapter=str(adapter) if adapter else None,
-                orders=order_options,
+                orders=orders,
                 **backend_options(backend_opt, calibration, train_window),
             )
             app_ = create_app(
@@ -204,7 +177,7 @@ def register(app: typer.Typer) -> None:
         warning = exposure_warning(host, api_key)
         if warning:
             err_console.print(warning, highlight=False)
-        over = "" if orders is None else f", over {orders} orders of the documents"
+        over = "" if orders is None else f", over {orders.orders} orders of the documents"
         err_console.print(
             f"ragfix serve: {model} ({backend}{over}) at http://{host}:{port}/v1", highlight=False
         )

@@ -62,14 +62,18 @@ class OrderOptions(BackendOptions):
     Attributes:
         orders: orders per prompt (``K >= 2``); a prompt with fewer passages than the design
             can order differently gets the distinct ones only (``rotate``: at most ``n``).
-        design: ``rotate`` (evenly spaced cyclic shifts) or ``shuffle`` (seeded permutations).
-        aggregate: ``plurality``, ``weighted`` or ``max`` (module docstring).
+        design: ``rotate`` (evenly spaced cyclic shifts; the design tuned: every number of
+            its orders is scored from one run) or ``shuffle`` (seeded permutations, the
+            paper's; not measured here).
+        aggregate: ``plurality``, ``weighted`` or ``max`` (module docstring); the default,
+            ``max``, is the best worst position on the tune range (SmolLM2-135M, KV-8, records
+            0-4 of the 140-key file: ``ragfix tune orders``, results/kv8-tune5-orders.json).
         seed: the ``shuffle`` design's seed.
     """
 
     orders: int = Field(ge=2)
     design: Literal["rotate", "shuffle"] = "rotate"
-    aggregate: Literal["plurality", "weighted", "max"] = "weighted"
+    aggregate: Literal["plurality", "weighted", "max"] = "max"
     seed: int = 0
 
 
