@@ -130,3 +130,16 @@ def test_a_sweep_over_orders_keeps_every_vote_and_never_resumes_onto_other_order
         run_sweep(KV, out, orders={**orders, "orders": 2}, **kw)
     with pytest.raises(ConfigMismatchError):
         run_sweep(KV, out, **kw)  # the same folder without orders
+
+
+def test_a_setting_of_orders_without_orders_is_refused_in_one_line():
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+
+    for command in (["eval", "kv-sample"], ["serve"]):
+        res = CliRunner().invoke(app, [*command, "--orders-aggregate", "plurality"])
+        assert res.exit_code != 0
+        assert "--orders-aggregate is a setting of --orders K: give --orders too" in res.output
+    res = CliRunner().invoke(app, ["eval", "kv-sample", "--orders", "3", "--orders-design", "x"])
+    assert res.exit_code != 0 and "design" in res.output
