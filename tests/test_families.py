@@ -161,6 +161,32 @@ def test_order_invariance_on_every_family(tok, family, dtype, attn, name):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("dtype", "attn"), VARIANTS[::3])
+def test_order_marginalization_on_every_family(tok, family, dtype, attn):
+    """Each vote is vanilla's own answer on that order (one prompt at a time); over the prefix
+    cache and one batched decode (a sliding window's keys all kept) the votes are the same in
+    fp32, and in bf16 the wrapper runs and keeps one of its votes."""
+    from ragfix.backends.orders import OrderOptions, marginalize_orders
+    from ragfix.bundled import resolve_data
+    from ragfix.connectors.litm import load_samples
+    from ragfix.tasks import task_prompt
+
+    model = tiny_family_model(family, tok, dtype, attn, device=DEVICE)
+    backend = backend_spec("vanilla").resolve()(model, tok)
+    wrapped = marginalize_orders(backend, OrderOptions(orders=3, aggregate="plurality"))
+    sample = load_samples(resolve_data("kv-sample"), 8, 1)[0]
+    prompt = task_prompt(sample, sample.passages_with_gold_at(4))
+    one = wrapped.generate([prompt], batch_size=1, max_new_tokens=4)[0]
+    orders = [prompt.reordered(v["order"]) for v in one.votes]
+    alone = backend.generate(orders, batch_size=1, max_new_tokens=4)
+    assert [v["answer"] for v in one.votes] == [g.text for g in alone]
+    reused = wrapped.generate([prompt], batch_size=3, max_new_tokens=4, prefix_reuse=True)[0]
+    assert reused.text in [v["answer"] for v in reused.votes] and len(reused.votes) == 3
+    if dtype == torch.float32:
+        assert [v["answer"] for v in reused.votes] == [g.text for g in alone]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_refusals_come_from_the_config_before_any_weights(tmp_path, tok, family):
     """A model folder with only its config and tokenizer: every refusing backend refuses in one
     line naming the family (the weights, absent, are never read); every other backend gets past
