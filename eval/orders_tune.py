@@ -18,7 +18,7 @@ from pathlib import Path
 from ragfix.backends.orders import OrderOptions, choose, passage_orders
 from ragfix.errors import DataError
 from ragfix.eval.compare import load_run
-from ragfix.tables import TableSpec, fmt_num
+from ragfix.tables import TableSpec, tune_rows
 from ragfix.tasks import get_task
 
 #: the aggregators scored, in the order of the table
@@ -76,22 +76,11 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
     best = max(
         names, key=lambda m: (min(rates[m]), sum(rates[m]), -int(m.split()[0].split("=")[1]))
     )
-    rows = []
-    for name in names:
-        worst = min(range(len(positions)), key=lambda i: rates[name][i])
-        rows.append(
-            [
-                name + (" (default)" if name == best else ""),
-                *(fmt_num(x) for x in rates[name]),
-                fmt_num(sum(rates[name]) / len(positions)),
-                f"{fmt_num(rates[name][worst])} @ {positions[worst]}",
-            ]
-        )
     table = TableSpec(
         title=f"order marginalization tune · {loaded.config.get('model')} · "
         f"{recorded.design} design · records {loaded.config.get('records') or 'all'}",
         headers=["setting", *(f"pos {p}" for p in positions), "mean", "worst"],
-        rows=rows,
+        rows=tune_rows(rates, positions, best),
         lines=[
             f"{n} samples x {len(positions)} gold positions, re-aggregated from the votes of "
             f"{loaded.name} (orders={recorded.orders}); accuracy of the marginal answer. "

@@ -45,6 +45,23 @@ def fmt_ci(iv: dict | None, signed: bool = False) -> str:
     return f"[{fmt(iv['low'])}, {fmt(iv['high'])}]"
 
 
+def tune_rows(rates: dict[str, list[float]], positions: list[int], best: str) -> list[list[str]]:
+    """The rows of a tune table: per setting (``best`` marked ``(default)``), its rate at each
+    position, the mean and the worst position (``0.400 @ 4``; the first of equals)."""
+    rows = []
+    for name, row in rates.items():
+        worst = min(range(len(positions)), key=lambda i: row[i])
+        rows.append(
+            [
+                name + (" (default)" if name == best else ""),
+                *(fmt_num(x) for x in row),
+                fmt_num(sum(row) / len(positions)),
+                f"{fmt_num(row[worst])} @ {positions[worst]}",
+            ]
+        )
+    return rows
+
+
 def print_tables(tables: list[TableSpec], console: Console | None = None) -> None:
     """Print ``tables`` with rich (first column left-aligned, the others right-aligned); the
     text is printed as it is, never read as rich markup (a label ``gali[chunk_size=64]`` keeps

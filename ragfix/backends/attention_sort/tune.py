@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from ragfix.backends.attention_sort.backend import combine_scores, passage_attention
 from ragfix.backends.attention_sort.options import AttentionSortOptions
 from ragfix.backends.hf import HFBackend
-from ragfix.tables import TableSpec, fmt_num
+from ragfix.tables import TableSpec, tune_rows
 from ragfix.tasks import task_prompt
 from ragfix.types import QASample
 
@@ -67,21 +67,10 @@ def tune_attention_sort(
             progress(len(cells), total)
     rates = {n: [h / len(samples) for h in hits[n]] for n in names}
     best = max(names, key=lambda n: (min(rates[n]), sum(rates[n]), -names.index(n)))
-    rows = []
-    for n in names:
-        worst = min(range(len(positions)), key=lambda k: rates[n][k])
-        rows.append(
-            [
-                n + (" (default)" if n == best else ""),
-                *(fmt_num(r) for r in rates[n]),
-                fmt_num(sum(rates[n]) / len(positions)),
-                f"{fmt_num(rates[n][worst])} @ {positions[worst]}",
-            ]
-        )
     table = TableSpec(
         title=f"attention-sort tune · {backend.model_name} · gold passage scored highest",
         headers=["variant", *(f"pos {p}" for p in positions), "mean", "worst"],
-        rows=rows,
+        rows=tune_rows(rates, list(positions), best),
         lines=[
             f"{len(samples)} samples x {len(positions)} positions; share of cells whose most "
             "attended passage is the gold passage (one round puts it last). Default: the best "
