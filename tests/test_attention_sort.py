@@ -255,3 +255,24 @@ def test_a_prompt_over_the_window_is_flagged_before_any_attention_pass(tmp_path)
         assert fit.prompt_tokens == len(vanilla.encode(sort.sorted_prompt(prompt)))
     finally:
         hook.remove()
+
+
+def test_the_tune_scores_each_variant_by_its_top_passage(smol):
+    """``ragfix tune attention-sort``'s table: a hit is a cell whose most attended passage (by
+    the variant's combined scores) is the gold passage; the default has the best worst
+    position."""
+    from ragfix.backends.attention_sort.backend import combine_scores, passage_attention
+    from ragfix.backends.attention_sort.tune import VARIANTS, tune_attention_sort, variant_name
+
+    samples = load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 4, limit=1)
+    table, details = tune_attention_sort(smol, samples, [0, 3])
+    prompt = task_prompt(samples[0], samples[0].passages_with_gold_at(3))
+    att = passage_attention(smol, prompt)
+    free = passage_attention(smol, prompt.no_query)
+    for v in VARIANTS:
+        top = int(combine_scores(att, free, v).argmax())
+        assert details["hits"][variant_name(v)][1] == int(top == 3)
+    default = [r for r in table.rows if r[0].endswith("(default)")]
+    assert len(default) == 1 and default[0][0] == details["default"] + " (default)"
+    rates = {n: min(h) for n, h in details["hits"].items()}
+    assert rates[details["default"]] == max(rates.values())
