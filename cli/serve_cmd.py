@@ -78,14 +78,20 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(min=1, help="larger request bodies are refused (HTTP 413)")
         ] = DEFAULT_MAX_BODY_BYTES,
         max_batch_size: Annotated[
-            int, typer.Option(min=1, help="most concurrent answers computed in one batch")
+            int,
+            typer.Option(
+                min=1,
+                help="most answers decoded together (the rows of a decoding step, continuous "
+                "batching; or a whole batch where the backend cannot decode step by step)",
+            ),
         ] = DEFAULT_MAX_BATCH_SIZE,
         max_wait_ms: Annotated[
             float,
             typer.Option(
                 min=0,
-                help="how long a batch's first request waits for others (ms), from its arrival "
-                "or, if it came while the model was busy, from when the model is free",
+                help="where the backend cannot decode step by step (whole batches): how long a "
+                "batch's first request waits for others (ms), from its arrival or, if it came "
+                "while the model was busy, from when the model is free",
             ),
         ] = DEFAULT_MAX_WAIT_MS,
         header_timeout: Annotated[

@@ -1,11 +1,11 @@
-"""Every backend on every model family (Llama, Mistral with a sliding window, Qwen2, Qwen3,
-Gemma 3 with local and global layers, Phi-3 with fused q/k/v), as tiny random-config models in
-fp32 and bf16 with sdpa and eager attention: vanilla's batched, prefix-reusing and trie paths
-equal plain transformers; every method at a neutral setting (one passage, factor 1, a prompt
-inside the window) equals the plain model on the tokens it reads; pine and set-based keep their
-order invariance; set-based equals an independent computation; each refusal is one line, from
-the config, before any weights are loaded; the committed capability table is what the backends
-say now.
+"""Every backend on every model family (Llama, Mistral with a sliding window, Qwen2, Qwen3, Gemma 3
+with local and global layers, Phi-3 with fused q/k/v), as tiny random-config models in fp32 and
+bf16 with sdpa and eager attention: vanilla's batched, prefix-reusing and trie paths and its
+step decoder (rows joining a running batch) equal plain transformers; every method at a neutral
+setting (one passage, factor 1, a prompt inside the window) equals the plain model on the tokens
+it reads; pine and set-based keep their order invariance; set-based equals an independent
+computation; each refusal is one line, from the config, before any weights are loaded; the
+committed capability table is what the backends say now.
 
 ``RAGFIX_TEST_DEVICE=cuda`` runs the same tests on a GPU (``ragfix bench gpu``)."""
 
@@ -103,6 +103,15 @@ def test_vanilla_equals_plain_transformers_on_every_path(tok, prompts, family, d
             gens = backend.generate(prompts, batch_size=size, max_new_tokens=4, prefix_reuse=reuse)
             for g, p in zip(gens, plain, strict=True):
                 assert g.token_ids == p[: len(g.token_ids)], (size, reuse)
+        for reuse in (False, True):  # continuous batching: a row joins after each step
+            dec, rows, done = backend.decoder(prefix_reuse=reuse), [], {}
+            for p in prompts:
+                rows.append(dec.add(p, max_new_tokens=4))
+                done.update(dec.step())
+            while len(dec):
+                done.update(dec.step())
+            for r, p in zip(rows, plain, strict=True):
+                assert done[r].token_ids == p[: len(done[r].token_ids)], ("decoder", reuse)
 
 
 #: a method at its neutral setting reads the prompt as the plain model does

@@ -185,6 +185,10 @@ class Backend(ABC):
             framework components) refuses such a backend before any work
             (:func:`require_plain_prompts`), and ``ragfix serve`` refuses the requests that do
             not send their passages as ``documents`` (:func:`plain_prompt_refusal`).
+        supports_step_decoding: :meth:`decoder` decodes step by step: a prompt added between
+            steps joins the running batch at the next step and a finished or dropped row
+            leaves it (continuous batching, :attr:`Decoder.continuous`); when ``False`` it
+            answers its rows by whole :meth:`generate` calls.
     """
 
     name: ClassVar[str] = "vanilla"
@@ -195,6 +199,7 @@ class Backend(ABC):
     has_tokenizer: bool = True
     preferred_batch_size: int | None = None
     needs_passage_spans: bool = False
+    supports_step_decoding: bool = False
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -326,6 +331,18 @@ class Backend(ABC):
                 complete; decoding stopped within one step.
         """
 
+    def decoder(self, prefix_reuse: bool = False) -> Decoder:
+        """A :class:`Decoder` of greedy answers whose rows join and leave between decoding steps
+        (what ``ragfix serve`` schedules). The base answers its rows by whole :meth:`generate`
+        calls (:class:`Decoder`); a backend that :attr:`supports_step_decoding` returns one that
+        decodes all its rows one token a step.
+
+        Args:
+            prefix_reuse: as for :meth:`generate` (ignored without
+                :attr:`supports_prefix_reuse`).
+        """
+        return Decoder(self, prefix_reuse)
+
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         """The bytes each token id stands for on its own (a byte-level token may hold only part
         of a character's UTF-8 encoding). The base encodes each token's :meth:`detokenize`
@@ -395,6 +412,128 @@ class Backend(ABC):
                 raise ValueError("loglikelihood needs a non-empty continuation")
             out.append(float(self.token_logprobs(ctx + cont)[-len(cont) :].sum()))
         return out
+
+
+class AllSet:
+    """A :class:`Cancel` set once every one of ``signals`` is (a batch whose clients are all
+    gone)."""
+
+    def __init__(self, signals: Sequence[Cancel]):
+        self.signals = list(signals)
+
+    def is_set(self) -> bool:
+        return all(s.is_set() for s in self.signals)
+
+
+@dataclass
+class _Queued:
+    """A row of the base :class:`Decoder`: its prompt, its rules and its cancel signal."""
+
+    prompt: Prompt
+    rules: tuple[int, bool, bool]  # budget, stop rule, first_logprobs
+    cancel: Cancel | None
+
+
+class Decoder:
+    """Greedy answers to prompts that are added and dropped between decoding steps: the model
+    interface of continuous batching (iteration-level scheduling: Yu et al., "Orca", OSDI
+    2022, section 3; what vLLM and TGI run).
+
+    Its rows are identified by the ids :meth:`add` returns; :meth:`step` advances every row and
+    returns the finished ones; :meth:`drop` removes a row (its client went away). Each row's
+    answer is its greedy answer alone (``Backend.generate([prompt])``).
+
+    This base, for a backend that does not :attr:`~Backend.supports_step_decoding`, runs rows
+    to completion: each :meth:`step` answers the rows that share the first row's budget, stop
+    rule and ``first_logprobs`` by one :meth:`Backend.generate` call (``batch_size`` the number
+    of rows, ``cancel`` set once all their signals are); when that call fails for another
+    reason than cancellation, each of them is answered alone, so one prompt's failure is not
+    the others'.
+
+    Attributes:
+        continuous: a row added between steps joins the running batch at the next step (a
+            step decoder); ``False`` here: :meth:`step` runs its rows to completion.
+    """
+
+    continuous: ClassVar[bool] = False
+
+    def __init__(self, backend: Backend, prefix_reuse: bool = False):
+        self.backend, self.prefix_reuse = backend, prefix_reuse
+        self._queued: dict[int, _Queued] = {}
+        self._ids = 0
+
+    def _new_row(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    def __len__(self) -> int:
+        """The rows added and not yet finished or dropped."""
+        return len(self._queued)
+
+    def add(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int | None = None,
+        stop_at_newline: bool | None = None,
+        first_logprobs: bool = False,
+        cancel: Cancel | None = None,
+    ) -> int:
+        """Add a row answering ``prompt`` (budget and stop rule: :func:`answer_rules`;
+        ``first_logprobs`` as for :meth:`Backend.generate`); its id.
+
+        ``cancel`` is asked between the decoding steps of a :meth:`step` that runs rows to
+        completion (this base); a step decoder ignores it (its caller drops the row).
+
+        Raises:
+            RagfixError: a prompt the backend cannot read (a step decoder, which reads it here).
+        """
+        row = self._new_row()
+        budget, stop = answer_rules(prompt, max_new_tokens, stop_at_newline)
+        self._queued[row] = _Queued(prompt, (budget, stop, first_logprobs), cancel)
+        return row
+
+    def drop(self, row: int) -> None:
+        """Remove ``row`` (a finished or unknown id is ignored)."""
+        self._queued.pop(row, None)
+
+    def tokens(self, row: int) -> list[int]:
+        """The tokens ``row`` has generated so far (none in this base before it finishes)."""
+        return []
+
+    def step(self) -> dict[int, Generation | Exception]:
+        """Advance the rows: here, answer the rows that share the first row's rules.
+
+        Returns:
+            the rows that finished: their :class:`Generation`, or the exception that ended them
+            (:class:`~ragfix.errors.Cancelled` once all their signals were set); they are no
+            longer rows.
+        """
+        if not self._queued:
+            return {}
+        rules = next(iter(self._queued.values())).rules
+        rows = [r for r, q in self._queued.items() if q.rules == rules]
+        group = [self._queued.pop(r) for r in rows]
+        return dict(zip(rows, self._answer(group), strict=True))
+
+    def _answer(self, group: list[_Queued]) -> list[Generation | Exception]:
+        budget, stop, logprobs = group[0].rules
+        signals = [q.cancel for q in group if q.cancel is not None]
+        try:
+            return list(
+                self.backend.generate(
+                    [q.prompt for q in group],
+                    batch_size=len(group),
+                    max_new_tokens=budget,
+                    stop_at_newline=stop,
+                    first_logprobs=logprobs,
+                    prefix_reuse=self.prefix_reuse,
+                    cancel=AllSet(signals) if signals else None,
+                )
+            )
+        except Exception as e:
+            if len(group) > 1 and not isinstance(e, Cancelled):
+                return [out for q in group for out in self._answer([q])]
+            return [e] * len(group)
 
 
 def answer_rules(
@@ -532,9 +671,11 @@ def check_cancel(cancel: Cancel | None) -> None:
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
+    "AllSet",
     "Backend",
     "BackendOptions",
     "Cancel",
+    "Decoder",
     "Fit",
     "Prompt",
     "answer_rules",

@@ -14,14 +14,21 @@ response bodies), :mod:`ragfix.serve.app` (the routes: the FastAPI application, 
 make public.
 
 How requests run: one model thread owns the backend (:class:`ModelWorker`, holding
-``Server.lock`` while it computes). Requests that arrive while it is busy wait in its queue;
-answers with the same budget, stop rule and log-probability request are batched (up to
-``max_batch_size`` of them, the first waiting at most ``max_wait_ms`` for company) where the
-backend :attr:`~ragfix.backends.base.Backend.supports_batching`, else they run one at a time.
-Tokenizing (the window check, the response's token texts) happens in the request's own thread
-under ``Server.tokenizer_lock``, never the model's. A client that goes away, streaming or not,
-cancels its work: a queued request is dropped, a running generation stops within one decoding
-step (:class:`~ragfix.backends.base.Cancel`; a batch stops once all its clients are gone).
+``Server.lock`` while it has work). Where the backend decodes step by step
+(:attr:`~ragfix.backends.base.Backend.supports_step_decoding`: vanilla and the methods that run
+the model's own forward pass) answers are decoded with continuous batching
+(:meth:`~ragfix.backends.base.Backend.decoder`): a request, streamed or not, whatever its
+budget, stop rule and log-probability request, joins the running batch at the next decoding
+step (prefilled alone as it joins), up to ``max_batch_size`` rows; a finished answer leaves the
+batch at once. Each answer equals its answer alone. Elsewhere, answers with the same budget,
+stop rule and log-probability request are batched whole (up to ``max_batch_size`` of them, the
+first waiting at most ``max_wait_ms`` for company) where the backend
+:attr:`~ragfix.backends.base.Backend.supports_batching`, else they run one at a time, and
+streams run alone. Tokenizing (the window check, the response's token texts) happens in the
+request's own thread under ``Server.tokenizer_lock``, never the model's. A client that goes
+away, streaming or not, cancels its work: a queued request is dropped, a decoding row leaves
+the batch within one step (a whole batch stops between steps once all its clients are gone:
+:class:`~ragfix.backends.base.Cancel`).
 
 Slow clients (:class:`~ragfix.serve_guard.ServeLimits`, run by
 :func:`~ragfix.serve_guard.server_config`): a request's head must be in

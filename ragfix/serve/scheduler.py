@@ -1,7 +1,8 @@
 """The model thread of ``ragfix serve``: one thread owns the backend and computes the model work
-of requests (:class:`Job`) in arrival order, batching compatible answers
-(:class:`ModelWorker`); a job whose client is gone is dropped or stopped within one decoding
-step."""
+of requests (:class:`Job`) in arrival order (:class:`ModelWorker`). Answers are decoded with
+continuous batching where the backend decodes step by step (a request joins the running batch
+at the next decoding step; a finished one leaves it), else in whole batches of compatible
+answers; a job whose client is gone is dropped or stopped within one decoding step."""
 
 from __future__ import annotations
 
@@ -18,22 +19,13 @@ from ragfix.errors import Cancelled
 if TYPE_CHECKING:
     from ragfix.backends.base import Backend, Cancel, Prompt
 
-#: most answers computed in one batch
+#: most answers decoded together (rows of a decoding step, or answers of a whole batch)
 DEFAULT_MAX_BATCH_SIZE = 8
-#: how long the first request of a batch waits for others to join it (milliseconds), from its
-#: arrival or from when the model is free (:meth:`ModelWorker._take`): on a busy 2-core CPU the
-#: clients of a batch of 8 were back 13-16 ms after it was answered
+#: how long the first answer of a whole batch (a backend that does not decode step by step)
+#: waits for others to join it (milliseconds), from its arrival or from when the model is free
+#: (:meth:`ModelWorker._take`): on a busy 2-core CPU the clients of a batch of 8 were back
+#: 13-16 ms after it was answered
 DEFAULT_MAX_WAIT_MS = 25.0
-
-
-class _AllSet:
-    """A :class:`~ragfix.backends.base.Cancel` set once every one of ``signals`` is."""
-
-    def __init__(self, signals: list[threading.Event]):
-        self.signals = signals
-
-    def is_set(self) -> bool:
-        return all(s.is_set() for s in self.signals)
 
 
 _END = object()
@@ -46,8 +38,11 @@ class Job:
     Attributes:
         loop: the event loop that awaits it.
         run: the work (``cancel`` -> result), for a job that is not batched.
-        prompt, key: a batchable answer: its prompt and ``(budget, stop rule, first_logprobs)``;
-            jobs with the same key are batched.
+        prompt, key: an answer decoded by the model thread: its prompt and ``(budget, stop
+            rule, first_logprobs)``; under continuous batching any answers share a decoding step,
+            else jobs with the same key are batched.
+        stream: the answer is streamed: its text is emitted as it grows, a step at a time
+            (:meth:`emit`), and its result is ``None``.
         cancel: set when the client is gone (or the response is over); the model thread drops
             a queued job and stops a running one within a decoding step.
         arrived: when it was made (``time.monotonic``): a batch's first job waits for others
@@ -60,6 +55,7 @@ class Job:
     run: Callable[[Cancel], Any] | None = None
     prompt: Prompt | None = None
     key: tuple | None = None
+    stream: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
 
@@ -97,28 +93,53 @@ class Job:
 
 
 class ModelWorker:
-    """The thread that owns the backend: takes jobs in arrival order, batches compatible
-    answers, and computes under :attr:`lock`.
+    """The thread that owns the backend: takes jobs in arrival order, decodes answers through
+    the backend's :meth:`~ragfix.backends.base.Backend.decoder`, and computes under
+    :attr:`lock` (held while it has work: rows decoding, a job running).
+
+    Continuous batching (a :attr:`~ragfix.backends.base.Decoder.continuous` decoder: a backend
+    that :attr:`~ragfix.backends.base.Backend.supports_step_decoding`): the thread loops over
+    admitting the queued answers, streamed or not, whatever their rules, up to
+    ``max_batch_size`` rows (each is prefilled as it joins) -> one decoding step of every row
+    -> the finished rows' results and the streams' new text handed to their loops -> the rows
+    whose clients are gone dropped. A request that arrives while others decode joins them at
+    the next step and never waits for the batch to end. Other jobs (prompt scoring) run
+    between two steps, in their arrival order.
+
+    Otherwise (a whole-batch decoder): the first queued answer and the queued ones with its key
+    (up to ``max_batch_size``) are answered together by one ``generate`` call, the first
+    waiting up to ``max_wait_ms`` for company (:meth:`_take`); streams run one at a time
+    through ``Backend.stream`` (:class:`~ragfix.serve.server.Server`).
 
     Args:
         backend: the served backend.
-        prefix_reuse: passed to ``Backend.generate``.
-        max_batch_size: most answers per batch (1 where the backend does not
+        prefix_reuse: passed to ``Backend.decoder``.
+        max_batch_size: most rows decoded together (1 where the backend does not
             :attr:`~ragfix.backends.base.Backend.supports_batching`).
-        max_wait_ms: how long a batch's first job waits for others, from its arrival or, when
-            it arrived while the model was busy, from when the model is free (:meth:`_take`).
+        max_wait_ms: how long a whole batch's first job waits for others, from its arrival or,
+            when it arrived while the model was busy, from when the model is free; not used
+            under continuous batching, where a request joins the running batch at the next
+            step.
+
+    Attributes:
+        continuous: whether answers are decoded with continuous batching.
+        batch_sizes: the rows of each decoding step (continuous) or the answers of each whole
+            batch so far.
     """
 
     def __init__(
         self, backend: Backend, prefix_reuse: bool, max_batch_size: int, max_wait_ms: float
     ):
-        self.backend, self.prefix_reuse = backend, prefix_reuse
+        self.backend = backend
+        self.decoder = backend.decoder(prefix_reuse)
+        self.continuous = self.decoder.continuous
         self.max_batch_size = max_batch_size if backend.supports_batching else 1
         self.max_wait = max_wait_ms / 1000
         self.lock = threading.Lock()
         self._queue: list[Job] = []
         self._ready = threading.Condition()
-        #: sizes of the batches run so far (answers per ``generate`` call)
+        self._rows: dict[int, Job] = {}  # decoder row -> its job
+        self._shown: dict[int, str] = {}  # decoder row -> the text streamed so far
         self.batch_sizes: list[int] = []
         threading.Thread(target=self._loop, name="ragfix-model", daemon=True).start()
 
@@ -128,13 +149,15 @@ class ModelWorker:
             self._queue.append(job)
             self._ready.notify()
 
-    def _take(self) -> list[Job]:
-        """The next jobs to run together: the first queued job and, if it is a batchable
-        answer, the queued ones with its key (up to the batch size), waiting until the batch is
-        full or ``max_wait`` is over, counted from the first job's arrival or, for a job that
-        arrived while the model was busy, from now (the model free): the clients of the batch
-        just answered then join it with their next requests, rather than a job that waited
-        through a batch always running alone. Cancelled jobs are dropped."""
+    def _take(self, block: bool) -> list[Job]:
+        """The next jobs to start, removed from the queue (cancelled ones are dropped): a job
+        that is not an answer, alone; under continuous batching, the queued answers before the
+        next other job, up to the free rows; else the first answer and the queued ones with its
+        key (up to the batch size) once the decoder is empty, waiting until the batch is full or
+        ``max_wait`` is over, counted from the first job's arrival or, for a job that arrived
+        while the model was busy, from now (the model free): the clients of the batch just
+        answered then join it with their next requests. Without ``block``, ``[]`` rather than
+        waiting for a job or for company."""
         free = time.monotonic()
         with self._ready:
             while True:
@@ -142,51 +165,99 @@ class ModelWorker:
                     self._queue.remove(job)
                     job.settle(error=Cancelled())
                 if not self._queue:
+                    if not block:
+                        return []
                     self._ready.wait()
                     continue
                 first = self._queue[0]
-                group = [j for j in self._queue if first.key is not None and j.key == first.key]
-                group = group[: self.max_batch_size] or [first]
-                left = max(first.arrived, free) + self.max_wait - time.monotonic()
-                if first.key is None or len(group) >= self.max_batch_size or left <= 0:
-                    for job in group:
-                        self._queue.remove(job)
-                    return group
-                self._ready.wait(left)
+                room = self.max_batch_size - len(self.decoder)
+                if first.key is None:
+                    group = [first]
+                elif self.continuous:
+                    group = []
+                    for job in self._queue[: max(room, 0)]:
+                        if job.key is None:
+                            break
+                        group.append(job)
+                elif len(self.decoder):
+                    return []
+                else:
+                    group = [j for j in self._queue if j.key == first.key][: self.max_batch_size]
+                    left = max(first.arrived, free) + self.max_wait - time.monotonic()
+                    if len(group) < self.max_batch_size and left > 0:
+                        if not block:
+                            return []
+                        self._ready.wait(left)
+                        continue
+                for job in group:
+                    self._queue.remove(job)
+                return group
 
     def _loop(self) -> None:
         while True:
-            group = self._take()
+            jobs = self._take(block=True)
             with self.lock:
-                self._run(group)
+                self._start(jobs)
+                while len(self.decoder):
+                    self._step()
+                    self._start(self._take(block=False))
 
-    def _run(self, group: list[Job]) -> None:
-        first = group[0]
-        try:
-            if first.key is None:
-                first.settle(first.run(first.cancel))
-                return
-            budget, stop, logprobs = first.key
-            self.batch_sizes.append(len(group))
-            gens = self.backend.generate(
-                [j.prompt for j in group],
-                batch_size=len(group),
-                max_new_tokens=budget,
-                stop_at_newline=stop,
-                first_logprobs=logprobs,
-                prefix_reuse=self.prefix_reuse,
-                cancel=_AllSet([j.cancel for j in group]),
-            )
-        except Exception as e:
-            if len(group) > 1 and not isinstance(e, Cancelled):
-                for job in group:  # one prompt's failure is not the others'
-                    self._run([job])
-                return
-            for job in group:
+    def _start(self, jobs: list[Job]) -> None:
+        """Run a job that is not an answer; add answers to the decoder (an answer whose prompt
+        cannot be read fails alone)."""
+        for job in jobs:
+            try:
+                if job.key is None:
+                    job.settle(job.run(job.cancel))
+                    continue
+                budget, stop, logprobs = job.key
+                row = self.decoder.add(job.prompt, budget, stop, logprobs, cancel=job.cancel)
+            except Exception as e:
                 job.settle(error=e)
+                continue
+            self._rows[row] = job
+
+    def _step(self) -> None:
+        """Drop the rows whose clients are gone, run one decoding step, stream the new text
+        and hand the finished rows' results to their loops."""
+        for row, job in list(self._rows.items()):
+            if job.cancel.is_set():
+                self._finish(row)
+                self.decoder.drop(row)
+                job.settle(error=Cancelled())
+        if not len(self.decoder):
             return
-        for job, gen in zip(group, gens, strict=True):
-            job.settle(gen)
+        self.batch_sizes.append(len(self.decoder))
+        done = self.decoder.step()
+        for row, job in self._rows.items():
+            if job.stream and not isinstance(done.get(row), Exception):
+                self._emit(row, job, done.get(row))
+        for row, result in done.items():
+            job = self._finish(row)
+            if isinstance(result, Exception):
+                job.settle(error=result)
+            else:
+                job.settle(None if job.stream else result)
+
+    def _finish(self, row: int) -> Job:
+        self._shown.pop(row, None)
+        return self._rows.pop(row)
+
+    def _emit(self, row: int, job: Job, result) -> None:
+        """Emit the text a streamed row has added since the last step: its tokens decoded (the
+        answer's, once finished), cut before the first newline after leading white space with
+        the newline rule, a trailing partial character held back."""
+        from ragfix.backends.base import cut_at_newline
+
+        tokens = self.decoder.tokens(row) if result is None else result.token_ids
+        text = self.backend.detokenize(tokens)
+        if job.key[1]:
+            text = "".join(cut_at_newline(iter([text])))
+        text = text.rstrip("\ufffd")
+        shown = self._shown.get(row, "")
+        if len(text) > len(shown) and text.startswith(shown):
+            job.emit(text[len(shown) :])
+            self._shown[row] = text
 
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_WAIT_MS", "Job", "ModelWorker"]

@@ -74,7 +74,7 @@ class Server:
             else plain_prompt_refusal(backend)
         )
         self.worker = ModelWorker(backend, prefix_reuse, max_batch_size, max_wait_ms)
-        #: held while the model computes (by the model thread only)
+        #: held while the model thread has work (rows decoding, a job running)
         self.lock = self.worker.lock
         #: held while a request thread tokenizes or detokenizes
         self.tokenizer_lock = threading.Lock()
@@ -180,11 +180,17 @@ class Server:
         return job
 
     def stream_job(self, prompt: Prompt, budget: int, stop: bool) -> Job:
-        """A queued streamed answer: its pieces as the backend yields them (cut before the first
-        newline after leading white space with ``stop``)."""
+        """A queued streamed answer: its pieces as they are decoded (cut before the first
+        newline after leading white space with ``stop``): a row of the running batch under
+        continuous batching (its new text each step), else ``Backend.stream`` run alone."""
         from ragfix.backends.base import cut_at_newline
 
-        job = Job(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self.worker.continuous:
+            job = Job(loop, prompt=prompt, key=(budget, stop, False), stream=True)
+            self.worker.submit(job)
+            return job
+        job = Job(loop)
 
         def run(cancel: Cancel) -> None:
             pieces = self.backend.stream(

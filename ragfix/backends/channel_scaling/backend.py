@@ -453,6 +453,8 @@ class ChannelScalingBackend(HFBackend):
     options_model = ChannelScalingOptions
     #: the cache holds scaled keys, but the prompt rows after a reused prefix need unscaled ones
     supports_prefix_reuse = False
+    #: its patch scales the prompt's rows of each batch, not a cache grown row by row
+    supports_step_decoding = False
 
     @classmethod
     def check_family(cls, family: Family, options: BackendOptions) -> None:

@@ -305,6 +305,7 @@ class GaliBackend(HFBackend):
     name = "gali"
     options_model = GaliOptions
     supports_prefix_reuse = False
+    supports_step_decoding = False  # its own decoding loop beyond the window
 
     @classmethod
     def check_family(cls, family: Family, options: BackendOptions) -> None:

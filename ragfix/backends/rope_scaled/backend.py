@@ -81,6 +81,7 @@ class RopeScaledBackend(HFBackend):
         # and from the length of the whole cached sequence: a reused prefix was rotated for
         # another length
         self.supports_prefix_reuse = o.rope_type != "dynamic"
+        self.supports_step_decoding = o.rope_type != "dynamic"
 
     @property
     def context_window(self) -> int:

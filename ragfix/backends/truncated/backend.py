@@ -58,6 +58,7 @@ class TruncatedBackend(HFBackend):
     name = "truncated"
     options_model = TruncatedOptions
     supports_prefix_reuse = False  # the cut depends on the whole prompt
+    supports_step_decoding = False  # it reads the cut prompt (_generate_ids)
     cuts_long_prompts = True  # the method: long prompts are cut to the window
 
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
