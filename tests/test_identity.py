@@ -336,16 +336,23 @@ def test_calibration_for_other_weight_files_is_refused(tmp_path, cache, tokenize
 # ------------------------------------------------------------------ what ships
 
 
-def test_shipped_adapters_and_calibrations_still_fit_smollm2():
+def test_shipped_adapters_and_calibrations_still_fit_their_models():
+    """Every shipped calibration fits SmolLM2; every shipped adapter loads onto the base model
+    its metadata names (SmolLM2 or Gemma 3 270M) and changes its weights."""
     model = load_model("smollm2", device="cpu")[0]
     ident = model_identity(model)
     assert ident["weights"] == f"files:{gguf_fingerprint(ragfix.models.smollm2_gguf_path())}"
     for cal in sorted((ROOT / "calib").glob("*.json")):
         ChannelScalingCalibration.load(cal, model)
+    bases = set()
     for d in sorted((ROOT / "adapters").iterdir()):
-        adapted, info = load_adapter(load_model("smollm2", device="cpu")[0], d)
+        base = json.loads((d / "ragfix_adapter.json").read_text())["base_model"]["name"]
+        bases.add(base)
+        plain = model_identity(load_model(base, device="cpu")[0])["weights"]
+        adapted, info = load_adapter(load_model(base, device="cpu")[0], d)
         assert len(info["fingerprint"]) == 16
-        assert model_identity(adapted)["weights"] not in (ident["weights"], None)
+        assert model_identity(adapted)["weights"] not in (plain, None)
+    assert bases == {"smollm2", "gemma3-270m"}
 
 
 # ------------------------------------------------------------------ served models

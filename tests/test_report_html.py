@@ -299,7 +299,7 @@ def test_a_judge_run_shows_both_orders_rebuilt_from_its_pair_file(tmp_path, mode
     ]
     page = tmp_path / "judge.html"
     result = runner.invoke(app, ["report", str(out), "--html", str(page)])
-    assert result.exit_code == 0 and "as judge: position bias" in result.output
+    assert result.exit_code == 0 and "as judge: position bias" in " ".join(result.output.split())
     assert _payload(page.read_text()) == payload
     result = runner.invoke(app, ["report", str(out), "--json", str(tmp_path / "c.json")])
     assert result.exit_code == 2 and "--json writes a comparison of sweeps" in result.output
