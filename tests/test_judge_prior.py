@@ -10,11 +10,11 @@ from fractions import Fraction
 import pytest
 import torch
 from conftest import data_file
+from test_judge import PAIRS as JUDGE_PAIRS
 
 from ragfix.connectors.pairwise import KV_PAIR_CONTEXT, detect_format, load_pairs
 from ragfix.errors import ConfigError
 from ragfix.judge import (
-    JudgePair,
     PairwiseJudge,
     check_judge_settings,
     content_free_prior,
@@ -24,22 +24,7 @@ from ragfix.judge import (
 )
 from ragfix.judge.judge import CONTENT_FREE_INPUTS, pair_layouts
 
-PAIRS = [
-    JudgePair(
-        pair_id="capital",
-        question="What is the capital of France?",
-        answer_a="Paris is the capital of France.",
-        answer_b="The capital of France is Berlin.",
-        label="A",
-    ),
-    JudgePair(
-        pair_id="sum",
-        question="What is 2 + 3?",
-        answer_a="2 + 3 = 6",
-        answer_b="2 + 3 = 5",
-        label="B",
-    ),
-]
+PAIRS = JUDGE_PAIRS[:2]  # a supported answer in each slot (no tie)
 
 
 def test_contextual_calibration_matches_a_hand_computation():
