@@ -19,8 +19,10 @@ from ragfix.errors import Cancelled
 if TYPE_CHECKING:
     from ragfix.backends.base import Backend, Cancel, Prompt
 
-#: most answers decoded together (rows of a decoding step, or answers of a whole batch)
-DEFAULT_MAX_BATCH_SIZE = 8
+#: most answers decoded together (rows of a decoding step, or answers of a whole batch): the
+#: measured better of 8 and 16 on a 2-core CPU (``ragfix bench serve``, results/serve-load.json
+#: at 8 and results/serve-load-b16.json at 16: the same at 8 clients, more at 16)
+DEFAULT_MAX_BATCH_SIZE = 16
 #: how long the first answer of a whole batch (a backend that does not decode step by step)
 #: waits for others to join it (milliseconds), from its arrival or from when the model is free
 #: (:meth:`ModelWorker._take`): on a busy 2-core CPU the clients of a batch of 8 were back
