@@ -143,3 +143,16 @@ def test_a_setting_of_orders_without_orders_is_refused_in_one_line():
         assert "--orders-aggregate is a setting of --orders K: give --orders too" in res.output
     res = CliRunner().invoke(app, ["eval", "kv-sample", "--orders", "3", "--orders-design", "x"])
     assert res.exit_code != 0 and "design" in res.output
+
+
+def test_the_framework_components_refuse_the_wrapper(smol):
+    """A framework's rendered prompt does not mark its passages, so RagFixLLM (and every
+    consumer of plain prompts) refuses an order-marginalized backend in one line."""
+    from ragfix import RagFixLLM
+    from ragfix.backends.base import require_plain_prompts
+
+    wrapped = marginalize_orders(smol, OrderOptions(orders=3))
+    with pytest.raises(ConfigError, match="where the prompt says they are"):
+        require_plain_prompts(wrapped, "RagFixLLM")
+    with pytest.raises(ConfigError):
+        RagFixLLM(wrapped)
