@@ -1,27 +1,29 @@
-"""The position sweep through a real LlamaIndex, LangChain or Haystack pipeline (``ragfix eval
---corpus DOCS --questions Q | --needles N | --questions-from MODEL [--framework ...]``).
+"""The position sweep through a real LlamaIndex, LangChain or Haystack pipeline (``ragfix
+eval-pipeline --corpus DOCS --questions Q | --needles N | --questions-from MODEL [--framework
+...]``).
 
 The questions come from a question file, from needles planted in the corpus or from a model that
-writes them about its chunks (:mod:`ragfix.connectors.synthetic`); the gold chunk of each is known.
+writes them about its chunks (:mod:`ragfix.connectors.questions`); the gold chunk of each is known.
 For every question the real retriever (FAISS over all-MiniLM-L6-v2 or the chosen embedder, or BM25)
 returns its top-k chunks; the gold chunk's rank among them is its natural rank (``natural_rank`` in
 every record, beside the swept rank ``position``). If the gold chunk is not among them it replaces
 the lowest-ranked one (``gold_added`` in the record). The candidate list is then permuted so the
-gold chunk has retrieval rank ``r`` (the other chunks keep their retrieval order, the scores stay
-in descending order), for every requested ``r``. Each cell runs the real query engine: the
-candidates come out of a retriever, go through :class:`~ragfix.postprocessor.RagFixPostprocessor`
-with the cell's strategy and through LlamaIndex response synthesis (``compact``: the chunks packed
-into one prompt, one LLM call when they fit; LlamaIndex 0.14's ``simple_summarize`` pastes the
-Python repr of a list into the prompt) with :class:`~ragfix.llm.RagFixLLM`. With
-``framework="langchain"`` the same candidates go through a LangChain chain
-(``ContextualCompressionRetriever`` with :class:`~ragfix.integrations.langchain.RagFixCompressor`,
-the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`), with ``"haystack"``
-through a Haystack pipeline (:class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt
-builder, :class:`~ragfix.integrations.haystack.RagFixChatGenerator`): the same correction code and
-the same prompt text, so the same cell gives the same prompt in every framework (the record's
-``prompt_sha1`` is the SHA-1 of the prompt as the model read it). The record keeps the gold chunk's
-retrieval rank (``position``, the x-axis), where it ended up in the prompt (``prompt_position``),
-whether the context was cut and how many LLM calls were made. All strategies run on the same cells.
+gold chunk has retrieval rank ``r`` (the other chunks keep their retrieval order, the scores stay in
+descending order), for every requested ``r``. Each cell runs the real query engine: the candidates
+come out of a retriever, go through :class:`~ragfix.postprocessor.RagFixPostprocessor` with the
+cell's strategy and through LlamaIndex response synthesis (``compact``: the chunks packed into one
+prompt, one LLM call when they fit; LlamaIndex 0.14's ``simple_summarize`` pastes the Python repr of
+a list into the prompt) with :class:`~ragfix.llm.RagFixLLM`. With ``framework="langchain"`` the same
+candidates go through a LangChain chain (``ContextualCompressionRetriever`` with
+:class:`~ragfix.integrations.langchain.RagFixCompressor`, the ``qa`` prompt,
+:class:`~ragfix.integrations.langchain.RagFixChatModel`), with ``"haystack"`` through a Haystack
+pipeline (:class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt builder,
+:class:`~ragfix.integrations.haystack.RagFixChatGenerator`): the same correction code and the same
+prompt text, so the same cell gives the same prompt in every framework (the record's ``prompt_sha1``
+is the SHA-1 of the prompt as the model read it). The record keeps the gold chunk's retrieval rank
+(``position``, the x-axis), where it ended up in the prompt (``prompt_position``), whether the
+context was cut and how many LLM calls were made. All strategies run on the same cells. Each
+framework's engine lives beside its components in :mod:`ragfix.integrations` (:data:`ENGINES`).
 
 A cell whose candidates do not fit the model's window in one prompt (the task's prompt with all
 ``top_k`` chunks, plus the answer budget) is not run: the postprocessor would drop chunks (maybe
@@ -42,82 +44,65 @@ strategy, the accuracy weighted by how often the real retriever put the gold chu
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
-import os
-import time
 from collections import Counter
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
 from rich.console import Console
-from rich.table import Table
 
-from ragfix.backends.base import Fit, require_plain_prompts
+from ragfix.backends.base import require_plain_prompts
 from ragfix.connectors.corpus import (
     DEFAULT_CHUNK_SIZE,
     build_corpus,
-    describe_copies,
     locate_gold,
     needle_questions,
     read_questions,
     resolve_demo,
 )
 from ragfix.connectors.jsonl import SkipCounter
-from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom, write_questions
+from ragfix.connectors.questions import (
+    WRITTEN_QUESTIONS,
+    WRITTEN_REPORT,
+    check_question_source,
+    write_question_file,
+)
+from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
 from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import retrieval_weighted_merit
 from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.run import RunConfig, input_fingerprints, interrupted
-from ragfix.eval.sweep import (
-    OVERFLOW,
-    cell_flags,
-    generation_extra,
-    parse_positions,
-    summary_counts,
-    sweep_folder,
-)
-from ragfix.eval.sweep_summary import (
-    build_summary,
-    cells_by_curve,
-    natural_ranks,
-    print_flags,
-    print_run_files,
-    print_summary,
-    write_summary,
-)
+from ragfix.eval.sweep import parse_positions, summary_counts, sweep_folder
+from ragfix.eval.sweep_summary import build_summary, cells_by_curve, natural_ranks, write_summary
 from ragfix.integrations import require_extra
-from ragfix.io import atomic_write_json, atomic_write_text, read_run_config
+from ragfix.integrations.engine import PipelineEngines
+from ragfix.io import read_run_config
 from ragfix.models import DEFAULT_EMBEDDER, check_hub_model
-from ragfix.prompts import TaskPrompt
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
-from ragfix.tasks import get_task, join_chunks
-from ragfix.types import UNSCORED, StoredPrompt, SweepRecord
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
 ATTENTION_LAYERS = CorrectionSettings.model_fields["attention_layers"].default
-#: the run folder's file of LLM-written questions (``--questions-from``; a question file that
-#: ``--questions`` reads) and the count of what its filter dropped
-WRITTEN_QUESTIONS = "questions.jsonl"
-WRITTEN_REPORT = "questions-filter.json"
 
 
-def _fixed_retriever_class():
-    from llama_index.core.retrievers import BaseRetriever
+def _engines(module: str, name: str, *args) -> PipelineEngines:
+    """Engines ``name`` of ``module`` built with ``args`` (the module imported only now: a
+    framework of an extra is imported when it is used)."""
+    return getattr(importlib.import_module(module), name)(*args)
 
-    class FixedRetriever(BaseRetriever):
-        """Returns the node list it was last given (the permuted candidates of a cell)."""
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.nodes: list = []
-
-        def _retrieve(self, query_bundle):
-            return list(self.nodes)
-
-    return FixedRetriever
+ENGINES = {
+    "llamaindex": partial(_engines, "ragfix.integrations.llama_index", "LlamaIndexEngines"),
+    "langchain": partial(_engines, "ragfix.integrations.langchain", "LangChainEngines"),
+    "haystack": partial(_engines, "ragfix.integrations.haystack", "HaystackEngines"),
+}
+"""The frameworks a pipeline sweep runs through (``--framework``): each one's engines
+(:class:`~ragfix.integrations.engine.PipelineEngines`), called with the backend, the strategies,
+the bias profile's accuracies, ``top_k`` and the attention rounds."""
 
 
 class PipelineConfig(RunConfig):
@@ -181,39 +166,6 @@ def pipeline_cell_id(
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
-def check_question_source(questions, needles, questions_from) -> None:
-    """Exactly one source of questions for a pipeline sweep.
-
-    Raises:
-        ConfigError: none or several of a question file, needles and a question-writing model.
-    """
-    flags = ("--questions", "--needles", "--questions-from")
-    sources = (questions, needles, questions_from)
-    given = [f for f, v in zip(flags, sources, strict=True) if v is not None]
-    if len(given) != 1:
-        raise ConfigError(
-            "pipeline mode needs one source of questions: --questions FILE, --needles N or "
-            f"--questions-from MODEL (given: {' and '.join(given) or 'none'})"
-        )
-
-
-def candidates_with_gold_at(retrieved: list, gold, rank: int) -> list:
-    """The retrieved ``NodeWithScore`` list with the gold node moved to 0-based ``rank``.
-
-    The other nodes keep their retrieval order; the scores of ``retrieved`` (sorted descending,
-    ``None`` kept) are reassigned by list position so the order and the scores agree.
-    """
-    from llama_index.core.schema import NodeWithScore
-
-    others = [n for n in retrieved if n.node.node_id != gold.node.node_id]
-    others = others[: len(retrieved) - 1]
-    order = [*others[:rank], gold, *others[rank:]]
-    scores = [n.score for n in retrieved]
-    if all(s is not None for s in scores):
-        scores = sorted(scores, reverse=True)
-    return [NodeWithScore(node=n.node, score=s) for n, s in zip(order, scores, strict=True)]
-
-
 def run_pipeline_sweep(
     corpus: Path,
     questions: Path | None,
@@ -270,7 +222,7 @@ def run_pipeline_sweep(
         retriever: ``faiss`` or ``bm25``.
         skip_invalid: skip and count malformed questions and unreadable files.
         console: where progress and notes go (``None``: quiet); the tables are the caller's
-            (:func:`print_pipeline_run`).
+            (:func:`ragfix.cli.eval_pipeline_cmd.print_pipeline_run`).
         chunk_size: chunk size in embedder tokens.
         attention_rounds: rounds of the attention strategies (``attention-sort``,
             ``attention-sort-calibrated``; their layers are the default,
@@ -401,24 +353,8 @@ def run_pipeline_sweep(
                 **(writer_options or {}),
             )
         with busy(f"{questions_from.model} writes questions"):
-            batch = writer.preferred_batch_size or 8
-            made = write_questions(writer, cor.nodes, questions_from, batch)
+            questions = write_question_file(writer, cor, questions_from, Path(out))
         del writer
-        copies = {"copies": cor.copies} if cor.copies else {}
-        if not made.records:
-            why = ", ".join(f"{k} {v}" for k, v in made.dropped.items())
-            if cor.copies:
-                why += (
-                    f"; {len(cor.copies)} file(s) of {corpus} are copies of others, and an "
-                    "answer in one is in its copy too (answer_in_other_chunk): "
-                    f"{describe_copies(cor.copies)}; remove the copies"
-                )
-            raise DataError(written, None, None, f"no written question passed the filter ({why})")
-        atomic_write_text(written, "".join(json.dumps(r) + "\n" for r in made.records))
-        atomic_write_json(
-            Path(out) / WRITTEN_REPORT, {"model": questions_from.model, **made.report(), **copies}
-        )
-        questions = written
         folder.config = folder.config.model_copy(
             update={"inputs": {**config.inputs, **input_fingerprints(questions=written)}}
         )
@@ -509,31 +445,6 @@ def run_pipeline_sweep(
     return summary
 
 
-def print_pipeline_run(summary: dict, out: Path, console: Console) -> None:
-    """What ``ragfix eval --corpus`` prints for a finished pipeline sweep: what the filter of
-    written questions dropped, the per-rank tables, the flagged cells, the strategies and where
-    the files are."""
-    c = summary["config"]
-    w = summary.get("written_questions")
-    if w:
-        drops = ", ".join(f"{k} {v}" for k, v in w["dropped"].items())
-        if w.get("copies"):
-            drops += f"; copies in the corpus: {describe_copies(w['copies'])}"
-        console.print(
-            f"questions written by {w['model']}: {w['kept']} of {w['asked']} kept; dropped: "
-            f"{drops} ({out / WRITTEN_QUESTIONS})",
-            highlight=False,
-            soft_wrap=True,
-        )
-    title = f"{c['model']} · {c['backend']} · top-{c['num_docs']} · {c['retriever']} · "
-    if c.get("needles"):
-        title += f"{c['needles']['count']} needles · "
-    print_summary(summary, console, title=title + c["framework"])
-    print_flags(summary, console)
-    print_strategies(summary, console)
-    print_run_files(out, console)
-
-
 def _retrieve(retriever, q, top_k: int, needles: frozenset[str] = frozenset()) -> tuple:
     """The retriever's top-``top_k`` for question ``q`` and the gold chunk's rank among them
     (None when it was not retrieved). The chunks of ``needles`` other than ``q``'s own gold are
@@ -546,387 +457,3 @@ def _retrieve(retriever, q, top_k: int, needles: frozenset[str] = frozenset()) -
     ][:top_k]
     ids = [n.node.node_id for n in res]
     return res, ids.index(q.gold_node_id) if q.gold_node_id in ids else None
-
-
-def _chunk(node) -> str:
-    """A candidate node as the LLM reads it (``Document (Title: t) text``)."""
-    from llama_index.core.schema import MetadataMode
-
-    return node.node.get_content(metadata_mode=MetadataMode.LLM)
-
-
-def _read_prompt(text: str, chunks: list[str], ids: list[str], q) -> StoredPrompt:
-    """The prompt a pipeline's model read (``text``, as its LLM component sent it) with the
-    spans of the ``chunks`` it holds verbatim (in prompt order, each searched after the one
-    before; a chunk the framework rewrote has no span) and the gold chunk's index among them
-    (None when it is not among them)."""
-    spans, gold, start = [], None, 0
-    for chunk, node_id in zip(chunks, ids, strict=True):
-        at = text.find(chunk.strip(), start)
-        if at < 0:
-            continue
-        if node_id == q.gold_node_id:
-            gold = len(spans)
-        start = at + len(chunk.strip())
-        spans.append((at, start))
-    return StoredPrompt(text=text, passages=spans, gold=gold)
-
-
-def _parts(node) -> tuple[str, str, str, float | None]:
-    """``(id, title, bare text, score)`` of a candidate node, for another framework's
-    document type."""
-    from llama_index.core.schema import MetadataMode
-
-    content = node.node.get_content(metadata_mode=MetadataMode.NONE)
-    return node.node.node_id, str(node.node.metadata.get("title", "")), content, node.score
-
-
-class _Engines:
-    """One pipeline per strategy in a framework, over a backend and a retriever that returns the
-    cell's candidates (the ``qa`` task's prompt, all kept chunks in one prompt); :meth:`run`
-    answers one cell and builds its record. Subclasses build the framework's pipelines
-    (:meth:`_build`), run the correction alone (:meth:`_order`) and query a pipeline
-    (:meth:`_query`); ``self.llms[s]`` is strategy ``s``'s LLM component (``calls``,
-    ``last_prompt``, ``last_generation``) and ``self.posts[s]`` its correction component
-    (``last_report``)."""
-
-    framework = ""
-
-    def __init__(self, backend, strategies, accuracies, top_k: int, attention_rounds: int):
-        self.backend, self.top_k = backend, top_k
-        self.fit: dict[str, Fit] = {}  # cell id -> the backend's verdict on its prompt
-        self.answer = {"max_new_tokens": 32, "stop_at_newline": True, "prefix_reuse": True}
-        self.llms: dict = {}
-        self.posts: dict = {}
-        for s in strategies:
-            self._build(
-                s,
-                {
-                    "strategy": s,
-                    "profile": accuracies if s == "bias-profile" else None,
-                    "num_docs": top_k if s == "bias-profile" else None,
-                    "dedup_threshold": None,  # every strategy reads the same k chunks
-                    "attention_rounds": attention_rounds,
-                },
-            )
-
-    def _build(self, s: str, settings: dict) -> None:
-        raise NotImplementedError
-
-    def _order(self, s: str, cands: list) -> list[str]:
-        """Node ids of ``cands`` after strategy ``s``'s correction alone."""
-        raise NotImplementedError
-
-    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
-        """Strategy ``s``'s pipeline on ``question`` with ``cands`` retrieved: the node ids the
-        LLM read, in prompt order, and the answer."""
-        raise NotImplementedError
-
-    def plan(self, todo: list, retrieved: dict, by_id: dict) -> list[tuple[list, tuple]]:
-        """``(candidates, cell)`` for every cell, in run order: per question, static strategies
-        sorted by their final node order (neighbours share long prompt prefixes, which the
-        LLM's KV-cache reuse exploits), attention-sort last, cells that overflow the window
-        (:meth:`fits`, computed here once per cell) first (they run nothing)."""
-        from llama_index.core.schema import NodeWithScore
-
-        keyed = []
-        for cell in todo:
-            q, r, s, _ = cell
-            res, _nat = retrieved[q.id]
-            gold = next((n for n in res if n.node.node_id == q.gold_node_id), None)
-            if gold is None:
-                gold = NodeWithScore(node=by_id[q.gold_node_id], score=None)
-            cands = candidates_with_gold_at(res, gold, r)
-            self.fit[cell[3]] = self.fits(q.question, cands)
-            if not self.fit[cell[3]].runs:
-                key = (q.id, -1, [n.node.node_id for n in cands])
-            elif s in ATTENTION_STRATEGIES:
-                key = (q.id, 1, [n.node.node_id for n in cands])
-            else:
-                key = (q.id, 0, self._order(s, cands))
-            keyed.append((key, cands, cell))
-        keyed.sort(key=lambda x: x[0])
-        return [(cands, cell) for _key, cands, cell in keyed]
-
-    def run(self, q, r: int, s: str, cell: str, cands: list, natural: int | None) -> SweepRecord:
-        """Query strategy ``s``'s pipeline with ``cands`` as the retrieved nodes; the record of
-        cell ``cell`` (gold at retrieval rank ``r``), with the prompt the model read
-        (:func:`_read_prompt`) and its SHA-1 (``prompt_sha1``: the same cell gives the same
-        prompt in every framework). When the
-        candidates do not fit the window in one prompt (:meth:`fits`) nothing runs: the record is
-        flagged ``overflow`` (a backend that cuts long prompts by design runs it, flagged
-        ``cut_to_window``)."""
-        fit = self.fit.get(cell) or self.fits(q.question, cands)
-        if not fit.runs:
-            return self._overflow(q, r, s, cell, fit.prompt_tokens, natural)
-        llm = self.llms[s]
-        calls = llm.calls
-        start = time.perf_counter()
-        final_ids, answer = self._query(s, q.question, cands)
-        secs = time.perf_counter() - start
-        by_id = {n.node.node_id: n for n in cands}
-        seen = llm.last_prompt or ""
-        prompt = " ".join(seen.split())  # white space may change
-        cut = any(" ".join(_chunk(by_id[i]).split()) not in prompt for i in final_ids)
-        gen = llm.last_generation
-        rep = self.posts[s].last_report
-        flags, explained = cell_flags(q.answers, [*([fit.flag] if fit.flag else []), *gen.flags])
-        explained.update(generation_extra(gen))
-        return SweepRecord(
-            cell_id=cell,
-            sample_id=q.id,
-            position=r,
-            prompt_position=final_ids.index(q.gold_node_id) if q.gold_node_id in final_ids else -1,
-            num_docs=self.top_k,
-            backend=self.backend.name,
-            strategy=s,
-            prompt_tokens=gen.prompt_tokens,
-            prefill_tokens=gen.prefill_tokens,
-            new_tokens=gen.new_tokens,
-            answer=answer,
-            correct=not UNSCORED.intersection(flags) and get_task("qa").score(answer, q.answers),
-            seconds=round(secs, 4),
-            flags=flags,
-            question=q.question,
-            gold_answers=q.answers,
-            prompt=_read_prompt(seen, [_chunk(by_id[i]) for i in final_ids], final_ids, q),
-            extra={
-                **explained,
-                "framework": self.framework,
-                "gold_added": natural is None,
-                "natural_rank": natural,
-                "context_cut": cut,
-                "llm_calls": llm.calls - calls,
-                "prompt_sha1": hashlib.sha1(seen.encode()).hexdigest(),
-                "dropped": len(rep.get("dropped_duplicates", []))
-                + len(rep.get("dropped_budget", [])),
-                "order": rep.get("order"),
-            },
-        )
-
-    def fits(self, question: str, cands: list) -> Fit:
-        """The backend's verdict (:meth:`~ragfix.backends.Backend.fit`) on the ``qa`` prompt
-        with every candidate chunk (as every framework renders them, in candidate order) and the
-        answer budget."""
-        user = get_task("qa").user_turn(question, join_chunks([_chunk(n) for n in cands]))
-        prompt = TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"])
-        return self.backend.fit(prompt)
-
-    def _overflow(self, q, r: int, s: str, cell: str, n: int, natural: int | None) -> SweepRecord:
-        """The record of a cell that was not run: its prompt of ``n`` tokens does not fit."""
-        flags, explained = cell_flags(q.answers, [OVERFLOW])
-        return SweepRecord(
-            cell_id=cell,
-            sample_id=q.id,
-            position=r,
-            prompt_position=-1,
-            num_docs=self.top_k,
-            backend=self.backend.name,
-            strategy=s,
-            prompt_tokens=n,
-            prefill_tokens=0,
-            new_tokens=0,
-            answer="",
-            correct=False,
-            seconds=0.0,
-            flags=flags,
-            question=q.question,
-            gold_answers=q.answers,
-            extra={
-                **explained,
-                "framework": self.framework,
-                "gold_added": natural is None,
-                "natural_rank": natural,
-            },
-        )
-
-
-class _LlamaIndexEngines(_Engines):
-    """LlamaIndex: a query engine per strategy (a retriever returning the cell's candidates,
-    :class:`~ragfix.postprocessor.RagFixPostprocessor`, ``compact`` synthesis with
-    :class:`~ragfix.llm.RagFixLLM`, one shared LLM)."""
-
-    framework = "llamaindex"
-
-    def _build(self, s: str, settings: dict) -> None:
-        from llama_index.core import get_response_synthesizer
-        from llama_index.core.indices.prompt_helper import PromptHelper
-        from llama_index.core.query_engine import RetrieverQueryEngine
-
-        from ragfix.llm import RagFixLLM
-        from ragfix.postprocessor import RagFixPostprocessor, text_qa_template
-
-        if not self.llms:
-            self.llm = RagFixLLM(self.backend, **self.answer)
-            self.fixed = _fixed_retriever_class()()
-            self.engines: dict = {}
-        self.llms[s] = self.llm
-        self.posts[s] = RagFixPostprocessor(backend=self.backend, **settings)
-        helper = PromptHelper(
-            context_window=self.llm.metadata.context_window,
-            num_output=self.llm.metadata.num_output,
-            tokenizer=self.backend.tokenize,
-        )
-        synth = get_response_synthesizer(
-            llm=self.llm,
-            response_mode="compact",
-            text_qa_template=text_qa_template("qa"),
-            prompt_helper=helper,
-        )
-        self.engines[s] = RetrieverQueryEngine(
-            retriever=self.fixed, response_synthesizer=synth, node_postprocessors=[self.posts[s]]
-        )
-
-    def _order(self, s: str, cands: list) -> list[str]:
-        return [n.node.node_id for n in self.posts[s].postprocess_nodes(cands)]
-
-    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
-        self.fixed.nodes = cands
-        resp = self.engines[s].query(question)
-        return [n.node.node_id for n in resp.source_nodes], str(resp.response or "")
-
-
-class _LangChainEngines(_Engines):
-    """LangChain: a chain per strategy (a ``ContextualCompressionRetriever`` with
-    :class:`~ragfix.integrations.langchain.RagFixCompressor` over a retriever returning the
-    cell's candidates, the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`,
-    one shared chat model)."""
-
-    framework = "langchain"
-
-    def _build(self, s: str, settings: dict) -> None:
-        from operator import itemgetter
-
-        from langchain_classic.retrievers import ContextualCompressionRetriever
-        from langchain_core.output_parsers import StrOutputParser
-        from langchain_core.retrievers import BaseRetriever
-        from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
-
-        from ragfix.integrations.langchain import (
-            RagFixChatModel,
-            RagFixCompressor,
-            format_documents,
-            qa_prompt,
-        )
-
-        if not self.llms:
-
-            class FixedRetriever(BaseRetriever):
-                """Returns the document list it was last given (the cell's candidates)."""
-
-                docs: list = []
-
-                def _get_relevant_documents(self, query, *, run_manager=None):
-                    return list(self.docs)
-
-            self.chat = RagFixChatModel(self.backend, **self.answer)
-            self.fixed = FixedRetriever()
-            self.chains: dict = {}
-        self.llms[s] = self.chat
-        self.posts[s] = RagFixCompressor(backend=self.backend, **settings)
-        retriever = ContextualCompressionRetriever(
-            base_compressor=self.posts[s], base_retriever=self.fixed
-        )
-        answer = (
-            {
-                "context": itemgetter("docs") | RunnableLambda(format_documents),
-                "question": itemgetter("question"),
-            }
-            | qa_prompt()
-            | self.chat
-            | StrOutputParser()
-        )
-        self.chains[s] = RunnableParallel(docs=retriever, question=RunnablePassthrough()).assign(
-            answer=answer
-        )
-
-    @staticmethod
-    def _docs(cands: list) -> list:
-        from langchain_core.documents import Document
-
-        return [
-            Document(page_content=text, metadata={"title": title, "score": score}, id=i)
-            for i, title, text, score in map(_parts, cands)
-        ]
-
-    def _order(self, s: str, cands: list) -> list[str]:
-        return [d.id for d in self.posts[s].compress_documents(self._docs(cands), "")]
-
-    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
-        self.fixed.docs = self._docs(cands)
-        out = self.chains[s].invoke(question)
-        return [d.id for d in out["docs"]], out["answer"]
-
-
-class _HaystackEngines(_Engines):
-    """Haystack: a pipeline per strategy (the cell's candidates as the ranker's input,
-    :class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt builder,
-    :class:`~ragfix.integrations.haystack.RagFixChatGenerator`; a generator per pipeline, as a
-    Haystack component belongs to one pipeline, all over the same backend)."""
-
-    framework = "haystack"
-
-    def _build(self, s: str, settings: dict) -> None:
-        os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # offline evaluation
-        from haystack import Pipeline
-
-        from ragfix.integrations.haystack import (
-            RagFixChatGenerator,
-            RagFixRanker,
-            qa_prompt_builder,
-        )
-
-        if not self.llms:
-            self.pipes: dict = {}
-        self.posts[s] = RagFixRanker(backend=self.backend, **settings)
-        self.llms[s] = RagFixChatGenerator(self.backend, **self.answer)
-        pipe = Pipeline()
-        pipe.add_component("ranker", self.posts[s])
-        pipe.add_component("prompt", qa_prompt_builder())
-        pipe.add_component("llm", self.llms[s])
-        pipe.connect("ranker.context", "prompt.context")
-        pipe.connect("prompt.prompt", "llm.messages")
-        self.pipes[s] = pipe
-
-    @staticmethod
-    def _docs(cands: list) -> list:
-        from haystack import Document
-
-        return [
-            Document(id=i, content=text, meta={"title": title}, score=score)
-            for i, title, text, score in map(_parts, cands)
-        ]
-
-    def _order(self, s: str, cands: list) -> list[str]:
-        return [d.id for d in self.posts[s].run(self._docs(cands))["documents"]]
-
-    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
-        out = self.pipes[s].run(
-            {
-                "ranker": {"documents": self._docs(cands), "query": question},
-                "prompt": {"query": question},
-            }
-        )
-        [reply] = out["llm"]["replies"]
-        return [d.id for d in out["ranker"]["documents"]], reply.text or ""
-
-
-ENGINES = {e.framework: e for e in (_LlamaIndexEngines, _LangChainEngines, _HaystackEngines)}
-"""The frameworks a pipeline sweep runs through (``--framework``)."""
-
-
-def print_strategies(summary: dict, console: Console) -> None:
-    """One row per curve: mean, worst (and its rank), best and the retrieval-weighted accuracy."""
-    t = Table(title="strategies (x-axis: gold retrieval rank)", title_justify="left")
-    for col in ("curve", "mean", "worst", "worst rank", "best", "retrieval-weighted"):
-        t.add_column(col, justify="right" if col != "curve" else "left", overflow="fold")
-    for label, c in summary["curves"].items():
-        t.add_row(
-            label,
-            f"{c['mean']:.3f}",
-            f"{c['worst']:.3f}",
-            str(c["worst_position"]),
-            f"{c['best']:.3f}",
-            f"{summary['retrieval_weighted'].get(label, float('nan')):.3f}",
-        )
-    console.print(t)

@@ -50,7 +50,7 @@ from ragfix.errors import ConfigError, Interrupted
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
 from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE
 from ragfix.io import JsonlStore
-from ragfix.metrics import degenerate_gold
+from ragfix.metrics import cell_flags
 from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import (
     EMPTY_ANSWER,
@@ -60,9 +60,8 @@ from ragfix.types import (
     QASample,
     StoredPrompt,
     SweepRecord,
+    generation_extra,
 )
-
-DEGENERATE_GOLD = "degenerate_gold"
 
 
 class SweepConfig(RunConfig):
@@ -217,27 +216,6 @@ def stored_prompt(
         passages=list(read.passages),
         gold=gold,
     )
-
-
-def cell_flags(answers: list[str], flags: list[str] = ()) -> tuple[list[str], dict]:
-    """``flags`` plus ``degenerate_gold`` when a gold answer is degenerate, and the ``extra``
-    fields that explain them (``{"degenerate_gold": [reasons]}``)."""
-    reasons = degenerate_gold(answers)
-    if not reasons:
-        return list(flags), {}
-    return [*flags, DEGENERATE_GOLD], {DEGENERATE_GOLD: reasons}
-
-
-def generation_extra(gen: Generation) -> dict:
-    """What a record keeps of a generation besides its text and counts: a remote answer's usage
-    figures (``usage``), the server's reason behind each of its flags (``{flag: reason}``,
-    :attr:`Generation.reasons`) and, for an answer over several orders of the passages, each
-    order's answer (``votes``, :attr:`Generation.votes`)."""
-    return {
-        **({"usage": gen.usage} if gen.usage is not None else {}),
-        **gen.reasons,
-        **({"votes": gen.votes} if gen.votes is not None else {}),
-    }
 
 
 def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> SweepRecord:

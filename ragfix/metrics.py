@@ -82,6 +82,19 @@ def degenerate_gold(answers: Sequence[str]) -> list[str]:
     return out
 
 
+#: flag of a cell with a degenerate gold answer (:func:`degenerate_gold`): scored and counted
+DEGENERATE_GOLD = "degenerate_gold"
+
+
+def cell_flags(answers: list[str], flags: Sequence[str] = ()) -> tuple[list[str], dict]:
+    """``flags`` plus ``degenerate_gold`` when a gold answer is degenerate, and the ``extra``
+    fields that explain them (``{"degenerate_gold": [reasons]}``)."""
+    reasons = degenerate_gold(answers)
+    if not reasons:
+        return list(flags), {}
+    return [*flags, DEGENERATE_GOLD], {DEGENERATE_GOLD: reasons}
+
+
 def kv_match(prediction: str, value: str) -> bool:
     """KV-retrieval accuracy as Lost in the Middle scores it: the value occurs in the output
     (case-insensitive, whole output, no first-line cut)."""

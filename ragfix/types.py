@@ -154,6 +154,18 @@ class Generation(BaseModel):
     votes: list[dict] | None = None
 
 
+def generation_extra(gen: Generation) -> dict:
+    """What a record keeps of a generation besides its text and counts: a remote answer's usage
+    figures (``usage``), the server's reason behind each of its flags (``{flag: reason}``,
+    :attr:`Generation.reasons`) and, for an answer over several orders of the passages, each
+    order's answer (``votes``, :attr:`Generation.votes`)."""
+    return {
+        **({"usage": gen.usage} if gen.usage is not None else {}),
+        **gen.reasons,
+        **({"votes": gen.votes} if gen.votes is not None else {}),
+    }
+
+
 class StoredPrompt(BaseModel):
     """The prompt a cell's model read, as a record keeps it (``ragfix report --html`` shows it).
 

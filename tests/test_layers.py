@@ -255,3 +255,23 @@ def test_the_method_rule_catches_one_method_importing_another():
         gali: ["ragfix.backends.truncated"],
         pine: ["ragfix.backends.set_based.options"],
     }
+
+
+def test_the_pipeline_engines_sit_beside_their_components():
+    """Each framework's engine of the pipeline sweep is in ``ragfix.integrations`` beside its
+    components, over the shared ``ragfix.integrations.engine``; the package imports neither the
+    evaluation, the CLI nor the data connectors (the sweep hands the engines its cells), and the
+    sweep reaches the engines through the string names of its framework registry."""
+    graph = _graph()
+    integrations = sorted(m for m in graph if m.startswith("ragfix.integrations"))
+    for framework in ("langchain", "haystack", "llama_index"):
+        module = f"ragfix.integrations.{framework}"
+        assert "ragfix.integrations.engine" in graph[module]
+        assert module in graph["ragfix.eval.pipeline"]
+    crossing = [
+        f"{m} -> {t}"
+        for m in integrations
+        for t in sorted(graph[m])
+        if _upper(t) or t.startswith("ragfix.connectors")
+    ]
+    assert not crossing, "ragfix.integrations imports above the library:\n" + "\n".join(crossing)

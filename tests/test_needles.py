@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from ragfix.cli.app import app
 from ragfix.connectors.corpus import build_corpus, embedder, read_questions
+from ragfix.connectors.questions import WRITTEN_QUESTIONS, WRITTEN_REPORT
 from ragfix.connectors.synthetic import (
     DROP_REASONS,
     NeedleError,
@@ -23,7 +24,7 @@ from ragfix.connectors.synthetic import (
 )
 from ragfix.errors import ConfigError, ConfigMismatchError
 from ragfix.eval.compare import compare_runs, comparison_tables
-from ragfix.eval.pipeline import WRITTEN_QUESTIONS, WRITTEN_REPORT, run_pipeline_sweep
+from ragfix.eval.pipeline import run_pipeline_sweep
 from ragfix.types import Generation
 
 DOCS = {

@@ -9,7 +9,8 @@ import pytest
 
 from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
 from ragfix.errors import ConfigError
-from ragfix.eval.pipeline import candidates_with_gold_at, run_pipeline_sweep
+from ragfix.eval.pipeline import run_pipeline_sweep
+from ragfix.integrations.engine import candidates_with_gold_at
 from ragfix.reorder import ProfileError
 
 

@@ -6,6 +6,12 @@
 * :mod:`ragfix.integrations.haystack`: ``RagFixRanker`` and ``RagFixChatGenerator`` (Haystack
   components, serialisable to YAML); ``pip install "ragfix[haystack]"``.
 
+Beside its components each framework has the engines of the pipeline sweep (``ragfix
+eval-pipeline``): :class:`~ragfix.integrations.llama_index.LlamaIndexEngines`,
+:class:`~ragfix.integrations.langchain.LangChainEngines`,
+:class:`~ragfix.integrations.haystack.HaystackEngines`, over what they share in
+:mod:`ragfix.integrations.engine`.
+
 They are thin adapters over :mod:`ragfix.correction` and :mod:`ragfix.answering`, the same code
 as the LlamaIndex components (:mod:`ragfix.postprocessor`, :mod:`ragfix.llm`), and give the same
 prompt text (:func:`ragfix.tasks.render_chunk`, :func:`ragfix.tasks.join_chunks`). The core

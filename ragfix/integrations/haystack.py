@@ -55,6 +55,7 @@ from ragfix.backends import BackendRef  # noqa: E402
 from ragfix.backends.base import Backend  # noqa: E402
 from ragfix.correction import Candidate, Correction, CorrectionSettings  # noqa: E402
 from ragfix.errors import ConfigError  # noqa: E402
+from ragfix.integrations.engine import PipelineEngines, node_parts  # noqa: E402
 from ragfix.prompts import join_text_parts  # noqa: E402
 from ragfix.tasks import get_task, join_chunks, render_chunk  # noqa: E402
 from ragfix.types import Generation  # noqa: E402
@@ -330,10 +331,56 @@ class RagFixChatGenerator:
         return default_from_dict(cls, data)
 
 
+class HaystackEngines(PipelineEngines):
+    """Haystack: a pipeline per strategy (the cell's candidates as the ranker's input,
+    :class:`~ragfix.integrations.haystack.RagFixRanker`, the ``qa`` prompt builder,
+    :class:`~ragfix.integrations.haystack.RagFixChatGenerator`; a generator per pipeline, as a
+    Haystack component belongs to one pipeline, all over the same backend)."""
+
+    framework = "haystack"
+
+    def _build(self, s: str, settings: dict) -> None:
+        os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # offline evaluation
+        from haystack import Pipeline
+
+        if not self.llms:
+            self.pipes: dict = {}
+        self.posts[s] = RagFixRanker(backend=self.backend, **settings)
+        self.llms[s] = RagFixChatGenerator(self.backend, **self.answer)
+        pipe = Pipeline()
+        pipe.add_component("ranker", self.posts[s])
+        pipe.add_component("prompt", qa_prompt_builder())
+        pipe.add_component("llm", self.llms[s])
+        pipe.connect("ranker.context", "prompt.context")
+        pipe.connect("prompt.prompt", "llm.messages")
+        self.pipes[s] = pipe
+
+    @staticmethod
+    def _docs(cands: list) -> list:
+        return [
+            Document(id=i, content=text, meta={"title": title}, score=score)
+            for i, title, text, score in map(node_parts, cands)
+        ]
+
+    def _order(self, s: str, cands: list) -> list[str]:
+        return [d.id for d in self.posts[s].run(self._docs(cands))["documents"]]
+
+    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
+        out = self.pipes[s].run(
+            {
+                "ranker": {"documents": self._docs(cands), "query": question},
+                "prompt": {"query": question},
+            }
+        )
+        [reply] = out["llm"]["replies"]
+        return [d.id for d in out["ranker"]["documents"]], reply.text or ""
+
+
 __all__ = [
+    "document_embedder",
+    "HaystackEngines",
+    "qa_prompt_builder",
     "RagFixChatGenerator",
     "RagFixRanker",
-    "document_embedder",
-    "qa_prompt_builder",
     "text_embedder",
 ]

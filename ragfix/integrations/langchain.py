@@ -75,6 +75,7 @@ from ragfix.answering import (  # noqa: E402
 from ragfix.backends.base import Backend  # noqa: E402
 from ragfix.correction import Candidate, Correction, CorrectionFields  # noqa: E402
 from ragfix.errors import ConfigError  # noqa: E402
+from ragfix.integrations.engine import PipelineEngines, node_parts  # noqa: E402
 from ragfix.prompts import join_text_parts  # noqa: E402
 from ragfix.tasks import get_task, join_chunks, render_chunk  # noqa: E402
 
@@ -333,11 +334,75 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
             pieces.close()
 
 
+class LangChainEngines(PipelineEngines):
+    """LangChain: a chain per strategy (a ``ContextualCompressionRetriever`` with
+    :class:`~ragfix.integrations.langchain.RagFixCompressor` over a retriever returning the
+    cell's candidates, the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`,
+    one shared chat model)."""
+
+    framework = "langchain"
+
+    def _build(self, s: str, settings: dict) -> None:
+        from operator import itemgetter
+
+        from langchain_classic.retrievers import ContextualCompressionRetriever
+        from langchain_core.output_parsers import StrOutputParser
+        from langchain_core.retrievers import BaseRetriever
+        from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
+
+        if not self.llms:
+
+            class FixedRetriever(BaseRetriever):
+                """Returns the document list it was last given (the cell's candidates)."""
+
+                docs: list = []
+
+                def _get_relevant_documents(self, query, *, run_manager=None):
+                    return list(self.docs)
+
+            self.chat = RagFixChatModel(self.backend, **self.answer)
+            self.fixed = FixedRetriever()
+            self.chains: dict = {}
+        self.llms[s] = self.chat
+        self.posts[s] = RagFixCompressor(backend=self.backend, **settings)
+        retriever = ContextualCompressionRetriever(
+            base_compressor=self.posts[s], base_retriever=self.fixed
+        )
+        answer = (
+            {
+                "context": itemgetter("docs") | RunnableLambda(format_documents),
+                "question": itemgetter("question"),
+            }
+            | qa_prompt()
+            | self.chat
+            | StrOutputParser()
+        )
+        self.chains[s] = RunnableParallel(docs=retriever, question=RunnablePassthrough()).assign(
+            answer=answer
+        )
+
+    @staticmethod
+    def _docs(cands: list) -> list:
+        return [
+            Document(page_content=text, metadata={"title": title, "score": score}, id=i)
+            for i, title, text, score in map(node_parts, cands)
+        ]
+
+    def _order(self, s: str, cands: list) -> list[str]:
+        return [d.id for d in self.posts[s].compress_documents(self._docs(cands), "")]
+
+    def _query(self, s: str, question: str, cands: list) -> tuple[list[str], str]:
+        self.fixed.docs = self._docs(cands)
+        out = self.chains[s].invoke(question)
+        return [d.id for d in out["docs"]], out["answer"]
+
+
 __all__ = [
     "CALL_SETTINGS",
-    "RagFixChatModel",
-    "RagFixCompressor",
     "embeddings",
     "format_documents",
+    "LangChainEngines",
     "qa_prompt",
+    "RagFixChatModel",
+    "RagFixCompressor",
 ]
