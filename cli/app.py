@@ -27,6 +27,7 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "ragfix.cli.calibrate_cmd",
     "ragfix.cli.eval_cmd",
+    "ragfix.cli.eval_pipeline_cmd",
     "ragfix.cli.report_cmd",
     "ragfix.cli.distill_cmd",
     "ragfix.cli.ppl_cmd",

@@ -162,6 +162,20 @@ RestartOpt = Annotated[
         "inputs (otherwise refused)",
     ),
 ]
+RunFolderOpt = Annotated[Path, typer.Option("--out", "-o", help="run folder (resumable)")]
+PositionsOpt = Annotated[str, typer.Option(help="all | first,middle,last | 0,4,9")]
+LimitOpt = Annotated[int | None, typer.Option(help="use the first N samples")]
+SkipInvalidOpt = Annotated[
+    bool, typer.Option(help="skip and count malformed records instead of stopping")
+]
+LogPromptsOpt = Annotated[
+    bool,
+    typer.Option(
+        help="keep in results.jsonl the prompt each cell's model read (shown by ragfix "
+        "report --html); --no-log-prompts leaves them out of a very large run. A folder "
+        "keeps the setting it was started with"
+    ),
+]
 ApiBaseOpt = Annotated[
     str | None,
     typer.Option(

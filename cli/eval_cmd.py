@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.table import Table
+from typer.core import TyperCommand
 
 from ragfix.cli.common import (
     ORDER_OPTIONS,
@@ -17,8 +19,13 @@ from ragfix.cli.common import (
     CalibrationOpt,
     DeviceOpt,
     DtypeOpt,
+    LimitOpt,
+    LogPromptsOpt,
     ModelOpt,
+    PositionsOpt,
     RestartOpt,
+    RunFolderOpt,
+    SkipInvalidOpt,
     TrainWindowOpt,
     backend_options,
     console,
@@ -39,10 +46,44 @@ def print_run(summary: dict, out: Path, title: str) -> None:
     print_run_files(out, console)
 
 
+class EvalCommand(TyperCommand):
+    """``ragfix eval``: an option of ``ragfix eval-pipeline`` that ``eval`` does not take (the
+    pipeline sweep's ``--corpus``, ``--questions``, ``--framework`` ...) is refused in one line
+    naming that command, before anything else is parsed."""
+
+    #: the command that takes the pipeline sweep's options
+    PIPELINE = "eval-pipeline"
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Refuse an option of :attr:`PIPELINE` (``--opt`` or ``--opt=value``) that this command
+        lacks, then parse as usual.
+
+        Raises:
+            typer.Exit: code 2, after ``error: ...`` on stderr (:func:`user_errors`).
+        """
+        group = ctx.parent.command if ctx.parent is not None else None
+        pipeline = group.get_command(ctx.parent, self.PIPELINE) if group is not None else None
+        if pipeline is not None:
+            own = {o for p in self.params for o in (*p.opts, *p.secondary_opts)}
+            theirs = {o for p in pipeline.params for o in (*p.opts, *p.secondary_opts)}
+            for arg in args:
+                if arg == "--":
+                    break
+                flag = arg.split("=", 1)[0]
+                if flag.startswith("-") and flag in theirs - own:
+                    with user_errors():
+                        raise ConfigError(
+                            f"{flag} is an option of ragfix {self.PIPELINE}, the sweep through a "
+                            f"real pipeline over a corpus: run ragfix {self.PIPELINE} (ragfix "
+                            "eval sweeps a data file)"
+                        )
+        return super().parse_args(ctx, args)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``eval``, ``demo`` and ``models`` to the CLI."""
 
-    @app.command("eval")
+    @app.command("eval", cls=EvalCommand)
     @REMOTE_OPTIONS
     @ORDER_OPTIONS
     def eval_cmd(
@@ -55,11 +96,9 @@ def register(app: typer.Typer) -> None:
                 "nq-sample, kv-sample"
             ),
         ] = None,
-        out: Annotated[Path, typer.Option("--out", "-o", help="run folder (resumable)")] = Path(
-            "runs/eval"
-        ),
+        out: RunFolderOpt = Path("runs/eval"),
         num_docs: Annotated[int, typer.Option(help="documents (or KV pairs) per prompt")] = 10,
-        positions: Annotated[str, typer.Option(help="all | first,middle,last | 0,4,9")] = "all",
+        positions: PositionsOpt = "all",
         records: Annotated[
             str | None,
             typer.Option(
@@ -67,7 +106,7 @@ def register(app: typer.Typer) -> None:
                 "is line i+1), before --limit; kept in config.json"
             ),
         ] = None,
-        limit: Annotated[int | None, typer.Option(help="use the first N samples")] = None,
+        limit: LimitOpt = None,
         model: ModelOpt = "smollm2",
         backend: BackendOpt = "vanilla",
         backend_opt: BackendOptsOpt = None,
@@ -77,9 +116,7 @@ def register(app: typer.Typer) -> None:
         distractor_pool: Annotated[
             Path | None, typer.Option(help="file to draw distractors from (BM25)")
         ] = None,
-        skip_invalid: Annotated[
-            bool, typer.Option(help="skip and count malformed records instead of stopping")
-        ] = False,
+        skip_invalid: SkipInvalidOpt = False,
         prefix_reuse: Annotated[
             bool, typer.Option(help="reuse the KV cache of the shared prompt prefix")
         ] = True,
@@ -94,149 +131,27 @@ def register(app: typer.Typer) -> None:
                 "single-thread process per free core; $RAGFIX_WORKERS)"
             ),
         ] = None,
-        corpus: Annotated[
-            Path | None,
-            typer.Option(
-                help="pipeline mode: a folder of documents (or a JSONL corpus; demo: the bundled "
-                "NQ passages); never written: its index lives in the ragfix cache"
-            ),
-        ] = None,
-        questions: Annotated[
-            Path | None,
-            typer.Option(help="pipeline mode: questions JSONL (question, answers, gold_text)"),
-        ] = None,
-        needles: Annotated[
-            int | None,
-            typer.Option(
-                min=1,
-                help="pipeline mode, no question file: plant N facts in N chunks of the corpus "
-                "and ask each",
-            ),
-        ] = None,
-        needle_seed: Annotated[
-            int, typer.Option(help="--needles: seed of the chunks, facts and insertion points")
-        ] = 0,
-        questions_from: Annotated[
-            str | None,
-            typer.Option(
-                help="pipeline mode, no question file: a model (smollm2, HF id, folder, "
-                "openai:NAME with --api-base) writes a question per sampled chunk; kept in the "
-                "run folder's questions.jsonl"
-            ),
-        ] = None,
-        question_chunks: Annotated[
-            int, typer.Option(min=1, help="--questions-from: chunks sampled, one question each")
-        ] = 20,
-        question_seed: Annotated[
-            int, typer.Option(help="--questions-from: seed of the sampled chunks")
-        ] = 0,
-        chunk_size: Annotated[
-            int | None,
-            typer.Option(min=1, help="pipeline mode: chunk size in embedder tokens (default 64)"),
-        ] = None,
-        embedder: Annotated[
-            str | None,
-            typer.Option(
-                help="pipeline mode: sentence-transformers model id or folder (default: the "
-                "embedded all-MiniLM-L6-v2)"
-            ),
-        ] = None,
-        strategy: Annotated[
-            str, typer.Option(help="pipeline mode: reorder strategies, comma separated")
-        ] = "none",
-        profile: Annotated[
-            Path | None, typer.Option(help="bias-profile strategy: a sweep's summary.json")
-        ] = None,
-        retriever: Annotated[str, typer.Option(help="pipeline mode: faiss or bm25")] = "faiss",
-        framework: Annotated[
-            str,
-            typer.Option(
-                help="pipeline mode: llamaindex, langchain or haystack (the last two need "
-                'pip install "ragfix[langchain]" / "ragfix[haystack]")'
-            ),
-        ] = "llamaindex",
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
-        log_prompts: Annotated[
-            bool,
-            typer.Option(
-                help="keep in results.jsonl the prompt each cell's model read (shown by ragfix "
-                "report --html); --no-log-prompts leaves them out of a very large run. A folder "
-                "keeps the setting it was started with"
-            ),
-        ] = True,
+        log_prompts: LogPromptsOpt = True,
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
-        """Accuracy as the gold passage moves through every position (table, summary.json,
-        curve.png). With --corpus: the same sweep through a real LlamaIndex, LangChain or
-        Haystack pipeline (--framework), one curve per reorder strategy, on --questions, on
-        --needles planted in the corpus or on questions --questions-from a model writes."""
+        """Accuracy as the gold passage moves through every position of a data file's prompts
+        (table, summary.json, curve.png). Through a real pipeline over a corpus: ragfix
+        eval-pipeline."""
         with user_errors():
-            from ragfix.models import REMOTE_PREFIX
-
-            writer_remote = questions_from is not None and questions_from.startswith(REMOTE_PREFIX)
-            answer_remote = model.startswith(REMOTE_PREFIX) or not writer_remote
             options = {
                 **backend_options(backend_opt, calibration, train_window),
-                **remote_options(model, remote if answer_remote else {}),
+                **remote_options(model, remote),
             }
-            writer = remote_options(questions_from, remote) if writer_remote else {}
             orders = order_options(order_flags or {})
-            pipeline = (questions, needles, questions_from)
-            if corpus is not None or any(x is not None for x in pipeline):
-                if corpus is None:
-                    raise ConfigError("pipeline mode needs --corpus")
-                if records is not None:
-                    raise ConfigError("--records selects records of a data file, not questions")
-                if workers is not None:
-                    raise ConfigError("--workers splits a data file's samples, not pipeline mode")
-                if orders is not None:
-                    raise ConfigError(
-                        "--orders needs the passages of each prompt, which a framework's "
-                        "rendered prompt does not mark: use it with a data file"
-                    )
-                from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
-                from ragfix.eval.pipeline import print_pipeline_run, run_pipeline_sweep
-
-                summary = run_pipeline_sweep(
-                    corpus=corpus,
-                    questions=questions,
-                    out=out,
-                    strategies=[s.strip() for s in strategy.split(",") if s.strip()],
-                    top_k=num_docs,
-                    positions=positions,
-                    limit=limit,
-                    model=model,
-                    backend=backend,
-                    adapter=adapter,
-                    backend_options=options,
-                    profile=profile,
-                    retriever=retriever,
-                    framework=framework,
-                    skip_invalid=skip_invalid,
-                    device=device,
-                    dtype=dtype,
-                    restart=restart,
-                    log_prompts=log_prompts,
-                    console=console,
-                    needles=None
-                    if needles is None
-                    else NeedleSettings(count=needles, seed=needle_seed),
-                    questions_from=None
-                    if questions_from is None
-                    else QuestionsFrom(
-                        model=questions_from, chunks=question_chunks, seed=question_seed
-                    ),
-                    writer_options=writer,
-                    embedder=embedder,
-                    **({} if chunk_size is None else {"chunk_size": chunk_size}),
-                )
-                print_pipeline_run(summary, out, console)
-                return
             if data is None:
-                raise ConfigError("give a data file (or --corpus and a source of questions)")
+                raise ConfigError(
+                    "give a data file (the sweep through a pipeline over a corpus: ragfix "
+                    "eval-pipeline)"
+                )
             from ragfix.eval import run_sweep
 
             summary = run_sweep(

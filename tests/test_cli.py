@@ -229,3 +229,27 @@ def test_backend_help_names_every_registered_backend(monkeypatch):
         assert summary and f"• {name}: {summary}" in out
     assert "• test-order: a test's backend" in out
     assert "test-order" in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "400"}).output
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--corpus", "demo", "--questions", "demo"], "--corpus"),
+        ([str(NQ), "--framework=langchain"], "--framework"),
+        (["kv-sample", "--num-docs", "4", "--needles", "3"], "--needles"),
+        ([str(NQ), "--strategy", "none,reverse"], "--strategy"),
+    ],
+)
+def test_eval_refuses_the_pipeline_form_naming_eval_pipeline(args, flag, tmp_path):
+    """``ragfix eval`` with an option of the pipeline sweep (``--corpus``, ``--framework=X``
+    ...) fails before anything runs, in one line that names ``ragfix eval-pipeline``; the
+    option belongs to that command (its ``--help`` lists it)."""
+    out = tmp_path / "o"
+    res = runner.invoke(app, ["eval", *args, "--out", str(out)])
+    assert res.exit_code == 2
+    assert res.output.strip() == (
+        f"error: {flag} is an option of ragfix eval-pipeline, the sweep through a real pipeline "
+        "over a corpus: run ragfix eval-pipeline (ragfix eval sweeps a data file)"
+    )
+    assert not out.exists()
+    assert flag in runner.invoke(app, ["eval-pipeline", "--help"], env={"COLUMNS": "400"}).output

@@ -268,8 +268,8 @@ def test_written_questions_are_filtered_and_every_drop_counted(folder, tmp_path,
 
 
 def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path):
-    """``ragfix eval --corpus DIR --needles 3``, then ``--questions-from`` a served model (the
-    stand-in server, every reply the same pair: kept for the one chunk whose answer it is) with
+    """``ragfix eval-pipeline --corpus DIR --needles 3``, then ``--questions-from`` a served model
+    (the stand-in server, every reply the same pair: kept for the one chunk whose answer it is) with
     SmolLM2 answering; the question file is written to the run folder, reused by a rerun and
     readable with ``--questions``; the folder is never written."""
     from fake_openai import FakeOpenAI
@@ -277,7 +277,7 @@ def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path
     before = _listing(folder)
     out = tmp_path / "needles"
     small = ["--num-docs", "3", "--positions", "2", "--device", "cpu"]
-    args = ["eval", "--corpus", str(folder), "--needles", "3", "--out", str(out), *small]
+    args = ["eval-pipeline", "--corpus", str(folder), "--needles", "3", "--out", str(out), *small]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
@@ -291,13 +291,13 @@ def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path
     assert all(r["question"].startswith("What is the secret code of the ") for r in recs)
     res = runner.invoke(app, [*args[:4], "4", *args[5:]])
     assert res.exit_code == 2 and "needles.count: 3 there, 4 now" in " ".join(res.output.split())
-    res = runner.invoke(app, ["eval", "--corpus", str(folder), "--out", str(out), *small])
+    res = runner.invoke(app, ["eval-pipeline", "--corpus", str(folder), "--out", str(out), *small])
     assert res.exit_code == 2 and "needs one source of questions" in res.output
 
     out = tmp_path / "written"
     pair = " How many countries does the Danube cross?\nAnswer: ten countries"
     with FakeOpenAI(pieces=[pair]) as server:
-        args = ["eval", "--corpus", str(folder), "--questions-from", "openai:fake"]
+        args = ["eval-pipeline", "--corpus", str(folder), "--questions-from", "openai:fake"]
         args += ["--api-base", server.url, "--question-chunks", "20", "--chunk-size", "256"]
         args += ["--out", str(out), *small]
         res = runner.invoke(app, args)
@@ -382,9 +382,9 @@ def _twice(tmp_path, names=("rivers.md", "bread.md")):
 
 
 def test_a_corpus_of_copies_says_which_files_are_copies_when_no_question_is_kept(tmp_path):
-    """Issue 45: every file of the corpus has a copy, so the answer of every written question
-    (a served model's, the one pair its chunk answers) is in the copy's chunk too and the filter
-    keeps none; ``ragfix eval --questions-from`` fails in one line that names the copies (which
+    """Issue 45: every file of the corpus has a copy, so the answer of every written question (a
+    served model's, the one pair its chunk answers) is in the copy's chunk too and the filter keeps
+    none; ``ragfix eval-pipeline --questions-from`` fails in one line that names the copies (which
     files are copies of which)."""
     from fake_openai import FakeOpenAI
 
@@ -392,7 +392,7 @@ def test_a_corpus_of_copies_says_which_files_are_copies_when_no_question_is_kept
     pair = " How many countries does the Danube cross?\nAnswer: ten countries"
     out = tmp_path / "run"
     with FakeOpenAI(pieces=[pair]) as server:
-        args = ["eval", "--corpus", str(d), "--questions-from", "openai:fake"]
+        args = ["eval-pipeline", "--corpus", str(d), "--questions-from", "openai:fake"]
         args += ["--api-base", server.url, "--chunk-size", "256", "--out", str(out)]
         res = runner.invoke(app, [*args, "--num-docs", "2", "--positions", "0", "--device", "cpu"])
         assert len(server.bodies) == 2  # the two chunks, each asked once

@@ -100,7 +100,17 @@ def test_installed_cli_runs_the_demo_pipeline(venv, tmp_path):
     if (cache_dir() / "models").is_dir():  # reuse the converted SmolLM2, build the index anew
         (cache / "models").symlink_to(cache_dir() / "models")
     out = tmp_path / "run"
-    args = ["eval", "--corpus", "demo", "--questions", "demo", "--limit", "1", "--num-docs", "2"]
+    args = [
+        "eval-pipeline",
+        "--corpus",
+        "demo",
+        "--questions",
+        "demo",
+        "--limit",
+        "1",
+        "--num-docs",
+        "2",
+    ]
     args += ["--positions", "0", "--device", "cpu", "--out", out]
     _run([venv / "bin" / "ragfix", *args], cwd=tmp_path, timeout=600, RAGFIX_CACHE=str(cache))
     records = [json.loads(x) for x in next(out.rglob("results.jsonl")).read_text().splitlines()]

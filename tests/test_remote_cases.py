@@ -282,10 +282,10 @@ def test_c18_judge_ctrl_c_stores_every_pair_both_of_whose_replies_arrived(tmp_pa
 
 
 def test_c18_pipeline_ctrl_c_stores_the_cells_that_finished(tmp_path):
-    """C18 for the pipeline sweep (``ragfix eval --corpus --questions``): one question x gold
-    ranks 0 and 1 x strategies none and reverse (4 cells, one request each, in turn), the
-    server answering two and holding the third. Ctrl-C stores the two finished cells, says so
-    within a second, and the rerun computes only the other two."""
+    """C18 for the pipeline sweep (``ragfix eval-pipeline --corpus --questions``): one question x
+    gold ranks 0 and 1 x strategies none and reverse (4 cells, one request each, in turn), the
+    server answering two and holding the third. Ctrl-C stores the two finished cells, says so within
+    a second, and the rerun computes only the other two."""
     from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
 
     corpus = tmp_path / "corpus.jsonl"
@@ -295,8 +295,9 @@ def test_c18_pipeline_ctrl_c_stores_the_cells_that_finished(tmp_path):
     out = tmp_path / "run"
 
     def args(fake: FakeOpenAI) -> list[str]:
-        return ["eval", "--corpus", str(corpus), "--questions", str(questions), "--strategy",
-                "none,reverse", "--num-docs", "3", "--positions", "0,1", "--retriever", "bm25",
+        return ["eval-pipeline", "--corpus", str(corpus), "--questions", str(questions),
+                "--strategy", "none,reverse", "--num-docs", "3", "--positions", "0,1",
+                "--retriever", "bm25",
                 "--model", "openai:fake", "--api-base", fake.url, "--tokenizer", "smollm2",
                 "--out", str(out)]  # fmt: skip
 

@@ -229,16 +229,26 @@ def test_output_folder_of_another_config_is_refused(finished_run):
         ([NQ, "--backend", "nope"], "unknown backend 'nope'"),
         ([NQ, "--workers", "0"], "--workers 0: give at least 1"),
         ([NQ, "--workers", "2", "--device", "cuda"], "worker processes are for a local model"),
-        (["--corpus", "c", "--questions", "q", "--workers", "2"], "not pipeline mode"),
-        (["--needles", "2"], "pipeline mode needs --corpus"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message, tmp_path):
+    res = runner.invoke(app, ["eval", *args, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
         (["--corpus", "c", "--needles", "0"], "greater than or equal to 1"),
         (["--corpus", "c", "--needles", "2", "--limit", "1"], "--needles N sets their number"),
         (["--corpus", "c", "--needles", "2", "--questions", "q"], "--questions and --needles"),
         (["--corpus", "c"], "needs one source of questions"),
     ],
 )
-def test_bad_input_is_one_clear_line(args, message, tmp_path):
-    res = runner.invoke(app, ["eval", *args, "--out", str(tmp_path / "o")])
+def test_bad_pipeline_input_is_one_clear_line(args, message, tmp_path):
+    res = runner.invoke(app, ["eval-pipeline", *args, "--out", str(tmp_path / "o")])
     assert res.exit_code == 2
     assert message in res.output
     assert "Traceback" not in res.output
