@@ -42,7 +42,7 @@ for position, (rank, hit) in enumerate(
 #    object per line; "gold_text" can name the passage instead of "gold_doc_id"). Each gold chunk
 #    is moved to retrieval rank 0 (first) and 9 (last), with and without the reordering. Two
 #    questions show the mechanics; a curve to act on needs more (docs/middleware.md: all 10
-#    ranks, ragfix eval --corpus demo --questions demo).
+#    ranks, ragfix eval-pipeline --corpus demo --questions demo).
 QUESTIONS = [
     {
         "question": "who invented the cornell method of note taking",
