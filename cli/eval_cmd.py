@@ -174,7 +174,7 @@ def register(app: typer.Typer) -> None:
         Haystack pipeline (--framework), one curve per reorder strategy, on --questions, on
         --needles planted in the corpus or on questions --questions-from a model writes."""
         with user_errors():
-            from ragfix.models import REMOTE_PREFIX
+            from ragfix.models.resolve import REMOTE_PREFIX
 
             writer_remote = questions_from is not None and questions_from.startswith(REMOTE_PREFIX)
             answer_remote = model.startswith(REMOTE_PREFIX) or not writer_remote
@@ -320,12 +320,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show the installed and cached models; prepare the embedded default. With --check
         MODEL: the backends that model's family supports, and the reason for each refusal."""
-        from ragfix.models import (
-            ModelNotFoundError,
-            ensure_converted,
-            installed_models,
-            smollm2_gguf_path,
-        )
+        from ragfix.errors import ModelNotFoundError
+        from ragfix.models.gguf import ensure_converted
+        from ragfix.models.resolve import installed_models, smollm2_gguf_path
 
         if check is not None:
             with user_errors():

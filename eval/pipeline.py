@@ -90,7 +90,7 @@ from ragfix.eval.sweep_summary import (
 )
 from ragfix.integrations import require_extra
 from ragfix.io import atomic_write_json, atomic_write_text, read_run_config
-from ragfix.models import DEFAULT_EMBEDDER, check_hub_model
+from ragfix.models.resolve import DEFAULT_EMBEDDER, check_hub_model
 from ragfix.prompts import TaskPrompt
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
 from ragfix.tasks import get_task, join_chunks
@@ -305,7 +305,7 @@ def run_pipeline_sweep(
         pydantic.ValidationError: an unknown or invalid backend option.
     """
     from ragfix.backends import backend_class, load_backend, result_options, validate_backend
-    from ragfix.models import resolve_model
+    from ragfix.models.resolve import resolve_model
 
     options = dict(backend_options or {})
     adapter = str(adapter) if adapter else None
