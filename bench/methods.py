@@ -158,7 +158,7 @@ def bench_methods(
     from ragfix.bundled import resolve_data
     from ragfix.connectors.litm import load_samples
     from ragfix.errors import ConfigError
-    from ragfix.models import resolve_device
+    from ragfix.models.device import resolve_device
     from ragfix.tasks import task_prompt
 
     names = check_backends(list(backends or BACKENDS), model)

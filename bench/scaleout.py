@@ -76,7 +76,7 @@ def bench_processes(
     Raises:
         subprocess.CalledProcessError: a setting's ``ragfix eval`` failed (its stderr attached).
     """
-    from ragfix.models import usable_cpu_cores
+    from ragfix.models.device import usable_cpu_cores
 
     root = Path(tempfile.mkdtemp(prefix="ragfix-bench-processes-"))
     runs: dict[str, dict] = {}

@@ -77,7 +77,7 @@ def bench_sweep(
     from ragfix.bundled import bundled_path
     from ragfix.connectors.litm import load_samples
     from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
-    from ragfix.models import resolve_device
+    from ragfix.models.device import resolve_device
     from ragfix.tasks import task_prompt
 
     path = bundled_path(data) or Path(data)

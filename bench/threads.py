@@ -7,8 +7,8 @@ without prefix reuse); the busy processes are pure-Python spin loops started bes
 for another job on the machine. Prints seconds per cell, the ratio against the fastest setting of
 the same load, and whether every setting gave the same answers; writes the table as a result file
 (``--json results/cpu-threads.json``, rendered by ``ragfix render``). The thread count
-:func:`ragfix.models.cpu_threads` picks by default is the measured winner of each load: the cores
-the load leaves free.
+:func:`ragfix.models.device.cpu_threads` picks by default is the measured winner of each load: the
+cores the load leaves free.
 
     ragfix bench threads --threads 1,2 --busy 0,1 --json results/cpu-threads.json
 """
@@ -63,7 +63,7 @@ def bench_threads(
         ``(table, details)``: the formatted table and the raw figures (seconds per cell and the
         answers of every setting, the number of cores).
     """
-    from ragfix.models import usable_cpu_cores
+    from ragfix.models.device import usable_cpu_cores
 
     cores = usable_cpu_cores()
     runs: dict[tuple[int, int], dict] = {}

@@ -51,7 +51,7 @@ def _global(
 ) -> None:
     """Fix position bias (lost in the middle) in retrieval-augmented generation."""
     if threads is not None:
-        from ragfix.models import THREADS_ENV
+        from ragfix.models.device import THREADS_ENV
 
         os.environ[THREADS_ENV] = str(threads)
 

@@ -215,7 +215,7 @@ def remote_options(model: str, flags: dict) -> dict:
     Raises:
         ConfigError: a remote flag with a local model, or ``openai:NAME`` without ``--api-base``.
     """
-    from ragfix.models import REMOTE_PREFIX
+    from ragfix.models.resolve import REMOTE_PREFIX
 
     given = {k: v for k, v in flags.items() if v is not None}
     if not model.startswith(REMOTE_PREFIX):

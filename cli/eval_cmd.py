@@ -235,12 +235,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show the installed and cached models; prepare the embedded default. With --check
         MODEL: the backends that model's family supports, and the reason for each refusal."""
-        from ragfix.models import (
-            ModelNotFoundError,
-            ensure_converted,
-            installed_models,
-            smollm2_gguf_path,
-        )
+        from ragfix.errors import ModelNotFoundError
+        from ragfix.models.gguf import ensure_converted
+        from ragfix.models.resolve import installed_models, smollm2_gguf_path
 
         if check is not None:
             with user_errors():

@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
             from ragfix.eval.pipeline import run_pipeline_sweep
-            from ragfix.models import REMOTE_PREFIX
+            from ragfix.models.resolve import REMOTE_PREFIX
 
             writer_remote = questions_from is not None and questions_from.startswith(REMOTE_PREFIX)
             answer_remote = model.startswith(REMOTE_PREFIX) or not writer_remote

@@ -281,13 +281,13 @@ def load_documents(corpus: Path, skipped: SkipCounter | None = None) -> list:
 
 def corpus_fingerprint(corpus: Path) -> str:
     """The content fingerprint of what :func:`load_documents` reads: a JSONL file's bytes, or the
-    relative names and bytes of a folder's document files (:func:`ragfix.models.files_fingerprint`;
-    other files and hidden ones left out).
+    relative names and bytes of a folder's document files
+    (:func:`ragfix.fingerprint.files_fingerprint`; other files and hidden ones left out).
 
     Raises:
         OSError: a file cannot be read.
     """
-    from ragfix.models import content_fingerprint, files_fingerprint
+    from ragfix.fingerprint import content_fingerprint, files_fingerprint
 
     corpus = Path(corpus)
     if corpus.is_file():
@@ -296,10 +296,11 @@ def corpus_fingerprint(corpus: Path) -> str:
 
 
 def embedder_key(name: str | None) -> str:
-    """What identifies an embedder in an index key: :data:`~ragfix.models.DEFAULT_EMBEDDER` for
-    the embedded default (``None``), ``local:`` and the content fingerprint for a model folder
+    """What identifies an embedder in an index key: :data:`~ragfix.models.resolve.DEFAULT_EMBEDDER`
+    for the embedded default (``None``), ``local:`` and the content fingerprint for a model folder
     (so replaced weights get a new index), the name itself for a hub id."""
-    from ragfix.models import DEFAULT_EMBEDDER, content_fingerprint
+    from ragfix.fingerprint import content_fingerprint
+    from ragfix.models.resolve import DEFAULT_EMBEDDER
 
     if name is None:
         return DEFAULT_EMBEDDER
@@ -309,11 +310,11 @@ def embedder_key(name: str | None) -> str:
 def index_dir(corpus: Path, settings: dict) -> Path:
     """Where the index of ``corpus`` built with ``settings`` is kept:
     ``<cache>/indexes/<name>-<content fingerprint>/chunk<size>-<settings hash>/`` under
-    :func:`ragfix.models.cache_dir`, never inside the corpus. Keyed by content, not by path: an
+    :func:`ragfix.io.cache_dir`, never inside the corpus. Keyed by content, not by path: an
     edited corpus gets a new index (the old one stays in the cache until removed), two copies
     share one; one subfolder per settings (chunk size, overlap, embedder, template, needles), so
     indexes built with other settings are kept, not rebuilt in turn."""
-    from ragfix.models import cache_dir
+    from ragfix.io import cache_dir
 
     corpus = Path(corpus)
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
@@ -332,7 +333,7 @@ def embedder(name: str | None = None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from ragfix.models import default_embedder_path
+    from ragfix.models.resolve import default_embedder_path
 
     path = str(default_embedder_path()) if name is None else name
     return HuggingFaceEmbedding(model_name=path, device="cpu")
@@ -416,7 +417,7 @@ def build_corpus(
     from llama_index.vector_stores.faiss import FaissVectorStore
     from transformers import AutoTokenizer
 
-    from ragfix.models import default_embedder_path
+    from ragfix.models.resolve import default_embedder_path
 
     corpus = Path(corpus)
     if not corpus.exists():

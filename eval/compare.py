@@ -45,7 +45,7 @@ from ragfix.eval.sweep_summary import (
 )
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.metrics import continues_context
-from ragfix.models import DEFAULT_EMBEDDER
+from ragfix.models.resolve import DEFAULT_EMBEDDER
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed
 
 #: the ``kind`` of a comparison file written by ``ragfix report --json``

@@ -139,7 +139,7 @@ def check_model(name: str) -> tuple[object, list[tuple[str, str | None]]]:
     """
     from ragfix.backends import backend_names
     from ragfix.backends.family import read_family
-    from ragfix.models import load_config
+    from ragfix.models.resolve import load_config
 
     config = load_config(name)
     return read_family(config), [(b, verdict(b, config)) for b in backend_names()]
@@ -187,7 +187,7 @@ def bench_families(
         (a cell that raised anything else than a refusal is ``works: false`` with its error).
     """
     from ragfix.errors import UnsupportedModelError
-    from ragfix.models import load_tokenizer
+    from ragfix.models.load import load_tokenizer
 
     tok = load_tokenizer("smollm2")
     prompts = probe_prompts()

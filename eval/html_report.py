@@ -106,7 +106,7 @@ def load_judge_run(path: str | Path) -> JudgeRun:
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.pairwise import load_pairs
     from ragfix.eval.run import folder_store
-    from ragfix.models import content_fingerprint
+    from ragfix.fingerprint import content_fingerprint
 
     path = Path(path)
     folder = path if path.is_dir() else path.parent

@@ -283,7 +283,8 @@ def run_judge(
     """
     from ragfix.backends import load_backend, validate_backend
     from ragfix.connectors.pairwise import detect_format
-    from ragfix.models import resolve_device, resolve_model
+    from ragfix.models.device import resolve_device
+    from ragfix.models.resolve import resolve_model
 
     data, out = Path(data), Path(out)
     fmt = detect_format(data)

@@ -82,7 +82,7 @@ from ragfix.eval.sweep_summary import build_summary, cells_by_curve, natural_ran
 from ragfix.integrations import require_extra
 from ragfix.integrations.engine import PipelineEngines
 from ragfix.io import read_run_config
-from ragfix.models import DEFAULT_EMBEDDER, check_hub_model
+from ragfix.models.resolve import DEFAULT_EMBEDDER, check_hub_model
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
@@ -257,7 +257,7 @@ def run_pipeline_sweep(
         pydantic.ValidationError: an unknown or invalid backend option.
     """
     from ragfix.backends import backend_class, load_backend, result_options, validate_backend
-    from ragfix.models import resolve_model
+    from ragfix.models.resolve import resolve_model
 
     options = dict(backend_options or {})
     adapter = str(adapter) if adapter else None

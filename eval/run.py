@@ -107,7 +107,7 @@ def input_fingerprints(**paths: str | Path | None) -> dict[str, str]:
     Raises:
         DataError: an input that does not exist.
     """
-    from ragfix.models import content_fingerprint
+    from ragfix.fingerprint import content_fingerprint
 
     out = {}
     for role, p in paths.items():

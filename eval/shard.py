@@ -38,7 +38,7 @@ def threads_per_worker() -> int:
     Raises:
         ConfigError: ``$RAGFIX_THREADS`` is not a whole number of at least 1.
     """
-    from ragfix.models import THREADS_ENV, cpu_threads
+    from ragfix.models.device import THREADS_ENV, cpu_threads
 
     return cpu_threads() if os.environ.get(THREADS_ENV) else 1
 
@@ -49,8 +49,8 @@ def sweep_workers(workers: int | None, *, device: str, model: str, samples: int)
     On the CPU, single-thread processes side by side do more cells per second than one process
     whose threads share the cores (``ragfix bench processes``; ``results/cpu-threads.json``). The
     default (``workers`` and ``$RAGFIX_WORKERS`` unset) is therefore, for a local model on the CPU
-    and outside a launcher: the free cores (:func:`ragfix.models.free_cpu_cores`) divided by the
-    threads per process (:func:`threads_per_worker`), at most one process per sample,
+    and outside a launcher: the free cores (:func:`ragfix.models.device.free_cpu_cores`) divided by
+    the threads per process (:func:`threads_per_worker`), at most one process per sample,
     and at most as many as the available memory holds at twice the weight files' size each (fp32
     copies of half-precision files); one process on CUDA, for a served model, or when the weights'
     size is unknown.
@@ -58,7 +58,7 @@ def sweep_workers(workers: int | None, *, device: str, model: str, samples: int)
     Args:
         workers: an explicit count (``--workers``), or ``None`` for the default.
         device: the sweep's device (``"auto"``, ``"cpu"``, ``"cuda"`` ...).
-        model: the model name (see :func:`ragfix.models.resolve_model`).
+        model: the model name (see :func:`ragfix.models.resolve.resolve_model`).
         samples: samples with cells still to compute.
 
     Raises:
@@ -68,13 +68,8 @@ def sweep_workers(workers: int | None, *, device: str, model: str, samples: int)
     import psutil
 
     from ragfix.errors import ConfigError
-    from ragfix.models import (
-        free_cpu_cores,
-        resolve_device,
-        resolve_model,
-        weights_bytes,
-        whole_number,
-    )
+    from ragfix.models.device import free_cpu_cores, resolve_device, whole_number
+    from ragfix.models.resolve import resolve_model, weights_bytes
 
     raw = workers if workers is not None else os.environ.get(WORKERS_ENV)
     local_cpu = (

@@ -151,7 +151,7 @@ def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) 
     import os
 
     from ragfix.backends import load_backend
-    from ragfix.models import THREADS_ENV
+    from ragfix.models.device import THREADS_ENV
 
     os.environ[THREADS_ENV] = str(job.threads)
     try:
@@ -358,7 +358,8 @@ def run_sweep(
     from ragfix.backends.orders import OrderOptions
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
-    from ragfix.models import resolve_device, resolve_model
+    from ragfix.models.device import resolve_device
+    from ragfix.models.resolve import resolve_model
 
     out, options = Path(out), dict(backend_options or {})
     for name, value in (("--limit", limit), ("--batch-size", batch_size)):

@@ -5,6 +5,7 @@
 * :class:`JsonlStore`: one JSON object a line, each appended with flush + fsync, keyed by a field
   (e.g. ``cell_id``). Reading tolerates a torn last line (a crash mid-write) and keeps the first
   record of a key, so reruns and merged shards never double-count.
+* :func:`cache_dir`: the ragfix cache folder (converted models, content fingerprints, indexes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from ragfix.errors import DataError
 
 #: the settings file of every run folder (sweep, pipeline sweep, judge)
 CONFIG_FILE = "config.json"
+
+
+def cache_dir() -> Path:
+    """The ragfix cache folder: ``$RAGFIX_CACHE`` if set, else the platform's user cache dir."""
+    env = os.environ.get("RAGFIX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ragfix"))
 
 
 def _umask() -> int:

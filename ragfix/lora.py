@@ -19,13 +19,8 @@ import json
 from pathlib import Path
 
 from ragfix.errors import AdapterError
-from ragfix.models import (
-    files_fingerprint,
-    model_identity,
-    note_weights,
-    weights_differ,
-    weights_fingerprint,
-)
+from ragfix.fingerprint import files_fingerprint
+from ragfix.models.load import model_identity, note_weights, weights_differ, weights_fingerprint
 
 #: adapter metadata file written next to the peft adapter files by ``ragfix distill``
 METADATA_FILE = "ragfix_adapter.json"
@@ -130,7 +125,7 @@ def load_adapter(model, adapter_dir: str | Path):
         ``(model, info)``: the adapted model (eval mode) and ``info`` for the backend's identity:
         ``path``, ``fingerprint`` (:func:`adapter_fingerprint`), ``kind`` and, for ``ragfix
         distill`` folders, ``variant`` / ``steps`` / ``rows``. The adapted model's
-        :func:`~ragfix.models.weights_fingerprint` is a ``files:`` value derived from the base
+        :func:`~ragfix.models.load.weights_fingerprint` is a ``files:`` value derived from the base
         model's and the adapter's when the base model was loaded from files, else the hash of its
         new tensors.
 
@@ -167,7 +162,7 @@ def load_adapter(model, adapter_dir: str | Path):
 def adapter_fingerprint(adapter_dir: str | Path, weights: str | Path) -> str:
     """What identifies an adapter folder's effect on a model: 16 hex digits over its weight file
     ``weights`` and, when present, its :data:`CONFIG_FILE` (names and content fingerprints, see
-    :func:`ragfix.models.files_fingerprint`).
+    :func:`ragfix.fingerprint.files_fingerprint`).
 
     Raises:
         OSError: a file cannot be read.

@@ -117,7 +117,7 @@ def tiny_folder(folder, seed: int = 0, window: int = 2048):
     weights. Returns the folder."""
     from transformers import AutoTokenizer
 
-    from ragfix.models import checkpoint_dir, resolve_model
+    from ragfix.models.resolve import checkpoint_dir, resolve_model
 
     tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
     model = tiny_model(

@@ -16,7 +16,7 @@ from ragfix.backends.channel_scaling import ChannelScalingBackend, apply_channel
 from ragfix.backends.gali import GaliBackend
 from ragfix.errors import AdapterError, ConfigError, IncompatibleMethodsError
 from ragfix.lora import METADATA_FILE, load_adapter
-from ragfix.models import model_identity
+from ragfix.models.load import model_identity
 from ragfix.prompts import TaskPrompt
 
 PROMPT = TaskPrompt(user="Which river flows through Paris? Answer with one word.")

@@ -37,7 +37,7 @@ from ragfix.backends.channel_scaling.calibrate import (
 )
 from ragfix.backends.hf import HFBackend
 from ragfix.errors import ConfigError, DataError
-from ragfix.models import content_fingerprint
+from ragfix.fingerprint import content_fingerprint
 
 
 def test_screen_finds_a_planted_positional_channel():

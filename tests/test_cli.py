@@ -37,7 +37,7 @@ def test_demo_on_one_sample_writes_a_real_summary(tmp_path):
 
 
 def test_models_lists_the_embedded_model_with_whole_paths():
-    from ragfix.models import smollm2_gguf_path
+    from ragfix.models.resolve import smollm2_gguf_path
 
     res = runner.invoke(app, ["models"], env={"COLUMNS": "60"})
     assert res.exit_code == 0, res.output
@@ -49,9 +49,9 @@ def test_models_lists_the_embedded_model_with_whole_paths():
 def test_threads_option_and_variable_set_torch_threads(monkeypatch):
     import torch
 
-    import ragfix.models
+    import ragfix.models.device
     from ragfix.errors import ConfigError
-    from ragfix.models import THREADS_ENV, cpu_threads
+    from ragfix.models.device import THREADS_ENV, cpu_threads
 
     before = torch.get_num_threads()
     try:
@@ -63,7 +63,7 @@ def test_threads_option_and_variable_set_torch_threads(monkeypatch):
             cpu_threads()
         monkeypatch.delenv(THREADS_ENV)
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        monkeypatch.setattr(ragfix.models, "free_cpu_cores", lambda: 1)
+        monkeypatch.setattr(ragfix.models.device, "free_cpu_cores", lambda: 1)
         assert cpu_threads() == 1 == torch.get_num_threads()  # the free cores otherwise
     finally:
         torch.set_num_threads(before)
@@ -81,7 +81,7 @@ def test_free_cores_are_the_usable_cores_less_those_busy_now(monkeypatch):
 
     import psutil
 
-    from ragfix.models import free_cpu_cores, usable_cpu_cores
+    from ragfix.models.device import free_cpu_cores, usable_cpu_cores
 
     cores = usable_cpu_cores()
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(cores)]

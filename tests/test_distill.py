@@ -42,7 +42,7 @@ from ragfix.distill import (
 )
 from ragfix.errors import AdapterError, ConfigError, DataError
 from ragfix.lora import METADATA_FILE, load_adapter
-from ragfix.models import load_model, model_identity
+from ragfix.models.load import load_model, model_identity
 from ragfix.types import Passage, QASample
 
 EVAL_FILE = "derived_nq_20docs_bm25pool_gold_at_0.jsonl.gz"
@@ -376,7 +376,7 @@ def _tiny_checkpoint(folder, seed: int):
     folder; returns the model."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from ragfix.models import checkpoint_dir, resolve_model
+    from ragfix.models.resolve import checkpoint_dir, resolve_model
 
     tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
     cfg = LlamaConfig(

@@ -16,20 +16,19 @@ import torch
 from conftest import ROOT, tiny_model
 
 import ragfix.io
-import ragfix.models
+import ragfix.models.load
 from ragfix.backends.channel_scaling import ChannelScalingBackend, ChannelScalingCalibration
 from ragfix.errors import AdapterError, ConfigError
+from ragfix.fingerprint import FINGERPRINT_INDEX, content_fingerprint
 from ragfix.lora import METADATA_FILE, load_adapter
-from ragfix.models import (
-    FINGERPRINT_INDEX,
-    ModelSpec,
+from ragfix.models.gguf import gguf_fingerprint
+from ragfix.models.load import (
     checkpoint_files_fingerprint,
-    content_fingerprint,
-    gguf_fingerprint,
     load_model,
     load_tokenizer,
     model_identity,
 )
+from ragfix.models.resolve import ModelSpec
 
 #: a modification time well in the past (files the tests write are "old" checkpoints)
 OLD_NS = 1_600_000_000 * 10**9
@@ -140,9 +139,9 @@ def test_in_memory_weights_follow_in_place_changes_and_are_remembered(monkeypatc
     m = tiny_model(seed=2)
     first = model_identity(m)["weights"]
     calls = []
-    real = ragfix.models.tensors_fingerprint
+    real = ragfix.models.load.tensors_fingerprint
     monkeypatch.setattr(
-        ragfix.models, "tensors_fingerprint", lambda model: calls.append(1) or real(model)
+        ragfix.models.load, "tensors_fingerprint", lambda model: calls.append(1) or real(model)
     )
     assert model_identity(m)["weights"] == first and calls == []  # remembered
     w = _untouched_weight(m)
@@ -168,7 +167,7 @@ def test_files_weights_follow_the_checkpoint_folder(tmp_path, cache, hashed, tok
     m1, _ = load_model(str(d), device="cpu")
     w1 = model_identity(m1)["weights"]
     assert w1.startswith("files:") and len(w1) == len("files:") + 16
-    # the weight files and what says how they are read (ragfix.models.is_weight_file) only
+    # the weight files and what says how they are read (ragfix.fingerprint.is_weight_file) only
     names = ["config.json", "generation_config.json", "model.safetensors"]
     assert sorted(hashed) == [(d / n).resolve() for n in names]
     index = json.loads((cache / FINGERPRINT_INDEX).read_text())

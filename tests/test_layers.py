@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,10 @@ tomllib = pytest.importorskip("tomllib")
 REPO = Path(__file__).resolve().parents[1]
 #: the packages above the library: nothing in the library imports them
 UPPER = ("ragfix.eval", "ragfix.bench", "ragfix.cli")
+#: the bottom floor (records, errors, atomic files, content fingerprints): imports only itself
+BOTTOM = ("ragfix.types", "ragfix.errors", "ragfix.io", "ragfix.fingerprint")
+#: the model modules: import only the bottom floor and each other
+MODELS = "ragfix.models"
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -275,3 +281,58 @@ def test_the_pipeline_engines_sit_beside_their_components():
         if _upper(t) or t.startswith("ragfix.connectors")
     ]
     assert not crossing, "ragfix.integrations imports above the library:\n" + "\n".join(crossing)
+
+
+def _floor_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """The edges that leave a floor: a bottom-floor module importing anything else, a model
+    module (``ragfix.models`` and its modules) importing anything but the bottom floor and the
+    model modules."""
+
+    def model(m: str) -> bool:
+        return m == MODELS or m.startswith(MODELS + ".")
+
+    out = []
+    for m in sorted(graph):
+        if m in BOTTOM:
+            out += [f"{m} -> {t}" for t in sorted(graph[m]) if t not in BOTTOM]
+        elif model(m):
+            out += [f"{m} -> {t}" for t in sorted(graph[m]) if t not in BOTTOM and not model(t)]
+    return out
+
+
+def test_the_bottom_floor_and_the_model_modules_import_only_below():
+    graph = _graph()
+    assert not _floor_breaches(graph), "imports that leave a floor:\n" + "\n".join(
+        _floor_breaches(graph)
+    )
+    assert {"ragfix.models.resolve", "ragfix.models.device"} <= graph["ragfix.models.load"]
+    assert "ragfix.fingerprint" in graph["ragfix.models.gguf"]
+    assert "ragfix.models.load" in graph["ragfix.models"]  # the lazy names count
+
+
+def test_the_floor_rule_catches_an_upward_import():
+    graph = _graph()
+    graph["ragfix.fingerprint"] = graph["ragfix.fingerprint"] | {"ragfix.models.resolve"}
+    graph["ragfix.models.device"] = graph["ragfix.models.device"] | {"ragfix.backends.base"}
+    assert _floor_breaches(graph) == [
+        "ragfix.fingerprint -> ragfix.models.resolve",
+        "ragfix.models.device -> ragfix.backends.base",
+    ]
+
+
+def _heavy_after(code: str) -> list[str]:
+    """Which of torch and transformers a fresh interpreter holds after running ``code``."""
+    probe = f"{code}; import sys; print([m for m in ('torch', 'transformers') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True)
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_fingerprints_run_folders_and_model_names_import_no_torch():
+    """Content fingerprints, the run folder (:mod:`ragfix.eval.run`), model resolution, GGUF
+    conversion and the thread settings import neither torch nor transformers; loading does."""
+    light = (
+        "import ragfix.fingerprint, ragfix.eval.run, ragfix.models, ragfix.models.resolve, "
+        "ragfix.models.gguf, ragfix.models.device; from ragfix.models import REMOTE_PREFIX"
+    )
+    assert _heavy_after(light) == []
+    assert _heavy_after("from ragfix.models import load_model") == ["torch"]

@@ -3,15 +3,10 @@ import torch
 from conftest import tiny_model
 
 from ragfix.backends.hf import HFBackend
-from ragfix.errors import ModelLoadError
-from ragfix.models import (
-    ModelNotFoundError,
-    check_gguf,
-    converted_dir,
-    load_model,
-    model_identity,
-    resolve_model,
-)
+from ragfix.errors import ModelLoadError, ModelNotFoundError
+from ragfix.models.gguf import check_gguf, converted_dir
+from ragfix.models.load import load_model, model_identity
+from ragfix.models.resolve import resolve_model
 from ragfix.prompts import NO_CHAT_TEMPLATE, TaskPrompt
 from ragfix.tasks import get_task, task_prompt
 from ragfix.types import Passage

@@ -93,7 +93,7 @@ def test_bundled_data_resolves_inside_the_installed_wheel(venv, tmp_path):
 
 
 def test_installed_cli_runs_the_demo_pipeline(venv, tmp_path):
-    from ragfix.models import cache_dir
+    from ragfix.io import cache_dir
 
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -43,7 +43,7 @@ def _exact_count():
     """``usage.prompt_tokens`` as the server of the same model counts a chat request: the
     SmolLM2 chat template of its user turn, plus the assistant prefix to continue."""
     from ragfix.backends.hf import chat_text
-    from ragfix.models import load_tokenizer
+    from ragfix.models.load import load_tokenizer
     from ragfix.prompts import TaskPrompt
 
     tok = load_tokenizer("smollm2")

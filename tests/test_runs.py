@@ -111,7 +111,7 @@ def test_sweep_refuses_an_adapter_retrained_into_the_same_folder(tmp_path, model
 
 def test_sweep_refuses_a_calibration_file_edited_in_place(tmp_path, model_dir):
     from ragfix.backends.channel_scaling import ChannelScalingCalibration
-    from ragfix.models import load_model, model_identity
+    from ragfix.models.load import load_model, model_identity
 
     cal = tmp_path / "cal.json"
 

@@ -108,13 +108,13 @@ def test_worker_processes_equal_single_process(tmp_path):
 
 
 def test_sweep_workers_default_and_errors(monkeypatch):
-    import ragfix.models
+    import ragfix.models.device
     from ragfix.errors import ConfigError
     from ragfix.eval.shard import WORKERS_ENV, sweep_workers
 
     monkeypatch.delenv(WORKERS_ENV, raising=False)
     monkeypatch.delenv("RAGFIX_THREADS", raising=False)
-    monkeypatch.setattr(ragfix.models, "free_cpu_cores", lambda: 4)
+    monkeypatch.setattr(ragfix.models.device, "free_cpu_cores", lambda: 4)
     assert sweep_workers(None, device="cpu", model="smollm2", samples=10) == 4
     assert sweep_workers(None, device="cpu", model="smollm2", samples=3) == 3  # one per sample
     monkeypatch.setenv("RAGFIX_THREADS", "2")

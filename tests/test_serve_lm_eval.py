@@ -3,7 +3,7 @@ class scores multiple-choice requests through a real server on 127.0.0.1 and get
 ``hf`` model computes from the same weights.
 
 Offline: the server serves the session's SmolLM2 (``smol``), and lm-eval reads the same weights
-and tokenizer from their local folder (:func:`ragfix.models.checkpoint_dir`), with
+and tokenizer from their local folder (:func:`ragfix.models.resolve.checkpoint_dir`), with
 ``HF_HUB_OFFLINE=1``.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from test_serve import MODEL, running
 
-from ragfix.models import checkpoint_dir, resolve_model
+from ragfix.models.resolve import checkpoint_dir, resolve_model
 from ragfix.serve import create_app
 
 #: hand-made multiple-choice requests: (context, the choices), the right one first

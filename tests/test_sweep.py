@@ -310,7 +310,7 @@ def test_bench_sweep_compares_the_three_modes_token_by_token(tmp_path):
     from transformers import AutoTokenizer
 
     from ragfix.bench.sweep import bench_sweep
-    from ragfix.models import checkpoint_dir, resolve_model
+    from ragfix.models.resolve import checkpoint_dir, resolve_model
 
     tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
     tiny_model(

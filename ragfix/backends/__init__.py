@@ -3,7 +3,7 @@
 A backend is registered under a name with its options model and a factory
 (:func:`register_backend`); the built-in ones live in their own modules and are imported only
 when asked for. Loading validates the options first (before any weights are read), loads the
-model (:func:`ragfix.models.load_model`), applies an adapter if one is given
+model (:func:`ragfix.models.load.load_model`), applies an adapter if one is given
 (:func:`ragfix.lora.load_adapter`: every backend takes one) and builds the backend.
 
 ``import ragfix.backends`` imports neither torch nor a method: the registry (names, summaries)
@@ -157,7 +157,7 @@ def backend_class(name: str, model: str) -> type[Backend]:
     Raises:
         ConfigError: unknown backend.
     """
-    from ragfix.models import REMOTE_PREFIX
+    from ragfix.models.resolve import REMOTE_PREFIX
 
     spec = backend_spec(name)
     if model.startswith(REMOTE_PREFIX):
@@ -185,7 +185,7 @@ def validate_backend(
             backend or adapter asked of a remote model.
         pydantic.ValidationError: an unknown or invalid option.
     """
-    from ragfix.models import REMOTE_PREFIX
+    from ragfix.models.resolve import REMOTE_PREFIX
 
     spec = backend_spec(name)
     if model is not None and model.startswith(REMOTE_PREFIX):
@@ -223,7 +223,7 @@ def load_backend(
 
     Args:
         name: a registered backend (:func:`backend_names`).
-        model: see :func:`ragfix.models.load_model`; ``openai:NAME`` is model ``NAME`` of an
+        model: see :func:`ragfix.models.load.load_model`; ``openai:NAME`` is model ``NAME`` of an
             OpenAI-compatible server (:class:`~ragfix.backends.remote.RemoteBackend`: only
             ``vanilla``, no adapter; the options are
             :class:`~ragfix.backends.remote.RemoteOptions`, ``api_base`` first).
@@ -249,7 +249,8 @@ def load_backend(
     """
     from ragfix.backends.family import read_family
     from ragfix.backends.orders import marginalize_orders
-    from ragfix.models import REMOTE_PREFIX, load_config, load_model
+    from ragfix.models.load import load_model
+    from ragfix.models.resolve import REMOTE_PREFIX, load_config
 
     if validated is None:
         opts = validate_backend(name, adapter, model=model, **options)
@@ -278,7 +279,7 @@ class BackendRef(BaseModel):
 
     Attributes:
         name: a registered backend.
-        model: see :func:`ragfix.models.load_model`.
+        model: see :func:`ragfix.models.load.load_model`.
         adapter: a LoRA adapter folder, or ``None``.
         options: the backend's options.
         device, dtype: where and how to load it.

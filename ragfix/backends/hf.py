@@ -37,7 +37,7 @@ from ragfix.backends.base import (
     validated_options,
 )
 from ragfix.backends.family import Family, full_cache, model_family
-from ragfix.models import model_identity
+from ragfix.models.load import model_identity
 from ragfix.prompts import NO_CHAT_TEMPLATE
 from ragfix.types import Generation
 
@@ -174,7 +174,7 @@ class HFBackend(Backend):
 
     Args:
         model: a ``transformers`` causal LM in eval mode (as from
-            :func:`ragfix.models.load_model`).
+            :func:`ragfix.models.load.load_model`).
         tokenizer: its tokenizer (left padding, with a pad token).
         adapter: what :func:`ragfix.lora.load_adapter` applied to ``model`` (recorded in
             :meth:`identity`), or ``None``.
@@ -197,7 +197,7 @@ class HFBackend(Backend):
 
     @classmethod
     def load_kwargs(cls, options: BackendOptions) -> dict:
-        """Extra keyword arguments for :func:`ragfix.models.load_model` (e.g. an attention
+        """Extra keyword arguments for :func:`ragfix.models.load.load_model` (e.g. an attention
         implementation the method needs). None for most backends."""
         return {}
 
@@ -259,7 +259,7 @@ class HFBackend(Backend):
         return bool(self.tokenizer.chat_template)
 
     def identity(self) -> dict:
-        """Model identity (:func:`~ragfix.models.model_identity`: weights fingerprint), the
+        """Model identity (:func:`~ragfix.models.load.model_identity`: weights fingerprint), the
         weights' dtype (``"torch.float32"``: another dtype computes other answers), backend
         name, options, the chat template used (a hash, or :data:`NO_CHAT_TEMPLATE`), the
         tokenizer (:func:`tokenizer_id`), the generation settings (:func:`generation_id`) and

@@ -76,7 +76,8 @@ from ragfix.backends.base import (
 )
 from ragfix.backends.hf import chat_text, template_id
 from ragfix.errors import ConfigError, Interrupted, ModelNotFoundError, RagfixError
-from ragfix.models import REMOTE_PREFIX, load_tokenizer
+from ragfix.models.load import load_tokenizer
+from ragfix.models.resolve import REMOTE_PREFIX
 from ragfix.types import (
     EMPTY_ANSWER,
     INVALID_TEXT,

@@ -28,7 +28,8 @@ def adapter_metadata(
 
     Args:
         settings: the :class:`~ragfix.distill.settings.DistillSettings`.
-        base_identity: :func:`ragfix.models.model_identity` of the base model (checked on load).
+        base_identity: :func:`ragfix.models.load.model_identity` of the base model (checked on
+            load).
         kept: the training questions. report: the
             :class:`~ragfix.distill.data.TeacherReport` (questions tried, kept, dropped and
             why). rows: training rows.

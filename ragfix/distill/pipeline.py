@@ -156,7 +156,7 @@ def distill(
     answers through ``Backend.generate``); the trainer works on the same ``transformers`` model.
 
     Args:
-        model_name: see :func:`ragfix.models.load_model`.
+        model_name: see :func:`ragfix.models.load.load_model`.
         samples: candidate training samples (QA/KV for R1, :class:`MultiHopSample` for R2), tried
             in order until ``settings.questions`` are correct at the advantaged position.
         settings: the run's settings.
@@ -166,7 +166,7 @@ def distill(
         train_files: the data files, recorded in the metadata.
         train_records: the record range of the data files the samples were read from
             (``"0:200"``), recorded in the metadata (None: whole files).
-        device, dtype: see :func:`ragfix.models.load_model`.
+        device, dtype: see :func:`ragfix.models.load.load_model`.
         resume: reuse the data file and continue from the checkpoint of an earlier run.
         stop_after: see :func:`~ragfix.distill.loop.train_loop`.
         log: called with one-line progress messages.
@@ -182,7 +182,7 @@ def distill(
     from accelerate import Accelerator
 
     from ragfix.backends.hf import HFBackend
-    from ragfix.models import load_model, model_identity
+    from ragfix.models.load import load_model, model_identity
 
     acc = Accelerator(cpu=device == "cpu" or not torch.cuda.is_available())
     out = Path(out_dir)

@@ -83,7 +83,7 @@ def qa_prompt_builder(task: str = "qa") -> ChatPromptBuilder:
 
 def _embedder_path() -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ragfix.models import default_embedder_path
+    from ragfix.models.resolve import default_embedder_path
 
     return str(default_embedder_path())
 

@@ -110,7 +110,7 @@ def embeddings():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from langchain_community.embeddings import HuggingFaceEmbeddings
 
-    from ragfix.models import default_embedder_path
+    from ragfix.models.resolve import default_embedder_path
 
     with warnings.catch_warnings():  # langchain-huggingface's copy pins an older hub client
         warnings.simplefilter("ignore")

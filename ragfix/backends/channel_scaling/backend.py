@@ -39,8 +39,9 @@ from ragfix.backends.family import Family, apply_rotary, model_family
 from ragfix.backends.hf import HFBackend
 from ragfix.backends.patching import AttentionPatch, attention_modules, patch_attention
 from ragfix.errors import ConfigError, DataError
+from ragfix.fingerprint import content_fingerprint
 from ragfix.io import atomic_write_json
-from ragfix.models import content_fingerprint, model_identity, weights_differ
+from ragfix.models.load import model_identity, weights_differ
 
 #: families whose attention modules the patch understands (separate q/k/v/o_proj, RoPE)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
@@ -350,7 +351,7 @@ class ChannelScalingCalibration(BaseModel):
 
     Attributes:
         format: ``"ragfix.channel-scaling/1"``.
-        model: :func:`ragfix.models.model_identity` of the calibrated model.
+        model: :func:`ragfix.models.load.model_identity` of the calibrated model.
         channel, layers, factor: the chosen settings.
         baseline_loss: tune loss of the unmodified model (nats per answer token).
         factor_losses: factor (as a string) -> tune loss of the best candidate channel.
@@ -395,7 +396,7 @@ class ChannelScalingCalibration(BaseModel):
         Raises:
             ConfigError: no such file, or the file belongs to another model: another
             ``fingerprint``, or other ``weights`` when both identities name weight files
-            (:func:`ragfix.models.weights_differ`).
+            (:func:`ragfix.models.load.weights_differ`).
             ragfix.connectors.jsonl.DataError: not JSON, or a field is missing/invalid (the
                 message names the file and the field).
             ValueError: the file belongs to another model (both identities are named).
@@ -440,7 +441,7 @@ class ChannelScalingBackend(HFBackend):
             factor).
         source: where the settings came from (``"calibration:<path>"``, ``"preset:<name>"``,
             ``"options"``).
-        calibration_fingerprint: :func:`ragfix.models.content_fingerprint` of the calibration
+        calibration_fingerprint: :func:`ragfix.fingerprint.content_fingerprint` of the calibration
             file as it was read, or ``None`` without one.
 
     Raises (constructor):

@@ -65,7 +65,7 @@ from ragfix.backends.channel_scaling.options import default_layers
 from ragfix.backends.hf import HFBackend
 from ragfix.backends.patching import attention_modules
 from ragfix.errors import ConfigError, RagfixError
-from ragfix.models import model_identity
+from ragfix.models.load import model_identity
 from ragfix.prompts import TaskPrompt
 from ragfix.tasks import get_task
 from ragfix.types import Passage

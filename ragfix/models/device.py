@@ -1,0 +1,97 @@
+"""Where and how a model runs: the device, the dtype and torch's CPU threads (from the cores this
+process may use and those other processes keep busy). torch is imported by the functions that
+need it, so the thread settings (:data:`THREADS_ENV`, :func:`usable_cpu_cores`) import light."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ragfix.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``"auto"`` gives CUDA when available, else CPU; any other string is passed to torch."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+#: environment variable read by :func:`cpu_threads` (``ragfix --threads N`` sets it)
+THREADS_ENV = "RAGFIX_THREADS"
+
+
+def usable_cpu_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one), at least 1."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return usable or 1
+
+
+def free_cpu_cores() -> int:
+    """Cores this process may use (its CPU affinity) less the cores other processes keep busy
+    now: their CPU use on those cores over half a second (psutil), in cores, rounded; at least 1.
+    So on a machine another job keeps busy, a model process does not ask for cores it would fight
+    over. A sample of the present rather than the 1-minute load average, which still counts a
+    run that has just ended (a sweep started right after another one, or after ``pip install``).
+    """
+    import psutil
+
+    busy = psutil.cpu_percent(interval=0.5, percpu=True)
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(len(busy))
+    used = sum(busy[i] for i in cpus if i < len(busy)) / 100
+    return max(1, usable_cpu_cores() - round(used))
+
+
+def whole_number(raw: int | str, env: str, what: str) -> int:
+    """``raw`` (a count given in code, or the text of the environment variable ``env``) as an
+    int.
+
+    Raises:
+        ConfigError: not a whole number (``env`` and the value named).
+    """
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{env}={raw!r}: expected a whole number of {what}") from None
+
+
+def cpu_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op CPU threads and return the number set.
+
+    PyTorch starts one thread per core; when other processes hold some of the cores, its threads
+    wait on each other at every parallel step and a model process slows several-fold (measured in
+    ``results/cpu-threads.json``, ``ragfix bench threads``). The number comes from,
+    in order: ``threads``; ``$RAGFIX_THREADS`` (``ragfix --threads N``); ``$OMP_NUM_THREADS``
+    (then torch's own setting is kept); otherwise :func:`free_cpu_cores`.
+
+    Raises:
+        ConfigError: a thread count below 1 or not an integer.
+    """
+    import torch
+
+    raw = threads if threads is not None else os.environ.get(THREADS_ENV)
+    if raw is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        raw = free_cpu_cores()
+    n = whole_number(raw, THREADS_ENV, "threads")
+    if n < 1:
+        raise ConfigError(f"threads={n}: expected at least 1")
+    torch.set_num_threads(n)
+    return n
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None):
+    """``"auto"``: bfloat16 on CUDA, float32 elsewhere; names like ``"float16"`` work too."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
