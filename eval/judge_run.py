@@ -18,7 +18,6 @@ A run folder holds:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -26,13 +25,19 @@ from typing import ClassVar, Literal
 from pydantic import Field
 from rich.console import Console
 
+from ragfix.backends import BackendRef
 from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError, DataError
-from ragfix.eval.progress import progress_bar
-from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints, interrupted
+from ragfix.eval.run import (
+    RunConfig,
+    RunFolder,
+    RunKind,
+    default_batch_size,
+    input_fingerprints,
+    run,
+)
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.judge import (
-    PairJudgment,
     PairwiseJudge,
     check_judge_settings,
     plot_judges,
@@ -178,36 +183,105 @@ def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console, 
     return pairs, skipped
 
 
-def _judge_missing(
-    judge: PairwiseJudge,
-    todo: list[JudgePair],
-    finished: list[dict],
-    on_result: Callable[[PairJudgment], None],
-    console: Console | None,
-    label: str,
-) -> None:
-    """Judge ``todo`` with a progress bar (when ``console`` is given); the pairs judged before a
-    resume (``finished``) count in the bar and its consistency."""
-    if console is None:
-        judge.judge_pairs(todo, on_result)
-        return
-    counts = {"consistent": sum(bool(r["consistent"]) for r in finished), "n": len(finished)}
-    with progress_bar(console) as bar:
-        task = bar.add_task(
-            f"judging ({label})",
-            total=len(todo) + len(finished),
-            completed=len(finished),
-            status="",
+class _JudgeTally:
+    """The judge's running figure: position consistency over the pairs judged so far."""
+
+    def __init__(self, finished: list[dict]) -> None:
+        self.n = len(finished)
+        self.consistent = sum(bool(r["consistent"]) for r in finished)
+
+    def add(self, record: dict) -> str:
+        self.n += 1
+        self.consistent += bool(record["consistent"])
+        return self.status()
+
+    def status(self) -> str:
+        return f"consistent {self.consistent / self.n:.2f}" if self.n else ""
+
+
+class JudgeRun(RunKind):
+    """The judge as a run kind (:func:`ragfix.eval.run.run`): its cells are the pairs (by
+    ``pair_id``), each judged in both orders by a :class:`~ragfix.judge.PairwiseJudge`; the
+    summary is :func:`ragfix.judge.summarize` of the pairs of this data."""
+
+    key = "pair_id"
+    unit = "pair"
+    finished = "judged"
+
+    def __init__(
+        self, config: JudgeConfig, pairs: list[JudgePair], settings: dict, extra: dict, skipped
+    ):
+        self.config, self.pairs, self.settings, self.extra = config, pairs, settings, extra
+        self.skipped = skipped.count
+        self.label = f"judging ({config.backend})"
+        self.computed = 0
+
+    def folder(self, out: Path) -> RunFolder:
+        outputs = (SUMMARY_FILE, PLOT_FILE)
+        return RunFolder(out, self.config, results=JUDGMENTS_FILE, key="pair_id", outputs=outputs)
+
+    def setup(self, backend) -> None:
+        self.backend = backend
+        device = self.config.backend_ref.device
+        size = self.settings.pop("batch_size") or default_batch_size(backend, device, self)
+        self.judge = PairwiseJudge(backend, batch_size=size, **self.settings)
+
+    def batch_size(self, on_gpu: bool) -> int:
+        return 32 if on_gpu else 4
+
+    def cells(self) -> list[tuple[str, JudgePair]]:
+        return [(p.pair_id, p) for p in self.pairs]
+
+    def compute(self, todo: list[JudgePair], store, batch_size: int) -> None:
+        self.computed = len(todo)
+        self.judge.judge_pairs(todo, lambda res: store(res.model_dump(mode="json")))
+
+    def tally(self, finished: list[dict]) -> _JudgeTally:
+        return _JudgeTally(finished)
+
+    def summarize(self, folder: RunFolder, records: list[dict]) -> JudgeRunResult:
+        c, judge = self.config, self.judge
+        name = f"{c.model} · {c.backend}" + (f" · swap {c.swap}" if c.swap != "relabel" else "")
+        name += f" · {c.labels} letters" if c.labels != "slot" else ""
+        name += f" · {c.calibrate} calibration" if c.calibrate != "none" else ""
+        summary = summarize(records)
+        judged = [r for r in records if OVERFLOW not in r.get("flags", ())]  # never asked
+        orders = [o for r in judged for o in (r["original"], r["swapped"])]
+        missing = sum(o.get("p_a") is None for o in orders)
+        notes = []
+        if c.style == "verdict" and missing:
+            notes.append(
+                f"no logit verdict: the server returned no logprobs ({missing} of {len(orders)} "
+                "judged orders have none)"
+            )
+        if c.calibrate != "none":  # also for a finished folder: the priors are in the figures
+            for p in self.pairs:
+                for lay in pair_layouts(p, c.swap, c.labels):
+                    judge.letter_prior(lay, bool(p.reference))
+        extra = {
+            **self.extra,
+            "content_free": (
+                {"priors": judge.priors, "passes": judge.prior_passes}
+                if c.calibrate != "none"
+                else None
+            ),
+            "config": folder.config.stored(),
+            "skipped_records": self.skipped,
+            "torn_lines": folder.store.torn_lines,
+            "notes": notes,
+        }
+        data = Path(self.extra["data"])
+        _write_report(
+            folder.out, {name: summary}, extra, f"{data.name}: {name} as judge ({c.style})"
         )
-
-        def tick(res: PairJudgment) -> None:
-            on_result(res)
-            counts["n"] += 1
-            counts["consistent"] += res.consistent
-            status = f"consistent {counts['consistent'] / counts['n']:.2f}"
-            bar.update(task, advance=1, status=status)
-
-        judge.judge_pairs(todo, tick)
+        return JudgeRunResult(
+            out=folder.out,
+            summaries={name: summary},
+            pairs=len(self.pairs),
+            computed=self.computed,
+            reused=len(self.pairs) - self.computed,
+            notes=notes,
+        )
 
 
 def run_judge(
@@ -281,9 +355,8 @@ def run_judge(
             pairs this run stored and where. A rerun judges only the others.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from ragfix.backends import load_backend, validate_backend
+    from ragfix.backends import validate_backend
     from ragfix.connectors.pairwise import detect_format
-    from ragfix.models.device import resolve_device
     from ragfix.models.resolve import resolve_model
 
     data, out = Path(data), Path(out)
@@ -297,13 +370,21 @@ def run_judge(
     opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
     resolve_model(model)
     pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, console, span)
+    ref = BackendRef(
+        name=backend,
+        model=model,
+        adapter=str(Path(adapter).resolve()) if adapter else None,
+        options=dict(backend_options or {}),
+        device=device,
+        dtype=dtype,
+    )
     config = JudgeConfig(
         data=str(data.resolve()),
         format=fmt,
         model=model,
         backend=backend,
         backend_options=opts.model_dump(mode="json", exclude=set(opts.call_settings)),
-        adapter=str(Path(adapter).resolve()) if adapter else None,
+        adapter=ref.adapter,
         style=style,
         max_new_tokens=max_new_tokens,
         repeats=repeats,
@@ -313,88 +394,29 @@ def run_judge(
         calibrate=calibrate,
         mtbench_models=list(mtbench_models) if fmt == "mtbench" else None,
         inputs=input_fingerprints(data=data),
+        backend_ref=ref,
     )
-    folder = RunFolder(
-        out, config, results=JUDGMENTS_FILE, key="pair_id", outputs=(SUMMARY_FILE, PLOT_FILE)
-    )
-    if not restart:
-        folder.check()  # other settings: refused before the model is loaded
-    b = load_backend(
-        backend, model=model, adapter=config.adapter, device=device, dtype=dtype, validated=opts
-    )
-    on_gpu = resolve_device(device).type == "cuda"
-    judge = PairwiseJudge(
-        b,
+    settings = dict(
         style=style,
         max_new_tokens=max_new_tokens,
         repeats=repeats,
         tie_margin=tie_margin,
-        batch_size=batch_size or b.preferred_batch_size or (32 if on_gpu else 4),
+        batch_size=batch_size,
         swap=swap,
         labels=labels,
         calibrate=calibrate,
     )
-    folder.bind(b.identity(), restart=restart)  # also for a finished folder
-    done = folder.done()
-    todo = [p for p in pairs if p.pair_id not in done]
-    if len(todo) < len(pairs) and console is not None:
-        console.print(f"resuming: {len(pairs) - len(todo)} of {len(pairs)} pairs already judged")
-    if todo:
-        finished = [done[p.pair_id] for p in pairs if p.pair_id in done]
-        stored = 0
-
-        def store(res: PairJudgment) -> None:  # config.json just before the first judgment
-            nonlocal stored
-            folder.append(res.model_dump(mode="json"))
-            stored += 1
-
-        try:
-            _judge_missing(judge, todo, finished, store, console, backend)
-        except KeyboardInterrupt:
-            raise interrupted(stored, "pair", out) from None
-    records = folder.done()
-    name = f"{model} · {backend}" + (f" · swap {swap}" if swap != "relabel" else "")
-    name += f" · {labels} letters" if labels != "slot" else ""
-    name += f" · {calibrate} calibration" if calibrate != "none" else ""
-    mine = [records[p.pair_id] for p in pairs if p.pair_id in records]
-    summary = summarize(mine)
-    judged = [r for r in mine if OVERFLOW not in r.get("flags", ())]  # overflow: never asked
-    orders = [o for r in judged for o in (r["original"], r["swapped"])]
-    missing = sum(o.get("p_a") is None for o in orders)
-    notes = []
-    if style == "verdict" and missing:
-        notes.append(
-            f"no logit verdict: the server returned no logprobs ({missing} of {len(orders)} "
-            "judged orders have none)"
-        )
-    if calibrate != "none":  # also for a finished folder: the priors are part of the figures
-        for p in pairs:
-            for lay in pair_layouts(p, swap, labels):
-                judge.letter_prior(lay, bool(p.reference))
     extra = {
         "data": str(data),
         "format": fmt,
         "limit": limit,
         "records": format_records(span) if span is not None else None,
-        "content_free": (
-            {"priors": judge.priors, "passes": judge.prior_passes} if calibrate != "none" else None
-        ),
-        "config": folder.config.stored(),
-        "skipped_records": skipped.count,
-        "torn_lines": folder.store.torn_lines,
-        "notes": notes,
     }
-    _write_report(out, {name: summary}, extra, f"{data.name}: {name} as judge ({style})")
-    return JudgeRunResult(
-        out=out,
-        summaries={name: summary},
-        pairs=len(pairs),
-        computed=len(todo),
-        reused=len(pairs) - len(todo),
-        skipped_records=skipped.count,
-        skipped_examples=list(skipped.examples),
-        notes=notes,
-    )
+    kind = JudgeRun(config, pairs, settings, extra, skipped)
+    result = run(kind, ref, out, restart=restart, console=console)
+    result.skipped_records = skipped.count
+    result.skipped_examples = list(skipped.examples)
+    return result
 
 
 def compare_runs(baseline: str | Path, other: str | Path, field: str = "verdict_original") -> dict:

@@ -55,6 +55,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 from rich.console import Console
 
+from ragfix.backends import BackendRef
 from ragfix.backends.base import require_plain_prompts
 from ragfix.connectors.corpus import (
     DEFAULT_CHUNK_SIZE,
@@ -75,14 +76,14 @@ from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
 from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import retrieval_weighted_merit
-from ragfix.eval.progress import RunTally, progress_bar
-from ragfix.eval.run import RunConfig, input_fingerprints, interrupted
+from ragfix.eval.progress import RunTally
+from ragfix.eval.run import RunConfig, RunFolder, RunKind, Store, input_fingerprints, run
 from ragfix.eval.sweep import parse_positions, summary_counts, sweep_folder
 from ragfix.eval.sweep_summary import build_summary, cells_by_curve, natural_ranks, write_summary
 from ragfix.integrations import require_extra
 from ragfix.integrations.engine import PipelineEngines
 from ragfix.io import read_run_config
-from ragfix.models.resolve import DEFAULT_EMBEDDER, check_hub_model
+from ragfix.models import DEFAULT_EMBEDDER, check_hub_model
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
@@ -256,8 +257,8 @@ def run_pipeline_sweep(
             other missing ones.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from ragfix.backends import backend_class, load_backend, result_options, validate_backend
-    from ragfix.models.resolve import resolve_model
+    from ragfix.backends import backend_class, result_options, validate_backend
+    from ragfix.models import resolve_model
 
     options = dict(backend_options or {})
     adapter = str(adapter) if adapter else None
@@ -301,6 +302,9 @@ def run_pipeline_sweep(
     records = None
     if questions is not None:
         records = read_questions(questions, skip_invalid, skipped)  # fails before indexing
+    ref = BackendRef(
+        name=backend, model=model, adapter=adapter, options=options, device=device, dtype=dtype
+    )
     config = PipelineConfig(
         corpus=str(Path(corpus).resolve()),
         questions=None if asked is None else str(Path(asked).resolve()),
@@ -323,126 +327,179 @@ def run_pipeline_sweep(
             questions=questions,
             embedder=embedder if embedder and Path(embedder).is_dir() else None,
         ),
+        backend_ref=ref,
     )
-    folder = sweep_folder(out, config)
-    if not restart:
-        folder.check()  # another request: refused before indexing and loading
-
-    def busy(text: str):
-        return console.status(text) if console else nullcontext()
-
-    with busy(f"indexing {corpus} (once per content and settings)"):
-        cor = build_corpus(
-            corpus, embedder, chunk_size=chunk_size, skipped=skipped, needles=needles
-        )
-    needle_ids = frozenset(n.node_id for n in cor.needles)
-    base = cor.retriever(retriever, top_k + max(len(needle_ids) - 1, 0))
-    b = load_backend(
-        backend, model=model, device=device, dtype=dtype, adapter=adapter, validated=validated
+    kind = PipelineRun(
+        config,
+        Path(out),
+        corpus=corpus,
+        embedder=embedder,
+        questions=questions,
+        records=records,
+        skipped=skipped,
+        limit=limit,
+        skip_invalid=skip_invalid,
+        strategies=strategies,
+        ranks=ranks,
+        accuracies=accuracies,
+        attention_rounds=attention_rounds,
+        written=written if write_now else None,
+        writer_options=writer_options,
+        console=console,
     )
-    if write_now:
-        # the answering model writes the questions too when it is the same plain model
-        same = (questions_from.model, backend, adapter) == (model, "vanilla", None)
-        writer = b
-        if not (same and not writer_options):
-            writer = load_backend(
-                "vanilla",
-                model=questions_from.model,
-                device=device,
-                dtype=dtype,
-                **(writer_options or {}),
+    return run(kind, ref, out, restart=restart, console=console)
+
+
+class _PipelineTally(RunTally):
+    """The running accuracy, after the strategy of the cell just stored."""
+
+    def add(self, record: dict) -> str:
+        return f"{record.get('strategy', 'none')} {super().add(record)}"
+
+
+class PipelineRun(RunKind):
+    """The pipeline sweep as a run kind (:func:`ragfix.eval.run.run`): the corpus is indexed
+    and the questions read, written or planted once the backend is loaded; its cells are
+    (question, retrieval rank, strategy), run one at a time through the framework's pipelines;
+    the summary adds the retrieval-weighted accuracy per strategy (:func:`run_pipeline_sweep`).
+    """
+
+    label = "pipeline sweep"
+
+    def __init__(self, config: PipelineConfig, out: Path, **settings) -> None:
+        self.config, self.out = config, out
+        self.__dict__.update(settings)
+
+    def folder(self, out: Path) -> RunFolder:
+        self.run_folder = sweep_folder(out, self.config)
+        return self.run_folder
+
+    def _busy(self, text: str):
+        return self.console.status(text) if self.console else nullcontext()
+
+    def setup(self, backend) -> None:
+        """Index the corpus, write the questions when asked (with ``backend`` itself when the
+        writer is the same plain model) and find each question's gold chunk."""
+        from ragfix.backends import load_backend
+
+        c, out, skipped = self.config, self.out, self.skipped
+        self.backend = backend
+        corpus = self.corpus
+        with self._busy(f"indexing {corpus} (once per content and settings)"):
+            self.cor = cor = build_corpus(
+                corpus, self.embedder, chunk_size=c.chunk_size, skipped=skipped, needles=c.needles
             )
-        with busy(f"{questions_from.model} writes questions"):
-            questions = write_question_file(writer, cor, questions_from, Path(out))
-        del writer
-        folder.config = folder.config.model_copy(
-            update={"inputs": {**config.inputs, **input_fingerprints(questions=written)}}
-        )
-        records = read_questions(written, skip_invalid, skipped)
-    if needles is not None:
-        qs = needle_questions(cor.needles)
-    else:
-        qs = locate_gold(questions, records, cor.nodes, limit, skip_invalid, skipped)
-    if skipped.count and console is not None:
-        console.print(
-            f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
-            highlight=False,
-        )
-    folder.bind(b.identity(), restart=restart)
-    done = folder.done()
-
-    def cid(q, r, s):
-        extra = {"profile": accuracies} if s == "bias-profile" else {}
-        if s in ATTENTION_STRATEGIES:
-            extra = {"attention_rounds": attention_rounds, "attention_layers": ATTENTION_LAYERS}
-        return pipeline_cell_id(folder.config, q.id, r, s, extra)
-
-    cells = [(q, r, s, cid(q, r, s)) for q in qs for r in ranks for s in strategies]
-    todo = [c for c in cells if c[3] not in done]
-    if len(todo) < len(cells) and console is not None:
-        console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
-    retrieved = {q.id: _retrieve(base, q, top_k, needle_ids) for q in qs}
-    if todo:
-        engines = ENGINES[framework](b, strategies, accuracies, top_k, attention_rounds)
-        planned = engines.plan(todo, retrieved, {n.node_id: n for n in cor.nodes})
-        finished = [done[c[3]] for c in cells if c[3] in done]
-        tally = RunTally(finished)
-        with progress_bar(console, disable=console is None) as progress:
-            task = progress.add_task(
-                "pipeline sweep",
-                total=len(planned) + len(finished),
-                completed=len(finished),
-                status=tally.status(),
+        self.needle_ids = frozenset(n.node_id for n in cor.needles)
+        self.base = cor.retriever(c.retriever, c.num_docs + max(len(self.needle_ids) - 1, 0))
+        questions, records = self.questions, self.records
+        if self.written is not None:
+            qf, ref = c.questions_from, c.backend_ref
+            # the answering model writes the questions too when it is the same plain model
+            same = (qf.model, ref.name, ref.adapter) == (c.model, "vanilla", None)
+            writer = backend
+            if not (same and not self.writer_options):
+                writer = load_backend(
+                    "vanilla",
+                    model=qf.model,
+                    device=ref.device,
+                    dtype=ref.dtype,
+                    **(self.writer_options or {}),
+                )
+            with self._busy(f"{qf.model} writes questions"):
+                questions = write_question_file(writer, cor, qf, out)
+            del writer
+            folder = self.run_folder
+            folder.config = folder.config.model_copy(
+                update={"inputs": {**c.inputs, **input_fingerprints(questions=questions)}}
             )
-            stored = 0
-            try:
-                for cands, (q, r, s, cell) in planned:
-                    rec = engines.run(q, r, s, cell, cands, retrieved[q.id][1])
-                    if not log_prompts:
-                        rec = rec.model_copy(update={"prompt": None})
-                    folder.append(rec.model_dump())
-                    stored += 1
-                    status = f"{s} {tally.add(rec.correct, rec.flags)}"
-                    progress.update(task, advance=1, status=status)
-            except KeyboardInterrupt:
-                raise interrupted(stored, "cell", out) from None
+            records = read_questions(questions, self.skip_invalid, skipped)
+        if c.needles is not None:
+            self.qs = needle_questions(cor.needles)
+        else:
+            self.qs = locate_gold(
+                questions, records, cor.nodes, self.limit, self.skip_invalid, skipped
+            )
+        if skipped.count and self.console is not None:
+            self.console.print(
+                f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
+                highlight=False,
+            )
 
-    stored = folder.done()
-    mine = [stored[c[3]] for c in cells if c[3] in stored]
-    if not mine:
-        raise DataError(out, None, None, "no finished cells")
-    if not folder.check():
-        folder.write_config()
-    natural = Counter(retrieved[q.id][1] for q in qs)
-    extra = {
-        "skipped_inputs": skipped.count,
-        "questions": len(qs),
-        "strategies": strategies,
-        "retriever": retriever,
-        "framework": framework,
-        "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
-        "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
-        "question_source": "needles" if needles else "written" if questions_from else "file",
-        "index": str(cor.where),
-        "context_cut_cells": sum(1 for r in mine if r.get("extra", {}).get("context_cut")),
-        "strategy_settings": {
-            "profile": accuracies,
-            "attention_rounds": attention_rounds,
-            "attention_layers": ATTENTION_LAYERS,
-        },
-    }
-    if written is not None and (Path(out) / WRITTEN_REPORT).exists():
-        extra["written_questions"] = json.loads((Path(out) / WRITTEN_REPORT).read_text())
-    scored, counts = summary_counts(mine)
-    summary = build_summary(out, scored, {**extra, **counts})
-    ranks = natural_ranks(scored) or {}
-    summary["retrieval_weighted"] = {
-        label: m.accuracy
-        for label, cells in cells_by_curve(scored).items()
-        if (m := retrieval_weighted_merit(cells, ranks, resamples=0)) is not None
-    }
-    write_summary(out, summary)
-    return summary
+    def cells(self) -> list[tuple[str, tuple]]:
+        """Every (question, rank, strategy) with its id; the retriever's candidates of each
+        question are fetched here."""
+
+        def cid(q, r, s):
+            extra = {"profile": self.accuracies} if s == "bias-profile" else {}
+            if s in ATTENTION_STRATEGIES:
+                extra = {
+                    "attention_rounds": self.attention_rounds,
+                    "attention_layers": ATTENTION_LAYERS,
+                }
+            return pipeline_cell_id(self.run_folder.config, q.id, r, s, extra)
+
+        cells = [
+            (q, r, s, cid(q, r, s)) for q in self.qs for r in self.ranks for s in self.strategies
+        ]
+        top_k = self.config.num_docs
+        self.retrieved = {q.id: _retrieve(self.base, q, top_k, self.needle_ids) for q in self.qs}
+        return [(c[3], c) for c in cells]
+
+    def compute(self, todo: list[tuple], store: Store, batch_size: int) -> None:
+        c = self.config
+        engines = ENGINES[c.framework](
+            self.backend, self.strategies, self.accuracies, c.num_docs, self.attention_rounds
+        )
+        planned = engines.plan(todo, self.retrieved, {n.node_id: n for n in self.cor.nodes})
+        for cands, (q, r, s, cell) in planned:
+            rec = engines.run(q, r, s, cell, cands, self.retrieved[q.id][1])
+            if not c.log_prompts:
+                rec = rec.model_copy(update={"prompt": None})
+            store(rec.model_dump())
+
+    def tally(self, finished: list[dict]) -> RunTally:
+        return _PipelineTally(finished)
+
+    def summarize(self, folder: RunFolder, records: list[dict]) -> dict:
+        c, qs, retrieved, out = self.config, self.qs, self.retrieved, self.out
+        if not records:
+            raise DataError(out, None, None, "no finished cells")
+        if not folder.check():
+            folder.write_config()
+        natural = Counter(retrieved[q.id][1] for q in qs)
+        extra = {
+            "skipped_inputs": self.skipped.count,
+            "questions": len(qs),
+            "strategies": self.strategies,
+            "retriever": c.retriever,
+            "framework": c.framework,
+            "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
+            "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
+            "question_source": "needles"
+            if c.needles
+            else "written"
+            if c.questions_from
+            else "file",
+            "index": str(self.cor.where),
+            "context_cut_cells": sum(1 for r in records if r.get("extra", {}).get("context_cut")),
+            "strategy_settings": {
+                "profile": self.accuracies,
+                "attention_rounds": self.attention_rounds,
+                "attention_layers": ATTENTION_LAYERS,
+            },
+        }
+        if c.questions_from is not None and (out / WRITTEN_REPORT).exists():
+            extra["written_questions"] = json.loads((out / WRITTEN_REPORT).read_text())
+        scored, counts = summary_counts(records)
+        summary = build_summary(out, scored, {**extra, **counts})
+        ranks = natural_ranks(scored) or {}
+        summary["retrieval_weighted"] = {
+            label: m.accuracy
+            for label, cells in cells_by_curve(scored).items()
+            if (m := retrieval_weighted_merit(cells, ranks, resamples=0)) is not None
+        }
+        write_summary(out, summary)
+        return summary
 
 
 def _retrieve(retriever, q, top_k: int, needles: frozenset[str] = frozenset()) -> tuple:

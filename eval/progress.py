@@ -28,14 +28,14 @@ class RunTally:
     def __init__(self, done: Iterable[dict] = ()) -> None:
         self.right = self.scored = 0
         for r in done:
-            self.add(bool(r["correct"]), r.get("flags", ()))
+            self.add(r)
 
-    def add(self, correct: bool, flags: Iterable[str]) -> str:
-        """Count one cell (one with an :data:`~ragfix.types.UNSCORED` flag is not scored);
-        return :meth:`status`."""
-        if not UNSCORED.intersection(flags):
+    def add(self, record: dict) -> str:
+        """Count one stored cell (``correct``, ``flags``; one with an
+        :data:`~ragfix.types.UNSCORED` flag is not scored); return :meth:`status`."""
+        if not UNSCORED.intersection(record.get("flags", ())):
             self.scored += 1
-            self.right += correct
+            self.right += bool(record["correct"])
         return self.status()
 
     def status(self) -> str:

@@ -20,18 +20,30 @@ The lifecycle, the same for every kind:
    first one, so a run that fails before any result leaves nothing that blocks the corrected
    rerun.
 
-Library code prints nothing here; progress and tables are the caller's.
+A run kind (:class:`RunKind`) supplies its configuration, its cells, how to compute a batch of
+them and how to summarise the records; :func:`run` owns that lifecycle for every kind, with one
+"resuming:" line, one progress bar and one Ctrl-C rule (:func:`interrupted`). It takes a loaded
+backend or a :class:`~ragfix.backends.BackendRef` (as lm-eval's ``simple_evaluate`` takes an
+``LM`` or a model name); every run configuration carries the reference it loads
+(:attr:`RunConfig.backend_ref`).
+
+Library code prints nothing here but the ``console`` a caller hands :func:`run`.
 """
 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
 
+from ragfix.backends import BackendRef
 from ragfix.errors import ConfigMismatchError, DataError, Interrupted
+from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.io import CONFIG_FILE, JsonlStore, atomic_write_json, read_run_config
 
 #: the version of the run folder layout; a ``config.json`` without it predates identity binding
@@ -51,6 +63,12 @@ class RunConfig(BaseModel):
             loaded (:meth:`RunFolder.bind`).
         inputs: ``{role: content fingerprint}`` of every input file or folder (``data``,
             ``distractor_pool``, ``corpus``, ``questions``).
+        backend_ref: the backend the run loads (:class:`~ragfix.backends.BackendRef`: model,
+            backend, options as given, adapter path as loaded, orders, device, dtype), or
+            ``None`` for a configuration built only to name cells. Not written to
+            ``config.json`` nor hashed into cell ids: each kind records the settings that
+            decide its answers in its own fields (``model``, ``backend``, ``backend_options``
+            without a remote model's call settings), as folders always have.
 
     ``ABSENT`` (a class attribute, not a field) maps a field added after ``config.json`` files
     were already written to what such a file stands for without it (a run made before records
@@ -65,6 +83,7 @@ class RunConfig(BaseModel):
     format: int = RUN_FORMAT
     identity: dict = Field(default_factory=dict)
     inputs: dict[str, str] = Field(default_factory=dict)
+    backend_ref: BackendRef | None = Field(default=None, exclude=True)
 
     def stored(self) -> dict:
         """The configuration as written to ``config.json``."""
@@ -228,6 +247,198 @@ class RunFolder:
         self._has_config = True
 
 
+class Tally(Protocol):
+    """The running figure a progress bar shows (:class:`~ragfix.eval.progress.RunTally`)."""
+
+    def add(self, record: dict) -> str: ...
+
+    def status(self) -> str: ...
+
+
+class Store:
+    """What :meth:`RunKind.compute` hands each finished cell to: calling it stores the record in
+    the run folder (when there is one); :meth:`arrived` counts a record another process stored
+    (a worker of the sweep). Both advance the progress bar and the count :func:`interrupted`
+    reports."""
+
+    def __init__(self, folder: RunFolder | None, on_record: Callable[[dict], None]) -> None:
+        self.folder = folder
+        self.on_record = on_record
+        self.records: list[dict] = []
+
+    def __call__(self, record: dict) -> None:
+        if self.folder is not None:
+            self.folder.append(record)
+        self.arrived(record)
+
+    def arrived(self, record: dict) -> None:
+        self.records.append(record)
+        self.on_record(record)
+
+
+class RunKind(ABC):
+    """One kind of resumable run (the sweep, the pipeline sweep, the judge, perplexity): what
+    :func:`run` needs besides the lifecycle it owns.
+
+    Attributes:
+        config: the request (:class:`RunConfig`, with its ``backend_ref``); :func:`run` binds the
+            backend's identity into the folder's copy.
+        backend: the loaded backend, set by :meth:`setup`; a kind may drop it once it no longer
+            needs it (the sweep's worker processes load their own).
+        key: the record field holding its cell id.
+        unit: what one result is called (``"cell"``, ``"pair"``, ``"window"``).
+        finished: how a stored result is described in the "resuming:" line (``"done"``,
+            ``"judged"``).
+        label: the progress bar's description.
+        main: whether this process prints and shows the bar (False on a launcher's ranks but
+            0).
+    """
+
+    config: RunConfig
+    backend: Any = None
+    key: ClassVar[str] = "cell_id"
+    unit: ClassVar[str] = "cell"
+    finished: ClassVar[str] = "done"
+    label: str = "run"
+    main: bool = True
+
+    @abstractmethod
+    def folder(self, out: Path) -> RunFolder:
+        """The run folder of this kind in ``out``."""
+
+    def setup(self, backend) -> None:
+        """Take the loaded backend, before the folder is bound (checks that need it go here)."""
+        self.backend = backend
+
+    def bind(self, folder: RunFolder, restart: bool) -> None:
+        """Bind ``folder`` to the backend's identity (:meth:`RunFolder.bind`)."""
+        folder.bind(self.backend.identity(), restart=restart)
+
+    @abstractmethod
+    def cells(self) -> list[tuple[str, Any]]:
+        """``(cell id, payload)`` of every cell of the run, in a stable order."""
+
+    def share(self, todo: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The cells of ``todo`` this process computes (all of them but under a launcher)."""
+        return todo
+
+    def batch_size(self, on_gpu: bool) -> int:
+        """The kind's batch size when neither the caller nor the backend names one."""
+        return 1
+
+    @abstractmethod
+    def compute(self, todo: list[Any], store: Store, batch_size: int) -> None:
+        """Compute the payloads ``todo`` on :attr:`backend`, calling ``store(record)`` as each
+        finishes."""
+
+    def tally(self, finished: list[dict]) -> Tally:
+        """The progress bar's running figure, counting the records stored before."""
+        return RunTally(finished)
+
+    @abstractmethod
+    def summarize(self, folder: RunFolder | None, records: list[dict]) -> Any:
+        """The run's result from its records (in cell order; every stored one of this run's
+        cells), writing its summary files."""
+
+
+def default_batch_size(backend, device: str, kind: RunKind) -> int:
+    """Cells per batch when the caller names none: the backend's preferred size (a remote
+    model's concurrency), else the kind's default for the device
+    (:meth:`RunKind.batch_size`)."""
+    if backend.preferred_batch_size:
+        return backend.preferred_batch_size
+    from ragfix.models import resolve_device
+
+    return kind.batch_size(resolve_device(device).type == "cuda")
+
+
+def run(
+    kind: RunKind,
+    backend,
+    out: str | Path | None,
+    *,
+    restart: bool = False,
+    batch_size: int | None = None,
+    device: str | None = None,
+    console: Console | None = None,
+) -> Any:
+    """Run ``kind`` into the run folder ``out``, resumably: the lifecycle of every run kind.
+
+    1. ``out`` is checked against the request before anything is loaded (not with ``restart``);
+    2. ``backend`` is loaded when it is a :class:`~ragfix.backends.BackendRef` (also when every
+       cell is stored: a finished folder is checked too) and handed to the kind
+       (:meth:`RunKind.setup`);
+    3. the folder is bound to its identity (:meth:`RunKind.bind`); stored cells are reused, and
+       a resumed run says so in one line (``resuming: 3 of 8 cells already done``);
+    4. the other cells are computed (:meth:`RunKind.compute`), each stored as it arrives, under
+       a progress bar with the kind's running figure;
+    5. the records of the run's cells are summarised (:meth:`RunKind.summarize`).
+
+    Args:
+        kind: the run kind.
+        backend: a loaded backend or a reference to load.
+        out: the run folder; ``None``: nothing is stored (every cell computed).
+        restart: start ``out`` over when it holds another run, instead of refusing it.
+        batch_size: cells per batch (default :func:`default_batch_size`).
+        device: the device the backend is on, for the default batch size (default: the
+            reference's, else ``"auto"``).
+        console: where the "resuming:" line and the bar go (``None``: quiet).
+
+    Returns:
+        what :meth:`RunKind.summarize` returns.
+
+    Raises:
+        ConfigMismatchError: ``out`` holds another run (not with ``restart``).
+        Interrupted: Ctrl-C, once every record that had arrived is stored; its message says how
+            many this run stored and where.
+        the kind's and the backend's errors.
+    """
+    folder = None if out is None else kind.folder(Path(out))
+    if folder is not None and not restart:
+        folder.check()  # another request: refused before the backend is loaded
+    if isinstance(backend, BackendRef):
+        device = device or backend.device
+        kind.setup(backend.load(shared=False))
+    else:
+        kind.setup(backend)
+    del backend  # the kind holds it and may drop it
+    if folder is not None:
+        kind.bind(folder, restart)
+    done = folder.done() if folder is not None else {}
+    cells = kind.cells()
+    todo = [(cid, c) for cid, c in cells if cid not in done]
+    if len(todo) < len(cells) and kind.main and console is not None:
+        console.print(
+            f"resuming: {len(cells) - len(todo)} of {len(cells)} {kind.unit}s already "
+            f"{kind.finished}"
+        )
+    todo = kind.share(todo)
+    if todo:
+        size = batch_size or default_batch_size(kind.backend, device or "auto", kind)
+        finished = [done[cid] for cid, _ in cells if cid in done]
+        tally = kind.tally(finished)
+        store = None
+        try:
+            with progress_bar(console, disable=console is None or not kind.main) as bar:
+                task = bar.add_task(
+                    kind.label,
+                    total=len(todo) + len(finished),
+                    completed=len(finished),
+                    status=tally.status(),
+                )
+                store = Store(
+                    folder, lambda rec: bar.update(task, advance=1, status=tally.add(rec))
+                )
+                kind.compute([c for _, c in todo], store, size)
+        except KeyboardInterrupt:
+            raise interrupted(len(store.records) if store else 0, kind.unit, out) from None
+        if folder is None:
+            done = {rec[kind.key]: rec for rec in store.records}
+    if folder is not None:
+        done = folder.done()
+    return kind.summarize(folder, [done[cid] for cid, _ in cells if cid in done])
+
+
 def interrupted(stored: int, unit: str, out: str | Path) -> Interrupted:
     """What a run raises on Ctrl-C once its work in flight has stopped and every result that had
     arrived is stored: an :class:`~ragfix.errors.Interrupted` saying that ``stored`` results
@@ -240,6 +451,10 @@ __all__ = [
     "RUN_FORMAT",
     "RunConfig",
     "RunFolder",
+    "RunKind",
+    "Store",
+    "default_batch_size",
+    "run",
     "flat_differences",
     "folder_store",
     "input_fingerprints",

@@ -17,16 +17,17 @@ and ``prompt_cut`` cells, left out the same way.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
+from ragfix.backends import BackendRef
 from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
-from ragfix.eval.progress import RunTally, progress_bar
-from ragfix.eval.run import RunFolder, input_fingerprints, interrupted
+from ragfix.eval.run import RunFolder, RunKind, Store, input_fingerprints, run
 from ragfix.eval.shard import (
     assign_groups,
     distributed_state,
@@ -97,50 +98,40 @@ def _check_budget(backend, config: SweepConfig) -> None:
 
 def _compute(
     todo: list[Cell],
-    folder: RunFolder,
     backend,
+    store: Callable[[SweepRecord], None],
     *,
     rank: int,
     world: int,
+    log_prompts: bool,
     prefix_reuse: bool,
-    batch_size: int | None,
-    on_gpu: bool,
-    on_record: Callable[[SweepRecord], None],
+    batch_size: int,
 ) -> None:
-    """Compute ``todo`` on ``backend`` and store each record in ``folder`` as it is done
-    (``config.json`` first, before the first record; without its prompt when the run keeps
-    none, :attr:`SweepConfig.log_prompts`), then pass it to ``on_record``.
-    ``batch_size`` ``None``: the backend's preferred size (a remote model's concurrency), else
-    16 on CUDA or where the cells of a sample share a prefix cache (prefilled along their token
-    trie, then decoded together: the fastest exact mode on the CPU too,
-    ``results/bench-sweep-nq10.json``), and 1 otherwise.
-    """
-    trie = prefix_reuse and backend.supports_prefix_reuse  # trie prefill + batched decode
-    bs = batch_size or backend.preferred_batch_size or (16 if on_gpu or trie else 1)
+    """Compute ``todo`` on ``backend`` in batches of ``batch_size`` and hand each record to
+    ``store`` as it is done: without its prompt when the run keeps none
+    (:attr:`SweepConfig.log_prompts`), with its rank in ``extra`` in a multi-process run."""
 
-    def store_record(rec: SweepRecord) -> None:
-        if not folder.config.log_prompts:
+    def prepared(rec: SweepRecord) -> None:
+        if not log_prompts:
             rec = rec.model_copy(update={"prompt": None})
         if world > 1:
             rec.extra["rank"] = rank
-        folder.append(rec.model_dump())
-        on_record(rec)
+        store(rec)
 
-    run_cells(backend, todo, store_record, prefix_reuse=prefix_reuse, batch_size=bs)
+    run_cells(backend, todo, prepared, prefix_reuse=prefix_reuse, batch_size=batch_size)
 
 
 @dataclass(frozen=True)
 class _WorkerJob:
     """What every worker process of a CPU sweep shares: the run (its configuration bound to the
-    backend's identity), how to load its backend (:func:`ragfix.backends.load_backend`'s
-    arguments), torch threads per process, and the sweep's batching settings."""
+    backend's identity, whose ``backend_ref`` each worker loads), torch threads per process,
+    and the sweep's batching settings."""
 
     config: SweepConfig
     out: Path
-    load_kwargs: dict
     threads: int
     prefix_reuse: bool
-    batch_size: int | None
+    batch_size: int
 
 
 def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) -> None:
@@ -150,24 +141,27 @@ def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) 
     ``("error", (exception, traceback text))`` when it fails."""
     import os
 
-    from ragfix.backends import load_backend
     from ragfix.models.device import THREADS_ENV
 
     os.environ[THREADS_ENV] = str(job.threads)
     try:
-        backend = load_backend(**job.load_kwargs)
+        backend = job.config.backend_ref.load(shared=False)
         folder = sweep_folder(job.out, job.config, rank, world)
         folder.bind(backend.identity())  # the weights may have changed since the parent's check
+
+        def store(rec: SweepRecord) -> None:
+            folder.append(rec.model_dump())
+            messages.put(("record", rec))
+
         _compute(
             todo,
-            folder,
             backend,
+            store,
             rank=rank,
             world=world,
+            log_prompts=job.config.log_prompts,
             prefix_reuse=job.prefix_reuse,
             batch_size=job.batch_size,
-            on_gpu=False,
-            on_record=lambda rec: messages.put(("record", rec)),
         )
     except Exception as e:  # handed to the parent, which raises it
         import pickle
@@ -252,6 +246,111 @@ def _worker_failure(error: Exception, trace: str, out: Path) -> RagfixError:
         f"a sweep worker failed: {type(error).__name__}: {first} (traceback in {log}); finished "
         "results are saved"
     )
+
+
+class SweepRun(RunKind):
+    """The position sweep as a run kind (:func:`ragfix.eval.run.run`): its cells are the
+    samples with the gold passage at each position (:func:`~ragfix.eval.sweep.plan_cells`),
+    computed in this process, in worker processes (each on its share of whole samples) or, under
+    a launcher, each rank on its share; the summary is :func:`~ragfix.eval.sweep_summary.
+    write_report` of the run's cells, written by rank 0 once every rank is done."""
+
+    def __init__(
+        self,
+        config: SweepConfig,
+        cells: list[Cell],
+        *,
+        workers: int,
+        state,
+        prefix_reuse: bool,
+        skipped: int,
+        on_record: Callable[[SweepRecord], None] | None,
+        console: Console | None,
+    ) -> None:
+        self.config, self._cells, self.workers, self.state = config, cells, workers, state
+        self.rank, self.world = (state.process_index, state.num_processes) if state else (0, 1)
+        self.main = self.rank == 0
+        self.prefix_reuse, self.skipped = prefix_reuse, skipped
+        self.on_record, self.console = on_record, console
+        self.label = f"{config.backend} sweep"
+
+    def folder(self, out: Path) -> RunFolder:
+        self.run_folder = sweep_folder(out, self.config, self.rank, self.world)
+        return self.run_folder
+
+    def setup(self, backend) -> None:
+        _check_budget(backend, self.config)
+        self.backend = backend
+
+    def bind(self, folder: RunFolder, restart: bool) -> None:
+        # one rank restarts a shared folder; the others check it afterwards
+        folder.bind(self.backend.identity(), restart=restart and self.rank == 0)
+        if self.state is not None and restart:
+            self.state.wait_for_everyone()
+            folder.bind(self.backend.identity())
+
+    def cells(self) -> list[tuple[str, Cell]]:
+        return [(c.cell_id, c) for c in self._cells]
+
+    def share(self, todo: list[tuple[str, Cell]]) -> list[tuple[str, Cell]]:
+        return [(c.cell_id, c) for c in _my_share([c for _, c in todo], self.rank, self.world)]
+
+    def batch_size(self, on_gpu: bool) -> int:
+        """16 on CUDA or where the cells of a sample share a prefix cache (prefilled along their
+        token trie, then decoded together: the fastest exact mode on the CPU too,
+        ``results/bench-sweep-nq10.json``), 1 otherwise."""
+        trie = self.prefix_reuse and self.backend.supports_prefix_reuse
+        return 16 if on_gpu or trie else 1
+
+    def compute(self, todo: list[Cell], store: Store, batch_size: int) -> None:
+        def passed_on(rec: SweepRecord) -> None:
+            if self.on_record is not None:
+                self.on_record(rec)
+
+        n = min(self.workers, len({c.sample.id for c in todo}))
+        if n > 1:
+            self.backend = None  # each worker loads its own copy
+            gc.collect()
+            threads = threads_per_worker()
+            if self.console is not None:
+                self.console.print(f"{n} worker processes, {threads} torch thread(s) each")
+            out, config = self.run_folder.out, self.run_folder.config
+            job = _WorkerJob(config, out, threads, self.prefix_reuse, batch_size)
+
+            def arrived(rec: SweepRecord) -> None:
+                store.arrived(rec.model_dump())
+                passed_on(rec)
+
+            _compute_in_workers(todo, n, arrived, job)
+            return
+
+        def stored(rec: SweepRecord) -> None:
+            store(rec.model_dump())
+            passed_on(rec)
+
+        _compute(
+            todo,
+            self.backend,
+            stored,
+            rank=self.rank,
+            world=self.world,
+            log_prompts=self.config.log_prompts,
+            prefix_reuse=self.prefix_reuse,
+            batch_size=batch_size,
+        )
+
+    def summarize(self, folder: RunFolder, records: list[dict]) -> dict:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+            if self.rank != 0:
+                return {}
+        merge_shards(folder.out)
+        done = open_store(folder.out).load()
+        if done and not folder.check():
+            folder.write_config()
+        mine = [done[c.cell_id] for c in self._cells if c.cell_id in done]
+        scored, counts = summary_counts(mine)
+        return write_report(folder.out, scored, {"skipped_records": self.skipped, **counts})
 
 
 def run_sweep(
@@ -352,13 +451,10 @@ def run_sweep(
         ModelNotFoundError: the model cannot be found.
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
-    import gc
-
-    from ragfix.backends import load_backend, result_options, validate_backend
+    from ragfix.backends import result_options, validate_backend
     from ragfix.backends.orders import OrderOptions
     from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
-    from ragfix.models.device import resolve_device
     from ragfix.models.resolve import resolve_model
 
     out, options = Path(out), dict(backend_options or {})
@@ -371,6 +467,16 @@ def run_sweep(
     validated = validate_backend(backend, str(adapter) if adapter else None, model=model, **options)
     order_options = None if orders is None else OrderOptions(**orders)
     resolve_model(model)  # unknown model / default not installed: fail before any work
+    state = distributed_state()
+    ref = BackendRef(
+        name=backend,
+        model=model,
+        adapter=str(adapter) if adapter else None,
+        options=options,
+        orders=order_options.model_dump() if order_options else None,
+        device=str(state.device) if state is not None else device,
+        dtype=dtype,
+    )
     config = SweepConfig(
         data=str(path.resolve()),
         task=detect_format(path),
@@ -386,6 +492,7 @@ def run_sweep(
         records=records,
         log_prompts=log_prompts,
         inputs=input_fingerprints(data=path, distractor_pool=pool),
+        backend_ref=ref,
     )
     pos = parse_positions(positions, num_docs)
     skipped = SkipCounter()
@@ -399,90 +506,17 @@ def run_sweep(
             highlight=False,
         )
     n = sweep_workers(workers, device=device, model=model, samples=len(samples))
-    state = distributed_state()
-    rank, world = (state.process_index, state.num_processes) if state else (0, 1)
-    if state is not None:
-        device = str(state.device)
-    folder = sweep_folder(out, config, rank, world)
-    if not restart:
-        folder.check()  # another request: refused before the model is loaded
-    load_kwargs = dict(
-        name=backend,
-        model=model,
-        device=device,
-        dtype=dtype,
-        adapter=str(adapter) if adapter else None,
-        validated=validated,
-        orders=order_options,
+    kind = SweepRun(
+        config,
+        plan_cells(config, samples, pos),
+        workers=n,
+        state=state,
+        prefix_reuse=prefix_reuse,
+        skipped=skipped.count,
+        on_record=on_record,
+        console=console,
     )
-    loaded = load_backend(**load_kwargs)  # also for a finished folder: what it ran on is checked
-    _check_budget(loaded, config)
-    # one rank restarts a shared folder; the others check it afterwards
-    folder.bind(loaded.identity(), restart=restart and rank == 0)
-    if state is not None and restart:
-        state.wait_for_everyone()
-        folder.bind(loaded.identity())
-    done = folder.done()
-    cells = plan_cells(config, samples, pos)
-    todo = [c for c in cells if c.cell_id not in done]
-    if len(todo) < len(cells) and rank == 0 and console is not None:
-        console.print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done")
-    todo = _my_share(todo, rank, world)
-    if todo:
-        n = min(n, len({c.sample.id for c in todo}))
-        before = [done[c.cell_id] for c in cells if c.cell_id in done] if world == 1 else []
-        tally = RunTally(before)
-        stored: list[SweepRecord] = []
-        try:
-            with progress_bar(console, disable=console is None or rank != 0) as bar:
-                task = bar.add_task(
-                    f"{config.backend} sweep",
-                    total=len(todo) + len(before),
-                    completed=len(before),
-                    status=tally.status(),
-                )
-
-                def track(rec: SweepRecord) -> None:
-                    stored.append(rec)
-                    bar.update(task, advance=1, status=tally.add(rec.correct, rec.flags))
-                    if on_record is not None:
-                        on_record(rec)
-
-                if n > 1:
-                    del loaded  # each worker loads its own copy
-                    gc.collect()
-                    threads = threads_per_worker()
-                    if console is not None:
-                        console.print(f"{n} worker processes, {threads} torch thread(s) each")
-                    job = _WorkerJob(
-                        folder.config, out, load_kwargs, threads, prefix_reuse, batch_size
-                    )
-                    _compute_in_workers(todo, n, track, job)
-                else:
-                    _compute(
-                        todo,
-                        folder,
-                        loaded,
-                        rank=rank,
-                        world=world,
-                        prefix_reuse=prefix_reuse,
-                        batch_size=batch_size,
-                        on_gpu=resolve_device(device).type == "cuda",
-                        on_record=track,
-                    )
-        except KeyboardInterrupt:
-            raise interrupted(len(stored), "cell", out) from None
-    if state is not None:
-        state.wait_for_everyone()
-        if rank != 0:
-            return {}
-    merge_shards(out)
-    done = open_store(out).load()
-    if done and not folder.check():
-        folder.write_config()
-    mine = [done[c.cell_id] for c in cells if c.cell_id in done]
-    scored, counts = summary_counts(mine)
-    return write_report(out, scored, {"skipped_records": skipped.count, **counts})
+    return run(kind, ref, out, restart=restart, batch_size=batch_size, console=console)
 
 
 __all__ = ["run_sweep"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from ragfix.eval import run_judge, run_sweep
 from ragfix.eval.compare import compare_runs, load_run, uneven_positions
 from ragfix.eval.pipeline import run_pipeline_sweep
 from ragfix.eval.ppl import run_ppl
+from ragfix.eval.run import RunConfig, RunFolder, RunKind, run
 
 NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
 
@@ -448,3 +450,71 @@ def test_a_report_of_a_summary_without_its_cells_is_refused(tmp_path, model_dir)
     (out / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(DataError, match="cell_ids: written by an earlier ragfix"):
         load_run(out)
+
+
+# ------------------------------------------------------------------ the driver
+TEXTS = ["The cat sat on the mat.", "Paris is in France.", "Two and two make four.", "Hello."]
+
+
+class _Scores(RunKind):
+    """A run kind of four cells, each the summed log-probability of a short text under the
+    backend; ``stop_after`` raises Ctrl-C once that many records of this call are stored."""
+
+    def __init__(self, ref, stop_after=None):
+        self.config = RunConfig(run="scores", backend_ref=ref)
+        self.stop_after = stop_after
+
+    def folder(self, out):
+        return RunFolder(out, self.config, results="results.jsonl", key="cell_id")
+
+    def cells(self):
+        return [(f"c{i}", text) for i, text in enumerate(TEXTS)]
+
+    def compute(self, todo, store, batch_size):
+        for n, text in enumerate(todo):
+            if n == self.stop_after:
+                raise KeyboardInterrupt
+            logp = self.backend.token_logprobs(self.backend.tokenize(text))
+            store({"cell_id": f"c{TEXTS.index(text)}", "correct": True, "logp": float(logp.sum())})
+
+    def summarize(self, folder, records):
+        return records
+
+
+def test_the_driver_resumes_in_one_line_and_stores_what_arrived_before_ctrl_c(tmp_path, model_dir):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ragfix.backends import BackendRef
+    from ragfix.errors import Interrupted
+
+    ref = BackendRef(model=str(model_dir), device="cpu")
+    out = tmp_path / "run"
+    stored = f"2 cell(s) computed by this run are stored in {out}"
+    with pytest.raises(Interrupted, match=f"^{re.escape(stored)}$"):
+        run(_Scores(ref, stop_after=2), ref, out)
+    assert [r["cell_id"] for r in _lines(out / "results.jsonl")] == ["c0", "c1"]
+    text = StringIO()
+    records = run(_Scores(ref), ref, out, console=Console(file=text, width=200))
+    resumed = [x for x in text.getvalue().splitlines() if x.startswith("resuming:")]
+    assert resumed == ["resuming: 2 of 4 cells already done"]
+    assert [r["cell_id"] for r in records] == ["c0", "c1", "c2", "c3"]
+    assert len(_lines(out / "results.jsonl")) == 4
+
+
+def test_the_driver_gives_the_same_records_from_a_loaded_backend_and_a_reference(
+    tmp_path, model_dir
+):
+    from ragfix.backends import BackendRef
+
+    ref = BackendRef(model=str(model_dir), device="cpu")
+    by_ref = run(_Scores(ref), ref, tmp_path / "ref")
+    loaded = ref.load(shared=False)
+    by_backend = run(_Scores(ref), loaded, tmp_path / "loaded")
+    assert by_backend == by_ref and all(r["logp"] < 0 for r in by_ref)
+    assert _lines(tmp_path / "ref" / "results.jsonl") == _lines(
+        tmp_path / "loaded" / "results.jsonl"
+    )
+    # the folder is bound to the backend's identity either way: the same folder resumes
+    assert run(_Scores(ref), loaded, tmp_path / "ref") == by_ref

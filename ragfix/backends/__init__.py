@@ -282,6 +282,8 @@ class BackendRef(BaseModel):
         model: see :func:`ragfix.models.load.load_model`.
         adapter: a LoRA adapter folder, or ``None``.
         options: the backend's options.
+        orders: order marginalization's settings
+            (:class:`~ragfix.backends.orders.OrderOptions` as a dict), or ``None``: one order.
         device, dtype: where and how to load it.
 
     Raises:
@@ -294,6 +296,7 @@ class BackendRef(BaseModel):
     model: str = "smollm2"
     adapter: str | None = None
     options: dict = Field(default_factory=dict)
+    orders: dict | None = None
     device: str = "auto"
     dtype: str = "auto"
 
@@ -320,19 +323,29 @@ class BackendRef(BaseModel):
         validate_backend(self.name, self.adapter, model=self.model, **self.options)
         return self
 
-    def load(self) -> Backend:
-        """The backend, loaded once per reference in this process (the components of one
-        pipeline that name the same backend share its model).
+    def load(self, shared: bool = True) -> Backend:
+        """The backend: with ``shared``, loaded once per reference in this process (the
+        components of one pipeline that name the same backend share its model); else a fresh
+        one, freed when the caller drops it (a run's backend).
 
         Raises:
             see :func:`load_backend`.
         """
+        if not shared:
+            return self._load()
         key = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         if key not in _LOADED:
-            _LOADED[key] = load_backend(
-                self.name, self.model, self.device, self.dtype, self.adapter, **self.options
-            )
+            _LOADED[key] = self._load()
         return _LOADED[key]
+
+    def _load(self) -> Backend:
+        from ragfix.backends.orders import OrderOptions
+
+        orders = None if self.orders is None else OrderOptions(**self.orders)
+        return load_backend(
+            self.name, self.model, self.device, self.dtype, self.adapter, orders=orders,
+            **self.options,
+        )  # fmt: skip
 
 
 _LOADED: dict[str, Backend] = {}
