@@ -40,7 +40,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Figures of merit of every curve (mean, worst position, best-worst gap, with 95%
         intervals) and their plot; a judge run's tables (position consistency, preference
-        fairness, agreement).
+        fairness, agreement); for several judge runs, one table of their one-pass verdicts
+        against the two-pass swap aggregate (--json writes it as a result file).
 
         Curves of runs with the same cells (same data, task, number of passages, record range
         and prompt layout; the model, backend or adapter may differ) are compared with the first
@@ -59,7 +60,8 @@ def register(app: typer.Typer) -> None:
             write_comparison,
         )
         from ragfix.eval.html_report import is_judge_run, load_judge_run, write_html_report
-        from ragfix.judge.report import judge_tables
+        from ragfix.eval.results import write_benchmark
+        from ragfix.judge.report import judge_comparison, judge_tables
         from ragfix.tables import markdown_tables, print_tables
 
         with user_errors():
@@ -69,6 +71,12 @@ def register(app: typer.Typer) -> None:
             comparison = compare_loaded(sweeps, plot=out, title=title) if sweeps else None
             tables = comparison_tables(comparison) if comparison else []
             tables += [t for j in judges for t in judge_tables(j.summary)]
+            judged_runs = {
+                p.name: j.summary
+                for p, j in zip([p for p in runs if judged[p]], judges, strict=True)
+            }
+            if len(judges) > 1:
+                tables.append(judge_comparison(judged_runs))
             if markdown:
                 typer.echo(markdown_tables(tables))
             else:
@@ -76,9 +84,15 @@ def register(app: typer.Typer) -> None:
                 if comparison:
                     console.print(f"plot: {out}", soft_wrap=True, highlight=False)
             if json_out is not None:
-                if comparison is None:
-                    raise ConfigError("--json writes a comparison of sweeps: give a sweep run")
-                write_comparison(json_out, comparison)
+                if comparison is None and len(judges) < 2:
+                    raise ConfigError(
+                        "--json writes a comparison of sweeps or of two or more judge runs: "
+                        "give a sweep run or several judge runs"
+                    )
+                if comparison is not None:
+                    write_comparison(json_out, comparison)
+                else:
+                    write_benchmark(json_out, judge_comparison(judged_runs))
                 if not markdown:
                     console.print(f"comparison: {json_out}", soft_wrap=True, highlight=False)
             if html is not None:

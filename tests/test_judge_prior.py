@@ -190,3 +190,40 @@ def test_compare_runs_is_the_exact_mcnemar_test_of_one_verdict_field(tmp_path):
         "only_baseline": 0,
         "p_value": pytest.approx(0.25),
     }
+
+
+def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path):
+    """Two real judge runs on the same KV pair (slot letters; letters by content with the
+    content-free calibration): ``ragfix report A B --json`` writes one row per run whose figures
+    are each run's own one-pass verdict (generated, resp. calibrated) and swap aggregate, and the
+    file renders as a benchmark table."""
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+    from ragfix.eval.judge_run import run_judge
+    from ragfix.eval.results import load_result, result_tables
+
+    data = data_file("litm_kv_retrieval_140_keys.jsonl.gz")
+    plain, fixed = tmp_path / "slot", tmp_path / "content"
+    run_judge(data, plain, records="7:8", device="cpu")
+    run_judge(data, fixed, records="7:8", labels="content", calibrate="content-free", device="cpu")
+    out = tmp_path / "judges.json"
+    res = CliRunner().invoke(app, ["report", str(plain), str(fixed), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = {r[0]: r for r in load_result(out)["rows"]}
+    for name, source, agreement in (
+        ("slot", "generated", "single_original"),
+        ("content", "contextual", "contextual_original"),
+    ):
+        s = next(
+            iter(json.loads((tmp_path / name / "summary.json").read_text())["judges"].values())
+        )
+        m = s[source]
+        row = rows[name]
+        assert row[4] == "1"
+        assert row[5] == f"{m['position_consistency']:.3f} ({m['consistent_pairs']}/1)"
+        assert row[8] == f"{s['agreement'][agreement]['accuracy']:.3f}"
+        assert row[10] == f"{s['agreement']['swap_aggregated']['accuracy']:.3f}"
+    assert rows["content"][2:4] == ["content", "content-free"]
+    [table] = result_tables(load_result(out), "benchmark")
+    assert table.title.startswith("Judge corrections")

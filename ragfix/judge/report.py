@@ -271,3 +271,73 @@ def plot_judges(summaries: dict[str, dict], path, title: str | None = None) -> N
     fig.savefig(buf, format="png")
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def judge_comparison(results: dict[str, dict]) -> TableSpec:
+    """One row per judge run (``{run name: summary.json}``, each with one judge): its one-pass
+    verdict against its two-pass swap aggregate, on the same footing.
+
+    The one-pass verdict is the first order's: the generated verdict, or with
+    ``--calibrate content-free`` the contextually calibrated argmax (Zhao et al., ICML 2021), one
+    forward pass per pair (the calibration's content-free passes are per run, not per pair).
+    Its position consistency (consistent / pairs both of whose verdicts were read, with the
+    Wilson 95% interval) is measured under the run's swap; its accuracy (Wilson 95% interval)
+    against the human labels. The swap-aggregated verdict reads both orders (two passes; an
+    inconsistent pair is a tie and counts as wrong).
+
+    Raises:
+        KeyError: a summary that is not a judged run's (``--from-judgments`` summaries have no
+            one-pass verdict of their own).
+    """
+    rows = []
+    for name, result in results.items():
+        config = result["config"]
+        [(judge, s)] = result["judges"].items()
+        calibrated = config.get("calibrate", "none") != "none"
+        source, agreement = (
+            ("contextual", "contextual_original")
+            if calibrated
+            else (
+                "generated",
+                "single_original",
+            )
+        )
+        m, acc = s[source], s["agreement"].get(agreement)
+        swap = s["agreement"].get("swap_aggregated")
+        pc_ci = {"low": m["pc_low"], "high": m["pc_high"]} if m["pc_low"] is not None else None
+        rows.append(
+            [
+                name,
+                config["backend"],
+                config.get("labels", "slot"),
+                config.get("calibrate", "none"),
+                str(s["pairs"]),
+                _pc(m),
+                fmt_ci(pc_ci),
+                _rate(m["first_slot_win_rate"]),
+                "n/a" if acc is None else fmt_num(acc["accuracy"]),
+                "n/a" if acc is None else fmt_ci({"low": acc["acc_low"], "high": acc["acc_high"]}),
+                "n/a" if swap is None else fmt_num(swap["accuracy"]),
+            ]
+        )
+    headers = [
+        "run",
+        "backend",
+        "labels",
+        "calibration",
+        "pairs",
+        "one-pass PC",
+        "95% CI",
+        "first-slot wins",
+        "one-pass accuracy",
+        "95% CI",
+        "swap-aggregated accuracy (2 passes)",
+    ]
+    line = (
+        "One-pass verdict: the first order's (1 pass a pair; with content-free calibration the "
+        "calibrated argmax); PC under the ordinary swap (the answers exchange slots). "
+        "Intervals: Wilson 95%."
+    )
+    return TableSpec(
+        "Judge corrections: one pass against the swap aggregate", headers, rows, [line]
+    )
