@@ -48,7 +48,7 @@ import importlib
 import json
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -347,7 +347,6 @@ def run_pipeline_sweep(
         attention_rounds=attention_rounds,
         written=written if write_now else None,
         writer_options=writer_options,
-        console=console,
     )
     return run(kind, ref, out, restart=restart, console=console)
 
@@ -371,13 +370,12 @@ class PipelineRun(RunKind):
         corpus, embedder: what is indexed, and by which embedder (``None``: the default).
         questions, records: the question file and its records (``None`` for needles or
             questions still to write).
-        skipped: counts the inputs skipped with ``skip_invalid``.
         limit, skip_invalid, strategies, ranks, accuracies, attention_rounds: as
             :func:`run_pipeline_sweep` takes them (``ranks`` parsed, ``accuracies`` the bias
             profile's or ``None``).
         written: where to write the questions (``questions_from``), or ``None``: none to write.
         writer_options: the writing model's backend options.
-        console: where notes go (``None``: quiet).
+        skipped: counts the inputs skipped with ``skip_invalid`` (the questions read so far).
     """
 
     config: PipelineConfig
@@ -386,7 +384,6 @@ class PipelineRun(RunKind):
     embedder: str | None
     questions: Path | None
     records: list[QuestionRecord] | None
-    skipped: SkipCounter
     limit: int | None
     skip_invalid: bool
     strategies: list[str]
@@ -395,8 +392,9 @@ class PipelineRun(RunKind):
     attention_rounds: int
     written: Path | None
     writer_options: dict | None
-    console: Console | None
+    skipped: SkipCounter = field(default_factory=SkipCounter)
     label = "pipeline sweep"
+    skips = "input"
 
     def folder(self, out: Path) -> RunFolder:
         self.run_folder = sweep_folder(out, self.config)
@@ -447,11 +445,6 @@ class PipelineRun(RunKind):
             self.qs = locate_gold(
                 questions, records, cor.nodes, self.limit, self.skip_invalid, skipped
             )
-        if skipped.count and self.console is not None:
-            self.console.print(
-                f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
-                highlight=False,
-            )
 
     def cells(self) -> list[tuple[str, tuple]]:
         """Every (question, rank, strategy) with its id; the retriever's candidates of each
@@ -492,8 +485,6 @@ class PipelineRun(RunKind):
         c, qs, retrieved, out = self.config, self.qs, self.retrieved, self.out
         if not records:
             raise DataError(out, None, None, "no finished cells")
-        if not folder.check():
-            folder.write_config()
         natural = Counter(retrieved[q.id][1] for q in qs)
         extra = {
             "skipped_inputs": self.skipped.count,
