@@ -387,6 +387,7 @@ def _length(ratio: float, big_l: int) -> int:
     return max(2, int(ratio * big_l))
 
 
+@dataclass(eq=False)
 class PplRun(RunKind):
     """Perplexity as a run kind (:func:`ragfix.eval.run.run`): its cells are the (method,
     length, window) of the run, each scored on its method's own backend. The driver loads the
@@ -395,28 +396,21 @@ class PplRun(RunKind):
     each other method with a window left to score is loaded in turn, the one before freed first.
     The summary is the result of :func:`run_ppl`."""
 
+    config: PplConfig
+    variants: list[Variant]
+    ratios: Sequence[float]
+    windows: range
+    data: Path
+    baseline: str | None
+    on_step: Callable[[str], None] | None
     unit = "window"
     label = "perplexity"
 
-    def __init__(
-        self,
-        config: PplConfig,
-        variants: list[Variant],
-        ratios: Sequence[float],
-        windows: range,
-        data: str | Path,
-        baseline: str | None,
-        on_step: Callable[[str], None] | None,
-    ) -> None:
-        self.config, self.variants, self.ratios, self.windows = config, variants, ratios, windows
-        self.data, self.text = Path(data), read_texts(data)  # a bad file: before any loading
-        self.baseline, self.on_step = baseline, on_step
+    def __post_init__(self) -> None:
+        self.text = read_texts(self.data)  # a bad file: refused before any model is loaded
 
     def folder(self, out: Path) -> RunFolder:
         return ppl_folder(out, self.config)
-
-    def _lengths(self, big_l: int) -> list[int]:
-        return [_length(r, big_l) for r in self.ratios]
 
     def setup(self, backend) -> None:
         """Tokenize the text with ``backend`` (every method shares the model, so its tokenizer).
@@ -425,7 +419,7 @@ class PplRun(RunKind):
             DataError: the text is too short for the windows at the longest length.
         """
         self.backend, c, windows = backend, self.config, self.windows
-        longest = max(self._lengths(c.train_window or trained_window(backend)))
+        longest = _length(max(self.ratios), c.train_window or trained_window(backend))
         # ~4 characters per token in English prose: tokenize a generous prefix only
         self.tokens = backend.tokenize(self.text[: windows.stop * longest * 12])
         if len(self.tokens) < windows.stop * longest:
@@ -461,7 +455,7 @@ class PplRun(RunKind):
             backend = first if variant is self.variants[0] else ref.load(shared=False)
             big_l = self.config.train_window or trained_window(backend)
             resolved = backend.identity()["options"]
-            longest = max(self._lengths(big_l))
+            longest = _length(max(self.ratios), big_l)
             for _, ratio, k in group:
                 window = self.tokens[k * longest : k * longest + _length(ratio, big_l)]
                 store(
@@ -604,7 +598,7 @@ def run_ppl(
             dtype=dtype,
         ),
     )
-    kind = PplRun(config, variants, ratios, windows, data, baseline, on_step)
+    kind = PplRun(config, variants, ratios, windows, Path(data), baseline, on_step)
     return run(kind, config.backend_ref, out, restart=restart, console=console)
 
 
