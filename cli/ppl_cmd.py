@@ -121,6 +121,7 @@ def register(app: typer.Typer) -> None:
                 out=out,
                 restart=restart,
                 on_step=lambda s: console.print(s, highlight=False, markup=False),
+                console=console,
             )
             paths = write_report(result, out)
         print_tables(ppl_tables(result), console)

@@ -157,7 +157,7 @@ class JudgeConfig(RunConfig):
     mtbench_models: list[str] | None = None
 
 
-def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console, records=None):
+def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, records=None):
     """The pairs of ``data`` (of the record range ``records``, a slice, when given; then the
     first ``limit`` of them) and the skip counter.
 
@@ -172,12 +172,6 @@ def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, console, 
     pairs = load_pairs(data, None if records else limit, skip_invalid, skipped, mtbench_models)
     if records is not None:
         pairs = select_records(pairs, records)[:limit]
-    if skipped.count and console is not None:
-        console.print(
-            f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
-            f"first: {skipped.examples[0]}",
-            highlight=False,
-        )
     if not pairs:
         raise DataError(data, None, None, "no pairs to judge")
     return pairs, skipped
@@ -212,7 +206,7 @@ class JudgeRun(RunKind):
         self, config: JudgeConfig, pairs: list[JudgePair], settings: dict, extra: dict, skipped
     ):
         self.config, self.pairs, self.settings, self.extra = config, pairs, settings, extra
-        self.skipped = skipped.count
+        self.skipped = skipped
         self.label = f"judging ({config.backend})"
         self.computed = 0
 
@@ -266,7 +260,7 @@ class JudgeRun(RunKind):
                 else None
             ),
             "config": folder.config.stored(),
-            "skipped_records": self.skipped,
+            "skipped_records": self.skipped.count,
             "torn_lines": folder.store.torn_lines,
             "notes": notes,
         }
@@ -280,6 +274,8 @@ class JudgeRun(RunKind):
             pairs=len(self.pairs),
             computed=self.computed,
             reused=len(self.pairs) - self.computed,
+            skipped_records=self.skipped.count,
+            skipped_examples=list(self.skipped.examples),
             notes=notes,
         )
 
@@ -369,7 +365,7 @@ def run_judge(
         raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
     opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
     resolve_model(model)
-    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, console, span)
+    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, span)
     ref = BackendRef(
         name=backend,
         model=model,
@@ -413,10 +409,7 @@ def run_judge(
         "records": format_records(span) if span is not None else None,
     }
     kind = JudgeRun(config, pairs, settings, extra, skipped)
-    result = run(kind, ref, out, restart=restart, console=console)
-    result.skipped_records = skipped.count
-    result.skipped_examples = list(skipped.examples)
-    return result
+    return run(kind, ref, out, restart=restart, console=console)
 
 
 def compare_runs(baseline: str | Path, other: str | Path, field: str = "verdict_original") -> dict:

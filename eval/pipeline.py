@@ -48,6 +48,7 @@ import importlib
 import json
 from collections import Counter
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -59,6 +60,7 @@ from ragfix.backends import BackendRef
 from ragfix.backends.base import require_plain_prompts
 from ragfix.connectors.corpus import (
     DEFAULT_CHUNK_SIZE,
+    QuestionRecord,
     build_corpus,
     locate_gold,
     needle_questions,
@@ -345,7 +347,6 @@ def run_pipeline_sweep(
         attention_rounds=attention_rounds,
         written=written if write_now else None,
         writer_options=writer_options,
-        console=console,
     )
     return run(kind, ref, out, restart=restart, console=console)
 
@@ -357,18 +358,43 @@ class _PipelineTally(RunTally):
         return f"{record.get('strategy', 'none')} {super().add(record)}"
 
 
+@dataclass(eq=False)
 class PipelineRun(RunKind):
     """The pipeline sweep as a run kind (:func:`ragfix.eval.run.run`): the corpus is indexed
     and the questions read, written or planted once the backend is loaded; its cells are
     (question, retrieval rank, strategy), run one at a time through the framework's pipelines;
     the summary adds the retrieval-weighted accuracy per strategy (:func:`run_pipeline_sweep`).
+
+    Attributes:
+        config, out: the run's configuration and folder.
+        corpus, embedder: what is indexed, and by which embedder (``None``: the default).
+        questions, records: the question file and its records (``None`` for needles or
+            questions still to write).
+        limit, skip_invalid, strategies, ranks, accuracies, attention_rounds: as
+            :func:`run_pipeline_sweep` takes them (``ranks`` parsed, ``accuracies`` the bias
+            profile's or ``None``).
+        written: where to write the questions (``questions_from``), or ``None``: none to write.
+        writer_options: the writing model's backend options.
+        skipped: counts the inputs skipped with ``skip_invalid`` (the questions read so far).
     """
 
+    config: PipelineConfig
+    out: Path
+    corpus: Path
+    embedder: str | None
+    questions: Path | None
+    records: list[QuestionRecord] | None
+    limit: int | None
+    skip_invalid: bool
+    strategies: list[str]
+    ranks: list[int]
+    accuracies: list[float] | None
+    attention_rounds: int
+    written: Path | None
+    writer_options: dict | None
+    skipped: SkipCounter = field(default_factory=SkipCounter)
     label = "pipeline sweep"
-
-    def __init__(self, config: PipelineConfig, out: Path, **settings) -> None:
-        self.config, self.out = config, out
-        self.__dict__.update(settings)
+    skips = "input"
 
     def folder(self, out: Path) -> RunFolder:
         self.run_folder = sweep_folder(out, self.config)
@@ -419,11 +445,6 @@ class PipelineRun(RunKind):
             self.qs = locate_gold(
                 questions, records, cor.nodes, self.limit, self.skip_invalid, skipped
             )
-        if skipped.count and self.console is not None:
-            self.console.print(
-                f"[yellow]skipped {skipped.count} input(s)[/yellow]; first: {skipped.examples[0]}",
-                highlight=False,
-            )
 
     def cells(self) -> list[tuple[str, tuple]]:
         """Every (question, rank, strategy) with its id; the retriever's candidates of each
@@ -464,8 +485,6 @@ class PipelineRun(RunKind):
         c, qs, retrieved, out = self.config, self.qs, self.retrieved, self.out
         if not records:
             raise DataError(out, None, None, "no finished cells")
-        if not folder.check():
-            folder.write_config()
         natural = Counter(retrieved[q.id][1] for q in qs)
         extra = {
             "skipped_inputs": self.skipped.count,

@@ -46,14 +46,15 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from rich.console import Console
 from scipy.stats import bootstrap
 
-from ragfix.backends import Backend, BackendOptions, load_backend, validate_backend
+from ragfix.backends import Backend, BackendRef, validate_backend
 from ragfix.connectors.jsonl import read_jsonl, require
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import Bootstrap, Interval
 from ragfix.eval.ppl_tables import PPL_KIND, ppl_tables
-from ragfix.eval.run import RunConfig, RunFolder, input_fingerprints
+from ragfix.eval.run import RunConfig, RunFolder, RunKind, input_fingerprints, run
 from ragfix.io import atomic_write_json, atomic_write_text
 from ragfix.tables import markdown_tables
 
@@ -82,13 +83,12 @@ class ReportsQueryPositions(Protocol):
 
 @dataclass(frozen=True)
 class Variant:
-    """One scored method: its label in the results, the backend, its options as given and as
-    validated (:func:`ragfix.backends.validate_backend`; the backend is built from these)."""
+    """One scored method: its label in the results, the backend and its options (validated by
+    :func:`method_variants`)."""
 
     label: str
     backend: str
     options: dict
-    validated: BackendOptions | None = None
 
 
 class PplConfig(RunConfig):
@@ -229,7 +229,8 @@ def method_variants(
             if point:
                 label += "[" + ",".join(f"{k}={v}" for k, v in point.items()) + "]"
             full = {**opts, **point}
-            variants.append(Variant(label, name, full, validate_backend(name, **full)))
+            validate_backend(name, **full)
+            variants.append(Variant(label, name, full))
     return variants
 
 
@@ -361,6 +362,156 @@ def paired_with(rows: list[dict], baseline: str, boot: Bootstrap | None = None) 
         }
 
 
+class _WindowTally:
+    """Perplexity's running figure: the window just scored (``gali 128 tok, window 3: ppl
+    12.34``), also handed to ``on_step``."""
+
+    def __init__(self, on_step: Callable[[str], None] | None) -> None:
+        self.on_step = on_step
+        self.last = ""
+
+    def add(self, record: dict) -> str:
+        length = _length(record["ratio"], record["train_window"])
+        ppl = _ppl(record["nll"], record["tokens"])
+        self.last = f"{record['method']} {length} tok, window {record['window']}: ppl {ppl:.2f}"
+        if self.on_step is not None:
+            self.on_step(self.last)
+        return self.last
+
+    def status(self) -> str:
+        return self.last
+
+
+def _length(ratio: float, big_l: int) -> int:
+    """The length ``ratio * L`` in tokens (at least 2: one predicted token)."""
+    return max(2, int(ratio * big_l))
+
+
+@dataclass(eq=False)
+class PplRun(RunKind):
+    """Perplexity as a run kind (:func:`ragfix.eval.run.run`): its cells are the (method,
+    length, window) of the run, each scored on its method's own backend. The driver loads the
+    first method's (``config.backend_ref``), whose tokenizer reads the text and whose weights,
+    chat template and tokenizer the folder is bound to (every method runs on the same weights);
+    each other method with a window left to score is loaded in turn, the one before freed first.
+    The summary is the result of :func:`run_ppl`."""
+
+    config: PplConfig
+    variants: list[Variant]
+    ratios: Sequence[float]
+    windows: range
+    data: Path
+    baseline: str | None
+    on_step: Callable[[str], None] | None
+    unit = "window"
+    label = "perplexity"
+
+    def __post_init__(self) -> None:
+        self.text = read_texts(self.data)  # a bad file: refused before any model is loaded
+
+    def folder(self, out: Path) -> RunFolder:
+        return ppl_folder(out, self.config)
+
+    def setup(self, backend) -> None:
+        """Tokenize the text with ``backend`` (every method shares the model, so its tokenizer).
+
+        Raises:
+            DataError: the text is too short for the windows at the longest length.
+        """
+        self.backend, c, windows = backend, self.config, self.windows
+        longest = _length(max(self.ratios), c.train_window or trained_window(backend))
+        # ~4 characters per token in English prose: tokenize a generous prefix only
+        self.tokens = backend.tokenize(self.text[: windows.stop * longest * 12])
+        if len(self.tokens) < windows.stop * longest:
+            raise DataError(
+                self.data,
+                None,
+                None,
+                f"{len(self.tokens)} tokens, need {windows.stop} x {longest} for windows "
+                f"{windows.start}:{windows.stop}",
+            )
+
+    def bind(self, folder: RunFolder, restart: bool) -> None:
+        ident = self.backend.identity()  # what every method shares: weights, tokenizer
+        folder.bind({k: ident[k] for k in ("model", "chat_template", "tokenizer")}, restart)
+
+    def cells(self) -> list[tuple[str, tuple[Variant, float, int]]]:
+        return [
+            (_window_id(self.config, v, r, k), (v, r, k))
+            for v in self.variants
+            for r in self.ratios
+            for k in self.windows
+        ]
+
+    def compute(self, todo: list[tuple[Variant, float, int]], store, batch_size: int) -> None:
+        first, self.backend = self.backend, None
+        for variant, group in itertools.groupby(todo, key=lambda cell: cell[0]):
+            if variant is not self.variants[0]:
+                first = None
+                gc.collect()  # the previous method's model is freed before the next loads
+            ref = self.config.backend_ref.model_copy(
+                update={"name": variant.backend, "options": variant.options}
+            )
+            backend = first if variant is self.variants[0] else ref.load(shared=False)
+            big_l = self.config.train_window or trained_window(backend)
+            resolved = backend.identity()["options"]
+            longest = _length(max(self.ratios), big_l)
+            for _, ratio, k in group:
+                window = self.tokens[k * longest : k * longest + _length(ratio, big_l)]
+                store(
+                    {
+                        "cell_id": _window_id(self.config, variant, ratio, k),
+                        "method": variant.label,
+                        "ratio": ratio,
+                        "window": k,
+                        "train_window": big_l,
+                        "options": resolved,
+                        **window_stats(*score_window(backend, window)),
+                    }
+                )
+            del backend
+        gc.collect()
+
+    def tally(self, finished: list[dict]) -> _WindowTally:
+        return _WindowTally(self.on_step)
+
+    def summarize(self, folder: RunFolder | None, records: list[dict]) -> dict:
+        c, windows = self.config, self.windows
+        by_id = {r["cell_id"]: r for r in records}
+        rows = []
+        for variant in self.variants:
+            for ratio in self.ratios:
+                stats = [by_id[_window_id(c, variant, ratio, k)] for k in windows]
+                big_l = stats[0]["train_window"]
+                rows.append(
+                    {
+                        "method": variant.label,
+                        "backend": variant.backend,
+                        "ratio": ratio,
+                        "length": _length(ratio, big_l),
+                        "windows": [windows.start, windows.stop],
+                        **length_stats(stats),
+                        "vs_baseline": None,
+                        "train_window": big_l,
+                        "options": stats[0]["options"],
+                    }
+                )
+        if self.baseline is not None:
+            paired_with(rows, self.baseline)
+        return {
+            "kind": PPL_KIND,
+            "model": c.model,
+            "data": self.data.name,
+            "train_window": rows[0]["train_window"],
+            "ratios": list(self.ratios),
+            "windows": [windows.start, windows.stop],
+            "window_tokens": max(r["length"] for r in rows),
+            "baseline": self.baseline,
+            "bootstrap": WINDOW_BOOTSTRAP.model_dump(),
+            "rows": rows,
+        }
+
+
 def run_ppl(
     data: str | Path,
     model: str = "smollm2",
@@ -376,6 +527,7 @@ def run_ppl(
     out: str | Path | None = None,
     restart: bool = False,
     on_step: Callable[[str], None] | None = None,
+    console: Console | None = None,
 ) -> dict:
     """Perplexity of each method at each length ``ratio * L`` on the text windows ``windows``.
 
@@ -395,7 +547,9 @@ def run_ppl(
             scored and reused by a rerun (more windows or methods resume; another model file,
             data content, ``train_window`` or ``ratios`` is refused); ``None``: nothing stored.
         restart: start ``out`` over when it holds a run of other settings, weights or data.
-        on_step: called with a short status after each (method, length, window).
+        on_step: called with a short status after each (method, length, window) this call
+            scores (``gali 128 tok, window 3: ppl 12.34``).
+        console: where the "resuming:" line and the progress bar go (``None``: quiet).
 
     Returns:
         the result (``kind`` ``ragfix-ppl``, rendered by the ``ppl`` table kind): ``model``,
@@ -411,6 +565,8 @@ def run_ppl(
         DataError: bad data file, or the text is too short for the windows.
         ConfigMismatchError: ``out`` holds a run of other settings, weights or data content
             (not with ``restart``).
+        Interrupted: Ctrl-C, once every window scored before it is stored; its message says how
+            many this run stored and where.
     """
     if not ratios or min(ratios) <= 0:
         raise ConfigError(f"ratios {list(ratios)}: give one or more positive multiples of L")
@@ -434,99 +590,16 @@ def run_ppl(
         train_window=train_window,
         ratios=list(ratios),
         inputs=input_fingerprints(data=data),
+        backend_ref=BackendRef(
+            name=variants[0].backend,
+            model=model,
+            options=variants[0].options,
+            device=device,
+            dtype=dtype,
+        ),
     )
-    folder = None if out is None else ppl_folder(out, config)
-    if folder is not None and not restart:
-        folder.check()  # other settings: refused before any model is loaded
-    text = read_texts(data)
-    rows: list[dict] = []
-    tokens: list[int] | None = None
-    done: dict[str, dict] = {}
-    for i, variant in enumerate(variants):
-        ids = {(r, k): _window_id(config, variant, r, k) for r in ratios for k in windows}
-        backend = None
-        if i == 0 or tokens is None or any(c not in done for c in ids.values()):
-            backend = load_backend(
-                variant.backend,
-                model=model,
-                device=device,
-                dtype=dtype,
-                validated=variant.validated,
-            )
-        if i == 0 and folder is not None:  # what every variant shares: weights, tokenizer
-            ident = backend.identity()
-            shared = ("model", "chat_template", "tokenizer")
-            folder.bind({k: ident[k] for k in shared}, restart=restart)
-            done = folder.done()
-        if backend is not None:
-            big_l = train_window or trained_window(backend)
-            resolved = backend.identity()["options"]
-        else:  # every window of this variant is stored: nothing to load
-            first = done[ids[ratios[0], windows.start]]
-            big_l, resolved = first["train_window"], first["options"]
-        lengths = [max(2, int(r * big_l)) for r in ratios]
-        longest = max(lengths)
-        if tokens is None:  # every variant shares the model, so its tokenizer
-            # ~4 characters per token in English prose: tokenize a generous prefix only
-            tokens = backend.tokenize(text[: windows.stop * longest * 12])
-            if len(tokens) < windows.stop * longest:
-                raise DataError(
-                    data,
-                    None,
-                    None,
-                    f"{len(tokens)} tokens, need {windows.stop} x {longest} for windows "
-                    f"{windows.start}:{windows.stop}",
-                )
-        for ratio, length in zip(ratios, lengths, strict=True):
-            stats = []
-            for k in windows:
-                cell = done.get(ids[ratio, k])
-                if cell is None:
-                    window = tokens[k * longest : k * longest + length]
-                    cell = {
-                        "cell_id": ids[ratio, k],
-                        "method": variant.label,
-                        "ratio": ratio,
-                        "window": k,
-                        "train_window": big_l,
-                        "options": resolved,
-                        **window_stats(*score_window(backend, window)),
-                    }
-                    if folder is not None:
-                        folder.append(cell)
-                if on_step:
-                    ppl = _ppl(cell["nll"], cell["tokens"])
-                    on_step(f"{variant.label} {length} tok, window {k}: ppl {ppl:.2f}")
-                stats.append(cell)
-            rows.append(
-                {
-                    "method": variant.label,
-                    "backend": variant.backend,
-                    "ratio": ratio,
-                    "length": length,
-                    "windows": [windows.start, windows.stop],
-                    **length_stats(stats),
-                    "vs_baseline": None,
-                    "train_window": big_l,
-                    "options": resolved,
-                }
-            )
-        del backend
-        gc.collect()
-    if baseline is not None:
-        paired_with(rows, baseline)
-    return {
-        "kind": PPL_KIND,
-        "model": model,
-        "data": Path(data).name,
-        "train_window": rows[0]["train_window"],
-        "ratios": list(ratios),
-        "windows": [windows.start, windows.stop],
-        "window_tokens": max(r["length"] for r in rows),
-        "baseline": baseline,
-        "bootstrap": WINDOW_BOOTSTRAP.model_dump(),
-        "rows": rows,
-    }
+    kind = PplRun(config, variants, ratios, windows, Path(data), baseline, on_step)
+    return run(kind, config.backend_ref, out, restart=restart, console=console)
 
 
 def plot_ppl(result: dict, path: str | Path) -> None:

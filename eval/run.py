@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
 from ragfix.backends import BackendRef
+from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigMismatchError, DataError, Interrupted
 from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.io import CONFIG_FILE, JsonlStore, atomic_write_json, read_run_config
@@ -59,8 +60,9 @@ class RunConfig(BaseModel):
         format: :data:`RUN_FORMAT`.
         identity: what the run ran on: the backend's ``identity()`` (weights fingerprint,
             adapter and calibration fingerprints, options, chat template), as JSON; for a run of
-            several backends (perplexity), ``{label: identity}``. Empty until the backend is
-            loaded (:meth:`RunFolder.bind`).
+            several backends (perplexity, one per method), what they share (the weights, chat
+            template and tokenizer of the first). Empty until the backend is loaded
+            (:meth:`RunFolder.bind`).
         inputs: ``{role: content fingerprint}`` of every input file or folder (``data``,
             ``distractor_pool``, ``corpus``, ``questions``).
         backend_ref: the backend the run loads (:class:`~ragfix.backends.BackendRef`: model,
@@ -292,6 +294,10 @@ class RunKind(ABC):
         label: the progress bar's description.
         main: whether this process prints and shows the bar (False on a launcher's ranks but
             0).
+        skipped: the inputs skipped with ``skip_invalid`` (by the time :meth:`setup` returns);
+            :func:`run` notes them in one line (``skipped 2 invalid record(s); first: ...``).
+        skips: what a skipped input is called in that line.
+        console: where the kind's own notes go (set by :func:`run`; ``None``: quiet).
     """
 
     config: RunConfig
@@ -301,6 +307,9 @@ class RunKind(ABC):
     finished: ClassVar[str] = "done"
     label: str = "run"
     main: bool = True
+    skipped: SkipCounter | None = None
+    skips: ClassVar[str] = "invalid record"
+    console: Console | None = None
 
     @abstractmethod
     def folder(self, out: Path) -> RunFolder:
@@ -367,12 +376,14 @@ def run(
     1. ``out`` is checked against the request before anything is loaded (not with ``restart``);
     2. ``backend`` is loaded when it is a :class:`~ragfix.backends.BackendRef` (also when every
        cell is stored: a finished folder is checked too) and handed to the kind
-       (:meth:`RunKind.setup`);
+       (:meth:`RunKind.setup`); the inputs it skipped are noted in one line;
     3. the folder is bound to its identity (:meth:`RunKind.bind`); stored cells are reused, and
        a resumed run says so in one line (``resuming: 3 of 8 cells already done``);
     4. the other cells are computed (:meth:`RunKind.compute`), each stored as it arrives, under
        a progress bar with the kind's running figure;
-    5. the records of the run's cells are summarised (:meth:`RunKind.summarize`).
+    5. ``config.json`` is written if cells are stored without it (computed by other
+       processes), and the records of the run's cells are summarised
+       (:meth:`RunKind.summarize`).
 
     Args:
         kind: the run kind.
@@ -382,7 +393,7 @@ def run(
         batch_size: cells per batch (default :func:`default_batch_size`).
         device: the device the backend is on, for the default batch size (default: the
             reference's, else ``"auto"``).
-        console: where the "resuming:" line and the bar go (``None``: quiet).
+        console: where the "resuming:" line, the bar and the kind's notes go (``None``: quiet).
 
     Returns:
         what :meth:`RunKind.summarize` returns.
@@ -393,6 +404,7 @@ def run(
             many this run stored and where.
         the kind's and the backend's errors.
     """
+    kind.console = console if kind.main else None
     folder = None if out is None else kind.folder(Path(out))
     if folder is not None and not restart:
         folder.check()  # another request: refused before the backend is loaded
@@ -402,6 +414,12 @@ def run(
     else:
         kind.setup(backend)
     del backend  # the kind holds it and may drop it
+    if kind.skipped is not None and kind.skipped.count and kind.console is not None:
+        kind.console.print(
+            f"[yellow]skipped {kind.skipped.count} {kind.skips}(s)[/yellow]; first: "
+            f"{kind.skipped.examples[0]}",
+            highlight=False,
+        )
     if folder is not None:
         kind.bind(folder, restart)
     done = folder.done() if folder is not None else {}
@@ -436,6 +454,8 @@ def run(
             done = {rec[kind.key]: rec for rec in store.records}
     if folder is not None:
         done = folder.done()
+        if done and not folder.check():
+            folder.write_config()
     return kind.summarize(folder, [done[cid] for cid, _ in cells if cid in done])
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ragfix.backends import BackendRef
+from ragfix.connectors.jsonl import SkipCounter
 from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
 from ragfix.eval.run import RunFolder, RunKind, Store, input_fingerprints, run
@@ -263,15 +264,14 @@ class SweepRun(RunKind):
         workers: int,
         state,
         prefix_reuse: bool,
-        skipped: int,
+        skipped: SkipCounter,
         on_record: Callable[[SweepRecord], None] | None,
-        console: Console | None,
     ) -> None:
         self.config, self._cells, self.workers, self.state = config, cells, workers, state
         self.rank, self.world = (state.process_index, state.num_processes) if state else (0, 1)
         self.main = self.rank == 0
         self.prefix_reuse, self.skipped = prefix_reuse, skipped
-        self.on_record, self.console = on_record, console
+        self.on_record = on_record
         self.label = f"{config.backend} sweep"
 
     def folder(self, out: Path) -> RunFolder:
@@ -346,11 +346,9 @@ class SweepRun(RunKind):
                 return {}
         merge_shards(folder.out)
         done = open_store(folder.out).load()
-        if done and not folder.check():
-            folder.write_config()
         mine = [done[c.cell_id] for c in self._cells if c.cell_id in done]
         scored, counts = summary_counts(mine)
-        return write_report(folder.out, scored, {"skipped_records": self.skipped, **counts})
+        return write_report(folder.out, scored, {"skipped_records": self.skipped.count, **counts})
 
 
 def run_sweep(
@@ -453,7 +451,6 @@ def run_sweep(
     """
     from ragfix.backends import result_options, validate_backend
     from ragfix.backends.orders import OrderOptions
-    from ragfix.connectors.jsonl import SkipCounter
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models.resolve import resolve_model
 
@@ -499,12 +496,6 @@ def run_sweep(
     samples = load_samples(path, num_docs, limit, distractor_pool, skip_invalid, skipped, rng)
     if rng is not None and not samples:
         raise DataError(path, None, None, f"no usable record in --records {records}")
-    if skipped.count and console is not None:
-        console.print(
-            f"[yellow]skipped {skipped.count} invalid record(s)[/yellow]; "
-            f"first: {skipped.examples[0]}",
-            highlight=False,
-        )
     n = sweep_workers(workers, device=device, model=model, samples=len(samples))
     kind = SweepRun(
         config,
@@ -512,9 +503,8 @@ def run_sweep(
         workers=n,
         state=state,
         prefix_reuse=prefix_reuse,
-        skipped=skipped.count,
+        skipped=skipped,
         on_record=on_record,
-        console=console,
     )
     return run(kind, ref, out, restart=restart, batch_size=batch_size, console=console)
 
