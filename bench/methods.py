@@ -129,6 +129,7 @@ def bench_methods(
     device: str = "auto",
     data: str | Path = DATA,
     progress: Callable[[str], object] = lambda _: None,
+    orders: int | None = None,
 ) -> tuple[TableSpec, dict]:
     """Prefill seconds, generation seconds and prefill peak MiB of ``backends`` (default
     :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
@@ -136,7 +137,11 @@ def bench_methods(
     file, or a bundled sample name), gold passage in the middle
     (``parse_positions("middle")``). ``model`` and ``device`` are
     :func:`ragfix.backends.load_backend`'s. ``progress`` gets one line per prompt and number of
-    passages.
+    passages. With ``orders`` K, one more row: vanilla under order marginalization
+    (:mod:`ragfix.backends.orders`, the default design and aggregator), named
+    ``vanilla --orders K``; its prefill is one order's (the wrapper reads scores from the
+    wrapped backend), its generation answers all K orders in one batch without prefix reuse
+    (an upper bound on what a sweep, which reuses shared prefixes, pays).
 
     Returns:
         ``(table, details)``: one row per (number of passages, backend), in that order;
@@ -148,8 +153,8 @@ def bench_methods(
         ``generate_x``, ``peak_x``; ``None`` where a figure is unknown or vanilla's is 0).
 
     Raises:
-        ConfigError: an unknown backend, one that needs an adapter, or ``limit`` below 1 (before
-            anything is read or loaded).
+        ConfigError: an unknown backend, one that needs an adapter, ``limit`` below 1 or
+            ``orders`` below 2 (before anything is read or loaded).
         pydantic.ValidationError: a backend whose options have no defaults (likewise).
         DataError: a missing or malformed data file, or too few passages for ``num_docs``.
         ModelNotFoundError: the model cannot be found.
@@ -164,6 +169,13 @@ def bench_methods(
     names = check_backends(list(backends or BACKENDS), model)
     if limit < 1:
         raise ConfigError(f"--limit {limit}: must be at least 1")
+    marginal = None
+    if orders is not None:
+        from ragfix.backends.orders import OrderOptions
+
+        if orders < 2:
+            raise ConfigError(f"--orders {orders}: must be at least 2")
+        marginal = (f"vanilla --orders {orders}", OrderOptions(orders=orders))
     counts = list(num_docs or NUM_DOCS)
     path = resolve_data(data)
     prompts = {
@@ -177,6 +189,12 @@ def bench_methods(
     for name in names:
         progress(f"loading {name}")
         loaded[name] = load_backend(name, model=model, device=device)
+    if marginal is not None:
+        progress(f"loading {marginal[0]}")
+        loaded[marginal[0]] = load_backend(
+            "vanilla", model=model, device=device, orders=marginal[1]
+        )
+        names = [*names, marginal[0]]
     dev = resolve_device(device)
     first_prompts = prompts[counts[0]]
     first = first_prompts[0]

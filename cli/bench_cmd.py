@@ -194,6 +194,10 @@ def methods_cmd(
     data: Annotated[str, typer.Option(help="KV or QA file, kv-sample, nq-sample")] = (
         "data/litm_kv_retrieval_140_keys.jsonl.gz"
     ),
+    orders: Annotated[
+        int | None,
+        typer.Option(help="also vanilla answering over K orders of the passages (--orders K)"),
+    ] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Prefill time, 8-token generation time and prefill peak memory of each backend against
@@ -211,6 +215,7 @@ def methods_cmd(
             device,
             data,
             status.update,
+            orders,
         )
     show_tables(table, details, json_out, keep_all=True)
 

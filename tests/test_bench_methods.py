@@ -90,3 +90,22 @@ def test_backends_are_checked_before_anything_is_read_an_unknown_one_in_one_line
     assert res.exit_code == 2
     [line] = res.output.strip().splitlines()
     assert line.startswith("error: --backends: unknown backend 'no-such'; choose from: ")
+
+
+def test_bench_methods_adds_order_marginalization_as_one_more_row(smol):
+    """``orders=2``: a ``vanilla --orders 2`` row on the same prompt, whose prompt is vanilla's
+    (the wrapper encodes with the wrapped backend) and whose generation answers both orders;
+    ``orders=1`` is refused before anything is loaded."""
+    from ragfix.bench.methods import bench_methods
+    from ragfix.errors import ConfigError
+
+    (table, _), details = bench_methods(
+        ["vanilla"], [4], limit=1, model="smollm2", device="cpu", data=data_file(KV), orders=2
+    )
+    vanilla, marginal = details["measurements"]
+    assert [r[0] for r in table.rows] == ["vanilla", "vanilla --orders 2"]
+    assert marginal["prompt_tokens"] == vanilla["prompt_tokens"]
+    assert marginal["generate_x"] == marginal["generate_s_median"] / vanilla["generate_s_median"]
+    assert 1 <= marginal["generated_tokens"][0] <= 2 * details["new_tokens"]
+    with pytest.raises(ConfigError, match="--orders 1"):
+        bench_methods(["vanilla"], [4], data="missing.jsonl", orders=1)
