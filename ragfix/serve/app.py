@@ -192,6 +192,8 @@ def create_app(
             for job in jobs:
                 job.cancel.set()
             done.cancel()
+            # the jobs end cancelled: their gathered CancelledError is read here, not logged
+            done.add_done_callback(lambda f: f.cancelled() or f.exception())
             return None
         return done.result()
 
