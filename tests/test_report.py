@@ -396,5 +396,5 @@ def test_progress_status_counts_cells_finished_before_a_resume():
 
     tally = RunTally([{"correct": True, "flags": []}, {"correct": False, "flags": ["overflow"]}])
     assert tally.status() == "acc 1.00"  # the overflowed cell is not scored
-    assert tally.add(False, []) == "acc 0.50"
+    assert tally.add({"correct": False, "flags": []}) == "acc 0.50"
     assert RunTally().status() == "no scored cell yet"
