@@ -27,6 +27,8 @@ The LlamaIndex path in four names (``examples/quickstart.py`` runs it end to end
 The names are imported on first use, so ``import ragfix`` stays light.
 """
 
+from ragfix.lazy import lazy_exports
+
 _LAZY = {
     "RagFixPostprocessor": "ragfix.postprocessor",
     "text_qa_template": "ragfix.postprocessor",
@@ -37,16 +39,4 @@ _LAZY = {
 }
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    """Import the LlamaIndex integrations on first use (``import ragfix`` stays light)."""
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'ragfix' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """Module attributes including the lazily imported names."""
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -5,8 +5,9 @@ another, and no two modules import each other, directly or round a longer loop.
 Every ``.py`` file of every package listed in ``pyproject.toml`` is read where the installed
 package has it (``importlib.util.find_spec``: ``ragfix.eval`` lives in ``eval/``), and every
 ``import`` / ``from ... import`` in it counts, at module level or inside a function, plus the
-module names a module hands to ``importlib.import_module`` as string literals (the lazy names of
-``ragfix/__init__.py``, the backend registry, the CLI's command modules).
+module names a module hands to ``importlib.import_module`` or to
+:func:`ragfix.lazy.lazy_exports` as string literals (the lazy names of ``ragfix/__init__.py``,
+``ragfix.eval`` and ``ragfix.models``, the backend registry, the CLI's command modules).
 
 An edge goes to the module named: ``from ragfix.eval.sweep import x`` is an edge to
 ``ragfix.eval.sweep``, ``from ragfix.judge import summarize`` one to ``ragfix.judge`` (its
@@ -32,8 +33,9 @@ tomllib = pytest.importorskip("tomllib")
 REPO = Path(__file__).resolve().parents[1]
 #: the packages above the library: nothing in the library imports them
 UPPER = ("ragfix.eval", "ragfix.bench", "ragfix.cli")
-#: the bottom floor (records, errors, atomic files, content fingerprints): imports only itself
-BOTTOM = ("ragfix.types", "ragfix.errors", "ragfix.io", "ragfix.fingerprint")
+#: the bottom floor (records, errors, atomic files, content fingerprints, lazy package names):
+#: imports only itself
+BOTTOM = ("ragfix.types", "ragfix.errors", "ragfix.io", "ragfix.fingerprint", "ragfix.lazy")
 #: the model modules: import only the bottom floor and each other
 MODELS = "ragfix.models"
 
@@ -75,7 +77,9 @@ def _imports(name: str, file: Path, is_package: bool, known: set[str]) -> set[st
             for a in node.names:
                 full = f"{module}.{a.name}"
                 named.add(full if full in known else module)
-        elif isinstance(node, ast.Attribute) and node.attr == "import_module":
+        elif (isinstance(node, ast.Attribute) and node.attr == "import_module") or (
+            isinstance(node, ast.Name) and node.id == "lazy_exports"
+        ):
             dynamic = True
     if dynamic:
         named.update(

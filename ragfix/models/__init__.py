@@ -13,6 +13,8 @@ Content fingerprints of files and folders live in :mod:`ragfix.fingerprint`, the
 (PEP 562), so ``import ragfix.models.resolve`` or ``ragfix.models.device`` does not import torch.
 """
 
+from ragfix.lazy import lazy_exports
+
 _MODULES = {
     "ragfix.models.resolve": (
         "DEFAULT_EMBEDDER",
@@ -69,16 +71,4 @@ _MODULES = {
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    """Import the module that defines ``name`` on first use (``import ragfix.models`` is light)."""
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'ragfix.models' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """Module attributes including the lazily imported names."""
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
