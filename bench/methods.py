@@ -171,7 +171,7 @@ def bench_methods(
         raise ConfigError(f"--limit {limit}: must be at least 1")
     marginal = None
     if orders is not None:
-        from ragfix.backends.orders import OrderOptions
+        from ragfix.backends.orders import OrderOptions, marginalize_orders
 
         if orders < 2:
             raise ConfigError(f"--orders {orders}: must be at least 2")
@@ -189,12 +189,10 @@ def bench_methods(
     for name in names:
         progress(f"loading {name}")
         loaded[name] = load_backend(name, model=model, device=device)
-    if marginal is not None:
-        progress(f"loading {marginal[0]}")
-        loaded[marginal[0]] = load_backend(
-            "vanilla", model=model, device=device, orders=marginal[1]
-        )
-        names = [*names, marginal[0]]
+    if marginal is not None:  # over the vanilla already loaded: the same weights, loaded once
+        label, options = marginal
+        loaded[label] = marginalize_orders(loaded["vanilla"], options)
+        names = [*names, label]
     dev = resolve_device(device)
     first_prompts = prompts[counts[0]]
     first = first_prompts[0]
