@@ -74,6 +74,14 @@ def _plain_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).cpu()
 
 
+def _plain_continuation(model, ctx: list[int], cont: list[int]) -> float:
+    """The summed log-probability of ``cont`` after ``ctx`` from one plain pass (no cache)."""
+    with torch.no_grad():
+        x = torch.tensor([ctx + cont], device=model.device)
+        logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
+    return float(logp[len(ctx) - 1 :].gather(1, x[0, len(ctx) :, None]).sum())
+
+
 def _plain_greedy(model, tok, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
@@ -112,6 +120,14 @@ def test_vanilla_equals_plain_transformers_on_every_path(tok, prompts, family, d
                 done.update(dec.step())
             for r, p in zip(rows, plain, strict=True):
                 assert done[r].token_ids == p[: len(done[r].token_ids)], ("decoder", reuse)
+    # candidate answers scored over the prefix cache (each context prefilled once, the cache
+    # left by the calls above cropped back) equal one plain pass each
+    pairs = [(p, c) for p in prompts[:2] for c in (" Paris", " 42 and more")]
+    got = backend.loglikelihood(pairs)
+    for (p, c), value in zip(pairs, got, strict=True):
+        cont = backend.tokenize(c)
+        want = _plain_continuation(model, backend.encode(p), cont)
+        assert abs(value - want) < TOLERANCE[dtype] * len(cont), (p, c)
 
 
 #: a method at its neutral setting reads the prompt as the plain model does

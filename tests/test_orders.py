@@ -14,11 +14,13 @@ from conftest import BUNDLED
 from ragfix.backends.orders import (
     OrderOptions,
     aggregate,
+    candidates,
     marginalize_orders,
     passage_orders,
 )
 from ragfix.connectors.litm import load_samples
 from ragfix.errors import ConfigError, ConfigMismatchError
+from ragfix.metrics import normalize_answer
 from ragfix.tasks import task_prompt
 
 KV = BUNDLED / "kv_16pairs_sample.jsonl.gz"
@@ -65,6 +67,15 @@ def test_the_aggregators_by_hand():
     assert aggregate([("a", -0.1), ("m", -1.0)], "max") == 1  # "a" normalises to nothing
     with pytest.raises(ConfigError, match="plurality"):
         aggregate([("k", None), ("m", -1.0)], "weighted")
+    # score: the candidate with the largest mean log-likelihood over the orders (x: -10/3,
+    # y: -1.5), whatever the single orders' confidences say
+    answers = [("x", -0.1), ("y", -2.0), ("X.", -0.05)]
+    assert candidates(answers) == {"x": "X.", "y": "y"}  # the most confident text of a class
+    scores = [{"x": -5.0, "y": -1.0}, {"x": -1.0, "y": -2.0}, {"x": -4.0, "y": -1.5}]
+    assert aggregate(answers, "score", scores) == 1
+    assert aggregate(answers, "max") == 2
+    with pytest.raises(ConfigError, match="score"):
+        aggregate(answers, "score", [{"x": -1.0}] * 3)  # y's scores missing
 
 
 def test_options_are_validated_when_built():
@@ -96,6 +107,26 @@ def test_each_vote_is_the_wrapped_backends_own_answer_and_confidence_on_that_ord
     # a prompt without passage spans has one order and is answered as it is
     plain = wrapped.generate(["The capital of France is"], batch_size=1)[0]
     assert plain.votes is None and plain.text == smol.generate(["The capital of France is"])[0].text
+
+
+def test_each_candidate_is_scored_under_each_order_as_one_plain_pass_scores_it(smol):
+    """``aggregate="score"``: every vote holds each candidate answer's log-likelihood after
+    that order's prompt, computed over the prefix cache; the one-pass sum of the base class
+    (no cache) gives the same values, and the kept answer has the largest mean."""
+    from ragfix.backends.base import Backend
+
+    sample = load_samples(KV, 4, limit=1)[0]
+    prompt = task_prompt(sample, sample.passages_with_gold_at(1))
+    wrapped = marginalize_orders(smol, OrderOptions(orders=4, aggregate="score"))
+    gen = wrapped.generate([prompt], batch_size=4, prefix_reuse=True)[0]
+    names = candidates([(v["answer"], v["confidence"]) for v in gen.votes])
+    assert names and all(v["scores"].keys() == names.keys() for v in gen.votes)
+    for v in gen.votes:
+        pairs = [(prompt.reordered(v["order"]), text) for text in names.values()]
+        plain = Backend.loglikelihood(smol, pairs)
+        assert list(v["scores"].values()) == pytest.approx(plain, abs=1e-3)
+    mean = {n: sum(v["scores"][n] for v in gen.votes) / len(gen.votes) for n in names}
+    assert normalize_answer(gen.text) == max(mean, key=mean.get)
 
 
 def test_a_sweep_over_orders_keeps_every_vote_and_never_resumes_onto_other_orders(tmp_path):

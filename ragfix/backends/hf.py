@@ -694,6 +694,41 @@ class HFBackend(Backend):
         logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), dim=-1)
         return TokenScores.of(logp, x[0, 1:], top)
 
+    @torch.no_grad()
+    def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+        """See :meth:`Backend.loglikelihood`. Where :attr:`supports_prefix_reuse`, each pair
+        runs over the prefix-reuse KV cache (the one :meth:`generate` keeps), cropped to the
+        tokens it shares with the pair before and at most to its context minus one token: pairs
+        of one context, given together, prefill that context once and each continuation only
+        (what scoring several candidate answers under one prompt costs). Equal to the
+        one-pass sum up to floating-point differences of the shorter matmuls.
+
+        Raises:
+            ValueError: an empty continuation or context.
+        """
+        if not self.supports_prefix_reuse:
+            return super().loglikelihood(pairs)
+        out = []
+        for context, continuation in pairs:
+            ctx, cont = self.encode(context), self.tokenize(continuation)
+            if not cont or not ctx:
+                raise ValueError("loglikelihood needs a non-empty context and continuation")
+            ids = ctx + cont
+            common = self._crop_reuse_cache(ctx[:-1])
+            fed = ids[common:-1]  # the logits of its last len(cont) tokens predict cont
+            pos = torch.arange(common, len(ids) - 1, device=self.device)[None]
+            logits = self.model(
+                input_ids=torch.tensor([fed], device=self.device),
+                position_ids=pos,
+                cache=self._reuse_cache,
+                logits_to_keep=len(cont),
+            ).logits[0]
+            self._reuse_ids = ids[:-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            target = torch.tensor(cont, device=logp.device)[:, None]
+            out.append(float(logp.gather(1, target).sum()))
+        return out
+
     def token_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
         """See :meth:`Backend.token_logprobs`: float32 ``[n - 1]`` on the CPU.
 

@@ -31,12 +31,23 @@ Aggregators (each order's answer normalised by :func:`ragfix.metrics.normalize_a
 * ``weighted``: the answer with the largest sum of confidences ``exp(c)`` over the orders that
   gave it (a vote weighted by the model's probability).
 * ``max``: the answer of the single most confident order.
+* ``score``: each distinct answer (a candidate) scored under every order, the answer with the
+  largest mean log-likelihood over the orders (:meth:`Backend.loglikelihood` of the candidate
+  after each order's prompt: ``K x C`` more scorings for ``C`` candidates, each a prefill of
+  the order's prompt where the backend cannot reuse it). Under a balanced design every passage
+  takes every position equally often, so the position's share of a candidate's score is the
+  same for every candidate and what differs is how well the passages support it (the issue
+  with ``max``: one order's confidence carries that order's position bias). Each vote keeps
+  its order's ``scores`` (``{normalised candidate: log-likelihood}``) so a smaller number of
+  orders is re-scored from the same run.
 
 The confidence ``c`` of an order's answer is the log-probability of its first token (where
 greedy decoding commits to the passage it copies from): from a local backend, the largest of
 ``Generation.first_logprobs``; from a remote one, the largest of its ``first_top_logprobs``. An
 order without it (a server that returns no log-probabilities) counts with confidence 0 for
-``plurality`` and is refused for ``weighted`` and ``max`` (:class:`ConfigError`).
+``plurality`` and is refused for ``weighted`` and ``max`` (:class:`ConfigError`); ``score``
+needs a backend that scores text (a local one, or a server that answers completions ``echo``
+with ``logprobs``, :class:`~ragfix.backends.remote.RemoteBackend`).
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import time
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
@@ -65,15 +77,16 @@ class OrderOptions(BackendOptions):
         design: ``rotate`` (evenly spaced cyclic shifts; the design tuned: every number of
             its orders is scored from one run) or ``shuffle`` (seeded permutations, the
             paper's; not measured here).
-        aggregate: ``plurality``, ``weighted`` or ``max`` (module docstring); the default,
-            ``max``, is the best worst position on the tune range (SmolLM2-135M, KV-8, records
-            0-4 of the 140-key file: ``ragfix tune orders``, results/kv8-tune5-orders.json).
+        aggregate: ``plurality``, ``weighted``, ``max`` or ``score`` (module docstring);
+            the default, ``max``, is the best worst position on the tune range (SmolLM2-135M,
+            KV-8, records 0-4 of the 140-key file: ``ragfix tune orders``,
+            results/kv8-tune5-orders.json).
         seed: the ``shuffle`` design's seed.
     """
 
     orders: int = Field(ge=2)
     design: Literal["rotate", "shuffle"] = "rotate"
-    aggregate: Literal["plurality", "weighted", "max"] = "max"
+    aggregate: Literal["plurality", "weighted", "max", "score"] = "max"
     seed: int = 0
 
 
@@ -122,25 +135,32 @@ def confidence(gen: Generation) -> float | None:
     return None
 
 
-def aggregate(answers: Sequence[tuple[str, float | None]], how: str) -> int:
+def aggregate(
+    answers: Sequence[tuple[str, float | None]],
+    how: str,
+    scores: Sequence[dict[str, float] | None] | None = None,
+) -> int:
     """Which of the orders' answers is the marginal answer.
 
     Args:
         answers: each order's ``(answer, confidence)`` (:func:`confidence`), in order; an empty
             answer is never chosen unless all are empty.
-        how: ``plurality``, ``weighted`` or ``max``.
+        how: ``plurality``, ``weighted``, ``max`` or ``score``.
+        scores: for ``score``, each order's ``{normalised answer: log-likelihood}`` of every
+            candidate (:func:`candidates`) under that order's prompt.
 
     Returns:
         the index in ``answers`` of the chosen answer: of its answer class, the order with the
         highest confidence (the first of equals).
 
     Raises:
-        ConfigError: ``weighted`` or ``max`` with an answer that has no confidence.
+        ConfigError: ``weighted`` or ``max`` with an answer that has no confidence; ``score``
+            without an order's score of a candidate.
     """
     voting = [i for i, (text, _) in enumerate(answers) if normalize_answer(text)]
     if not voting:
         return 0
-    if how != "plurality" and any(answers[i][1] is None for i in voting):
+    if how in ("weighted", "max") and any(answers[i][1] is None for i in voting):
         raise ConfigError(
             f"--orders-aggregate {how} needs each answer's log-probability, and the backend "
             "gave none (a server without logprobs): use --orders-aggregate plurality"
@@ -149,35 +169,56 @@ def aggregate(answers: Sequence[tuple[str, float | None]], how: str) -> int:
     classes: dict[str, list[int]] = {}
     for i in voting:
         classes.setdefault(normalize_answer(answers[i][0]), []).append(i)
+    if how == "score" and (
+        scores is None or any(s is None or not classes.keys() <= s.keys() for s in scores)
+    ):
+        raise ConfigError(
+            "--orders-aggregate score needs every candidate's log-likelihood under every order "
+            "(votes recorded with --orders-aggregate score)"
+        )
 
-    def score(members: list[int]) -> tuple[float, ...]:
+    def score(name: str) -> tuple[float, ...]:
+        members = classes[name]
         mean = sum(conf[i] for i in members) / len(members)
         if how == "plurality":
             return (len(members), mean)
         if how == "weighted":
             return (sum(math.exp(conf[i]) for i in members),)
+        if how == "score":
+            return (sum(s[name] for s in scores) / len(scores),)
         return (max(conf[i] for i in members),)
 
-    best = max(classes.values(), key=score)
+    best = classes[max(classes, key=score)]
     return max(best, key=lambda i: (conf[i], -i))
+
+
+def candidates(answers: Sequence[tuple[str, float | None]]) -> dict[str, str]:
+    """The distinct answers of the orders, ``{normalised answer: text}`` (the text of the
+    most confident order that gave it, the first of equals); empty answers left out."""
+    best: dict[str, tuple[float, str]] = {}
+    for text, conf in answers:
+        name = normalize_answer(text)
+        c = conf if conf is not None else 0.0
+        if name and (name not in best or c > best[name][0]):
+            best[name] = (c, text)
+    return {name: text for name, (_, text) in best.items()}
+
+
+def _ballot(v: dict) -> tuple[str, float | None]:
+    """A vote's ``(answer, confidence)``, the answer empty when an UNSCORED flag is set."""
+    return ("" if UNSCORED.intersection(v["flags"]) else v["answer"], v["confidence"])
 
 
 def choose(votes: Sequence[dict], how: str) -> int:
     """The index of the marginal answer among ``votes`` (each order's ``answer``,
-    ``confidence`` and ``flags``, as :attr:`Generation.votes` and a sweep record's
-    ``extra["votes"]`` hold them): :func:`aggregate` over the answers, an answer with an
-    :data:`~ragfix.types.UNSCORED` flag (``empty_answer``, ``overflow``) not voting.
+    ``confidence``, ``flags`` and, scored, ``scores``, as :attr:`Generation.votes` and a sweep
+    record's ``extra["votes"]`` hold them): :func:`aggregate` over the answers, an answer with
+    an :data:`~ragfix.types.UNSCORED` flag (``empty_answer``, ``overflow``) not voting.
 
     Raises:
         ConfigError: see :func:`aggregate`.
     """
-    return aggregate(
-        [
-            ("" if UNSCORED.intersection(v["flags"]) else v["answer"], v["confidence"])
-            for v in votes
-        ],
-        how,
-    )
+    return aggregate([_ballot(v) for v in votes], how, [v.get("scores") for v in votes])
 
 
 class OrderMarginalBackend(Backend):
@@ -288,8 +329,9 @@ class OrderMarginalBackend(Backend):
 
         Each returned :class:`Generation` is the chosen order's, with ``prompt_tokens`` the
         longest order's (what the window must hold), ``prefill_tokens``, ``new_tokens`` and
-        ``seconds`` summed over all orders (what the answer cost) and ``votes``: per order, its
-        ``order``, ``answer``, ``confidence`` and ``flags``. An order whose answer is not a
+        ``seconds`` summed over all orders and the scoring (what the answer cost) and ``votes``:
+        per order, its ``order``, ``answer``, ``confidence``, ``flags`` and, with
+        ``aggregate="score"``, ``scores``. An order whose answer is not a
         measurement (an :data:`~ragfix.types.UNSCORED` flag such as ``empty_answer``) does
         not vote; when none votes, the first order's answer and flags are returned.
 
@@ -322,6 +364,21 @@ class OrderMarginalBackend(Backend):
             for prompt, answers in zip(prompts, by_prompt, strict=True)
         ]
 
+    def _scores(self, prompt: Prompt, votes: list[dict]) -> float:
+        """Put each order's ``scores`` into ``votes`` (``aggregate="score"``): every candidate
+        (:func:`candidates`) scored after every order's prompt, the orders in the order of
+        their text so a prefix-reusing backend prefills what they share once; returns the
+        seconds it took."""
+        start = time.perf_counter()
+        names = candidates([_ballot(v) for v in votes])
+        ordered = self._ordered(prompt)
+        run = sorted(range(len(ordered)), key=lambda k: self.inner.format_prompt(ordered[k]))
+        pairs = [(ordered[k], text) for k in run for text in names.values()]
+        values = iter(self.inner.loglikelihood(pairs) if pairs else [])
+        for k in run:
+            votes[k]["scores"] = {name: round(next(values), 4) for name in names}
+        return time.perf_counter() - start
+
     def _marginal(self, prompt: Prompt, gens: list[Generation], first_logprobs: bool) -> Generation:
         votes = [
             {
@@ -332,13 +389,16 @@ class OrderMarginalBackend(Backend):
             }
             for o, g in zip(self.orders_of(prompt), gens, strict=True)
         ]
+        scoring = 0.0
+        if self.options.aggregate == "score" and len(gens) > 1:
+            scoring = self._scores(prompt, votes)
         chosen = gens[choose(votes, self.options.aggregate)]
         return chosen.model_copy(
             update={
                 "prompt_tokens": max(g.prompt_tokens for g in gens),
                 "prefill_tokens": sum(g.prefill_tokens for g in gens),
                 "new_tokens": sum(g.new_tokens for g in gens),
-                "seconds": sum(g.seconds for g in gens),
+                "seconds": sum(g.seconds for g in gens) + scoring,
                 "first_logprobs": chosen.first_logprobs if first_logprobs else None,
                 "votes": votes if len(gens) > 1 else None,
             }
@@ -355,6 +415,7 @@ __all__ = [
     "OrderMarginalBackend",
     "OrderOptions",
     "aggregate",
+    "candidates",
     "choose",
     "confidence",
     "marginalize_orders",

@@ -516,25 +516,24 @@ class RemoteBackend(Backend):
             reasons=reasons,
         )
 
-    async def _answers(
-        self, jobs: list[tuple[Prompt, int, bool]], logprobs: bool, cancel: Cancel | None
-    ) -> tuple[list[Generation] | None, dict[int, Generation]]:
-        """Every job's answer, ``concurrency`` requests in flight at once: ``(answers, {})``;
-        ``cancel`` is asked before each request is sent (:class:`~ragfix.errors.Cancelled`);
-        when cancelled (Ctrl-C), every request in flight is cancelled at once and the answers
-        that had arrived come back by job index: ``(None, {index: answer})``. A request that
-        fails for good cancels the others and its error is raised."""
+    async def _each(self, items: list, work, cancel: Cancel | None) -> tuple[list | None, dict]:
+        """``await work(client, item)`` for every item, ``concurrency`` requests in flight at
+        once: ``(results, {})``; ``cancel`` is asked before each request is sent
+        (:class:`~ragfix.errors.Cancelled`); when cancelled (Ctrl-C), every request in flight is
+        cancelled at once and the results that had arrived come back by item index:
+        ``(None, {index: result})``. A request that fails for good cancels the others and its
+        error is raised."""
         from openai import AsyncOpenAI
 
         gate = asyncio.Semaphore(self.options.concurrency)
 
-        async def one(client, job) -> Generation:
+        async def one(client, item):
             async with gate:
                 check_cancel(cancel)
-                return await self._answer(client, *job, logprobs)
+                return await work(client, item)
 
         async with AsyncOpenAI(**self._client_settings()) as client:
-            tasks = [asyncio.ensure_future(one(client, job)) for job in jobs]
+            tasks = [asyncio.ensure_future(one(client, item)) for item in items]
             try:
                 return list(await asyncio.gather(*tasks)), {}
             except BaseException as e:
@@ -583,7 +582,9 @@ class RemoteBackend(Backend):
         jobs = [(p, *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts]
         if not jobs:
             return []
-        answers, arrived = _run(self._answers(jobs, first_logprobs, cancel))
+        answers, arrived = _run(
+            self._each(jobs, lambda client, job: self._answer(client, *job, first_logprobs), cancel)
+        )
         if answers is None:
             raise Interrupted(done=arrived)
         return answers
@@ -635,12 +636,65 @@ class RemoteBackend(Backend):
         raise self._no_scores("next_token_logprobs")
 
     def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
-        """Not available from a server.
+        """Summed log-probability (nats) of each continuation after its context, as the server
+        scores the text ``format_prompt(context) + continuation``: one completions request each
+        with ``echo``, ``logprobs: 1`` and ``max_tokens: 1`` (what lm-evaluation-harness's
+        ``local-completions`` sends; vLLM, llama.cpp's server and ``ragfix serve`` answer it),
+        summing the echoed tokens whose ``text_offset`` falls in the continuation;
+        ``concurrency`` requests in flight at once.
 
         Raises:
-            RagfixError: always (names what needs it).
+            ValueError: an empty continuation.
+            RagfixError: a :class:`TaskPrompt` context without ``--tokenizer`` (the chat text is
+                formatted here), a request failed for good, or the server did not score the
+                prompt's tokens (no ``echo`` log-probabilities, or none inside the
+                continuation).
         """
-        raise self._no_scores("loglikelihood")
+        texts = []
+        for context, continuation in pairs:
+            if not continuation:
+                raise ValueError("loglikelihood needs a non-empty continuation")
+            texts.append((self.format_prompt(context), continuation))
+        scores, arrived = _run(self._each(texts, self._score, None))
+        if scores is None:
+            raise Interrupted(done=arrived)
+        return scores
+
+    async def _score(self, client, item: tuple[str, str]) -> float:
+        """The summed log-probability of ``item``'s continuation after its context text (see
+        :meth:`loglikelihood`)."""
+        import openai
+
+        context, continuation = item
+        try:
+            resp = await client.completions.create(
+                model=self.served,
+                prompt=context + continuation,
+                max_tokens=1,
+                temperature=0,
+                echo=True,
+                logprobs=1,
+            )
+        except openai.APIError as e:
+            raise self._failed(e) from None
+        lp = self._choice(resp, "completions echo").logprobs
+        start, end = len(context), len(context) + len(continuation)
+        picked = [
+            value
+            for offset, value in zip(
+                getattr(lp, "text_offset", None) or [],
+                getattr(lp, "token_logprobs", None) or [],
+                strict=False,
+            )
+            if start <= offset < end and value is not None
+        ]
+        if not picked:
+            raise RagfixError(
+                f"{self.options.api_base} ({self.served}) returned no echoed log-probabilities "
+                "of the continuation: scoring text needs a server that answers completions "
+                "echo with logprobs (vLLM, llama.cpp's server, ragfix serve)"
+            )
+        return float(sum(picked))
 
     def token_scores(self, ids: Sequence[int], top: int):
         """Not available from a server (``ragfix serve`` over a remote model scoring ``echo``).
