@@ -301,7 +301,8 @@ ORDER_OPTIONS = OptionGroup(
             str | None,
             typer.Option(
                 help="--orders: max (the most confident order's answer; default, the tune "
-                "range's best), weighted (a vote weighted by probability) or plurality"
+                "range's best), score (each candidate answer scored under every order), "
+                "weighted (a vote weighted by probability) or plurality"
             ),
         ],
         None,

@@ -230,6 +230,7 @@ class HFBackend(Backend):
         self.adapter = adapter
         self._reuse_cache = None
         self._reuse_ids: list[int] = []
+        self._scored: tuple[list[int], TokenScores | None] = ([], None)
         if not tokenizer.chat_template:
             warnings.warn(
                 f"{self.model_name}: the tokenizer has no chat template; a TaskPrompt is read in "
@@ -278,8 +279,10 @@ class HFBackend(Backend):
         return out
 
     def forget_prompts(self) -> None:
-        """See :meth:`Backend.forget_prompts`: the prefix-reuse KV cache goes."""
+        """See :meth:`Backend.forget_prompts`: the prefix-reuse KV cache and the last scored
+        sequence go."""
         self._reuse_cache, self._reuse_ids = None, []
+        self._scored = ([], None)
 
     # ------------------------------------------------------------------ text and tokens
     def format_prompt(self, prompt: Prompt) -> str:
@@ -738,14 +741,50 @@ class HFBackend(Backend):
         return self.token_scores(ids, 0).logprobs
 
     def token_scores(self, ids: Sequence[int], top: int) -> TokenScores:
-        """See :meth:`Backend.token_scores` (the pass of :meth:`token_logprobs`).
+        """See :meth:`Backend.token_scores` (the pass of :meth:`token_logprobs`). Where
+        :attr:`supports_prefix_reuse`, consecutive calls share work (:meth:`_scores_reusing`:
+        a scoring client of ``ragfix serve`` sends several continuations of one context).
 
         Raises:
             ValueError: fewer than two tokens.
         """
         if len(ids) < 2:
             raise ValueError("token_logprobs needs at least two tokens")
-        return self._token_scores_ids(list(ids), top)
+        if not self.supports_prefix_reuse:
+            return self._token_scores_ids(list(ids), top)
+        return self._scores_reusing(list(ids), top)
+
+    @torch.no_grad()
+    def _scores_reusing(self, ids: list[int], top: int) -> TokenScores:
+        """:class:`TokenScores` of ``ids`` with the rows of the tokens it shares with the
+        previous call's sequence (same ``top``) taken from that call (a row depends only on the
+        tokens up to it), the others computed over the prefix-reuse KV cache (cropped to the
+        prefix it shares with ``ids``); equal to one pass up to floating-point differences of
+        the shorter matmuls."""
+        before, scores = self._scored
+        shared = 0
+        if scores is not None and scores.top_ids.shape[1] == top:
+            for a, b in zip(ids, before, strict=False):
+                if a != b:
+                    break
+                shared += 1
+        start = max(shared - 1, 0)  # the first row to compute (row t scores ids[t + 1])
+        if start >= len(ids) - 1:
+            return TokenScores(*(column[: len(ids) - 1] for column in scores))
+        common = self._crop_reuse_cache(ids[:start])
+        logits = self.model(
+            input_ids=torch.tensor([ids[common:-1]], device=self.device),
+            position_ids=torch.arange(common, len(ids) - 1, device=self.device)[None],
+            cache=self._reuse_cache,
+            logits_to_keep=len(ids) - 1 - start,
+        ).logits[0]
+        self._reuse_ids = ids[:-1]
+        targets = torch.tensor(ids[start + 1 :], device=self.device)
+        new = TokenScores.of(torch.log_softmax(logits.float(), dim=-1), targets, top)
+        if start:
+            new = TokenScores.cat([TokenScores(*(column[:start] for column in scores)), new])
+        self._scored = (ids, new)
+        return new
 
 
 class LayoutBackend(HFBackend):
