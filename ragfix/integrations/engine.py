@@ -19,7 +19,7 @@ import time
 
 from ragfix.backends.base import Fit
 from ragfix.metrics import cell_flags
-from ragfix.prompts import TaskPrompt
+from ragfix.prompts import TaskPrompt, find_passages
 from ragfix.reorder import ATTENTION_STRATEGIES
 from ragfix.tasks import get_task, join_chunks
 from ragfix.types import OVERFLOW, UNSCORED, StoredPrompt, SweepRecord, generation_extra
@@ -51,18 +51,16 @@ def node_text(node) -> str:
 
 def _read_prompt(text: str, chunks: list[str], ids: list[str], q) -> StoredPrompt:
     """The prompt a pipeline's model read (``text``, as its LLM component sent it) with the
-    spans of the ``chunks`` it holds verbatim (in prompt order, each searched after the one
-    before; a chunk the framework rewrote has no span) and the gold chunk's index among them
-    (None when it is not among them)."""
-    spans, gold, start = [], None, 0
-    for chunk, node_id in zip(chunks, ids, strict=True):
-        at = text.find(chunk.strip(), start)
-        if at < 0:
+    spans of the ``chunks`` it holds verbatim (:func:`ragfix.prompts.find_passages`: in prompt
+    order, each searched after the one before; a chunk the framework rewrote has no span) and
+    the gold chunk's index among them (None when it is not among them)."""
+    spans, gold = [], None
+    for span, node_id in zip(find_passages(text, chunks), ids, strict=True):
+        if span is None:
             continue
         if node_id == q.gold_node_id:
             gold = len(spans)
-        start = at + len(chunk.strip())
-        spans.append((at, start))
+        spans.append(span)
     return StoredPrompt(text=text, passages=spans, gold=gold)
 
 
