@@ -83,8 +83,10 @@ class PipelineEngines:
     (``last_report``).
 
     Args:
-        backend: the answering :class:`~ragfix.backends.Backend` (plain prompts: a framework's
-            prompt is text).
+        backend: the answering :class:`~ragfix.backends.Backend`: one that reads plain prompts,
+            or order marginalization over one (:mod:`ragfix.backends.orders`), whose LLM
+            components are then given their correction component as ``passages_from``
+            (:meth:`source`).
         strategies: the reorder strategies, one pipeline each (:mod:`ragfix.reorder`).
         accuracies: the bias profile's accuracy per position (``bias-profile``), or ``None``.
         top_k: the chunks of each cell (the retriever's top-k).
@@ -113,6 +115,13 @@ class PipelineEngines:
                     "attention_rounds": attention_rounds,
                 },
             )
+
+    def source(self, s: str):
+        """The ``passages_from`` of strategy ``s``'s LLM component: its correction component
+        when the backend needs to know where the passages are
+        (:attr:`~ragfix.backends.Backend.needs_passage_spans`: order marginalization), else
+        ``None`` (plain text)."""
+        return self.posts[s] if self.backend.needs_passage_spans else None
 
     def _build(self, s: str, settings: dict) -> None:
         """Build strategy ``s``'s pipeline, its correction component made with ``settings``."""
@@ -211,10 +220,13 @@ class PipelineEngines:
 
     def fits(self, question: str, cands: list) -> Fit:
         """The backend's verdict (:meth:`~ragfix.backends.Backend.fit`) on the ``qa`` prompt
-        with every candidate chunk (as every framework renders them, in candidate order) and the
-        answer budget."""
-        user = get_task("qa").user_turn(question, join_chunks([node_text(n) for n in cands]))
-        prompt = TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"])
+        with every candidate chunk (as every framework renders them, in candidate order, their
+        spans known: a backend over several orders of them judges the longest) and the answer
+        budget."""
+        chunks = [node_text(n) for n in cands]
+        user = get_task("qa").user_turn(question, join_chunks(chunks))
+        spans = tuple(span for span in find_passages(user, chunks) if span is not None)
+        prompt = TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"], passages=spans)
         return self.backend.fit(prompt)
 
     def _overflow(self, q, r: int, s: str, cell: str, n: int, natural: int | None) -> SweepRecord:

@@ -387,7 +387,9 @@ class HaystackEngines(PipelineEngines):
         if not self.llms:
             self.pipes: dict = {}
         self.posts[s] = RagFixRanker(backend=self.backend, **settings)
-        self.llms[s] = RagFixChatGenerator(self.backend, **self.answer)
+        self.llms[s] = RagFixChatGenerator(
+            self.backend, passages_from=self.source(s), **self.answer
+        )
         pipe = Pipeline()
         pipe.add_component("ranker", self.posts[s])
         pipe.add_component("prompt", qa_prompt_builder())

@@ -357,7 +357,7 @@ class LangChainEngines(PipelineEngines):
     """LangChain: a chain per strategy (a ``ContextualCompressionRetriever`` with
     :class:`~ragfix.integrations.langchain.RagFixCompressor` over a retriever returning the
     cell's candidates, the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`,
-    one shared chat model)."""
+    a chat model per strategy over the one backend)."""
 
     framework = "langchain"
 
@@ -379,11 +379,12 @@ class LangChainEngines(PipelineEngines):
                 def _get_relevant_documents(self, query, *, run_manager=None):
                     return list(self.docs)
 
-            self.chat = RagFixChatModel(self.backend, **self.answer)
             self.fixed = FixedRetriever()
             self.chains: dict = {}
-        self.llms[s] = self.chat
         self.posts[s] = RagFixCompressor(backend=self.backend, **settings)
+        self.llms[s] = chat = RagFixChatModel(
+            self.backend, passages_from=self.source(s), **self.answer
+        )
         retriever = ContextualCompressionRetriever(
             base_compressor=self.posts[s], base_retriever=self.fixed
         )
@@ -393,7 +394,7 @@ class LangChainEngines(PipelineEngines):
                 "question": itemgetter("question"),
             }
             | qa_prompt()
-            | self.chat
+            | chat
             | StrOutputParser()
         )
         self.chains[s] = RunnableParallel(docs=retriever, question=RunnablePassthrough()).assign(
