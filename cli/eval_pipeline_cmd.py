@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ragfix.cli.common import (
+    ORDER_OPTIONS,
     REMOTE_OPTIONS,
     AdapterOpt,
     BackendOpt,
@@ -28,6 +29,7 @@ from ragfix.cli.common import (
     TrainWindowOpt,
     backend_options,
     console,
+    order_options,
     remote_options,
     user_errors,
 )
@@ -84,6 +86,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("eval-pipeline")
     @REMOTE_OPTIONS
+    @ORDER_OPTIONS
     def eval_pipeline_cmd(
         corpus: Annotated[
             Path,
@@ -163,6 +166,7 @@ def register(app: typer.Typer) -> None:
         restart: RestartOpt = False,
         log_prompts: LogPromptsOpt = True,
         remote: dict | None = None,
+        order_flags: dict | None = None,
     ) -> None:
         """The position sweep through a real LlamaIndex, LangChain or Haystack pipeline
         (--framework): the gold chunk at every retrieval rank, one curve per reorder strategy,
@@ -180,6 +184,7 @@ def register(app: typer.Typer) -> None:
                 **remote_options(model, remote if answer_remote else {}),
             }
             writer = remote_options(questions_from, remote) if writer_remote else {}
+            orders = order_options(order_flags or {})
             summary = run_pipeline_sweep(
                 corpus=corpus,
                 questions=questions,
@@ -211,6 +216,7 @@ def register(app: typer.Typer) -> None:
                 ),
                 writer_options=writer,
                 embedder=embedder,
+                orders=None if orders is None else orders.model_dump(),
                 **({} if chunk_size is None else {"chunk_size": chunk_size}),
             )
             print_pipeline_run(summary, out, console)

@@ -196,6 +196,7 @@ def run_pipeline_sweep(
     questions_from: QuestionsFrom | None = None,
     writer_options: dict | None = None,
     embedder: str | None = None,
+    orders: dict | None = None,
 ) -> dict:
     """Run the position sweep through a LlamaIndex, LangChain or Haystack pipeline; returns the
     summary dict.
@@ -244,6 +245,13 @@ def run_pipeline_sweep(
         writer_options: the writing model's backend options (a served model's ``api_base``...).
         embedder: the sentence-transformers model id or folder of the index (``None``: the
             embedded all-MiniLM-L6-v2).
+        orders: order marginalization's settings
+            (:class:`~ragfix.backends.orders.OrderOptions`: ``orders``, ``design``,
+            ``aggregate``, ``seed``): each pipeline's LLM component answers over several orders
+            of the chunks its correction component passed on (``passages_from``), every
+            order's answer kept in the records (``extra["votes"]``); validated before anything
+            is loaded, part of the cell ids (as ``backend_options["orders"]``) and of the
+            backend's identity, so a run folder is never resumed onto other orders.
 
     Raises:
         ConfigError, DataError, CorpusError, NeedleError, ProfileError, ModelNotFoundError: bad
@@ -257,9 +265,10 @@ def run_pipeline_sweep(
             time, each stored as soon as its answer is in); its message says how many this run
             stored and where. The cell in flight is not stored: a rerun computes it and the
             other missing ones.
-        pydantic.ValidationError: an unknown or invalid backend option.
+        pydantic.ValidationError: an unknown or invalid backend option or order setting.
     """
     from ragfix.backends import backend_class, result_options, validate_backend
+    from ragfix.backends.orders import OrderOptions
     from ragfix.models import resolve_model
 
     options = dict(backend_options or {})
@@ -281,6 +290,7 @@ def run_pipeline_sweep(
         require_extra(framework)
     validated = validate_backend(backend, adapter, model=model, **options)
     require_plain_prompts(backend_class(backend, model), f"the {framework} pipeline", backend)
+    order_options = None if orders is None else OrderOptions(**orders)
     resolve_model(model)
     accuracies = None
     if "bias-profile" in strategies:
@@ -305,7 +315,13 @@ def run_pipeline_sweep(
     if questions is not None:
         records = read_questions(questions, skip_invalid, skipped)  # fails before indexing
     ref = BackendRef(
-        name=backend, model=model, adapter=adapter, options=options, device=device, dtype=dtype
+        name=backend,
+        model=model,
+        adapter=adapter,
+        options=options,
+        orders=order_options.model_dump() if order_options else None,
+        device=device,
+        dtype=dtype,
     )
     config = PipelineConfig(
         corpus=str(Path(corpus).resolve()),
@@ -318,6 +334,7 @@ def run_pipeline_sweep(
         backend_options={
             **result_options(options, validated),
             **({"adapter": adapter} if adapter else {}),
+            **({"orders": order_options.model_dump()} if order_options else {}),
         },
         retriever=retriever,
         chunk_size=chunk_size,

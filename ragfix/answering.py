@@ -3,23 +3,50 @@
 :class:`AnswerFields` holds the settings (pydantic fields, unknown ones refused); the LLM
 components of each framework declare them by inheriting it: :class:`ragfix.llm.RagFixLLM`
 (LlamaIndex), :class:`ragfix.integrations.langchain.RagFixChatModel` (LangChain) and
-:class:`ragfix.integrations.haystack.RagFixGenerator` (Haystack, through
+:class:`ragfix.integrations.haystack.RagFixChatGenerator` (Haystack, through
 :class:`AnswerSettings`). :class:`Answerer` checks them against the backend once, wraps a prompt
 in the model's chat template, refuses one that does not fit the window, and answers greedily
 (whole, or streamed piece by piece); it keeps the last prompt exactly as the model read it.
+
+A framework's prompt is plain text: it does not say where its passages are. Given a
+:class:`PassageSource` (``passages_from=``: the correction component that passed the documents
+on), :class:`Answerer` finds the source's last documents in each prompt
+(:func:`ragfix.prompts.find_passages`) and hands the backend a
+:class:`~ragfix.prompts.TaskPrompt` with their spans, so a backend that reads passages where the
+prompt says they are (order marginalization, ``pine``, ``set-based``:
+:attr:`~ragfix.backends.base.Backend.needs_passage_spans`) answers a framework's prompt.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragfix.backends.base import Backend, cut_at_newline, require_plain_prompts
+from ragfix.backends.base import Backend, Prompt, cut_at_newline, require_plain_prompts
 from ragfix.errors import ConfigError
-from ragfix.prompts import TaskPrompt
+from ragfix.prompts import TaskPrompt, find_passages
 from ragfix.types import Generation
+
+
+@runtime_checkable
+class PassageSource(Protocol):
+    """A component that passes documents on to a framework's prompt and says which: the
+    correction components :class:`ragfix.postprocessor.RagFixPostprocessor`,
+    :class:`ragfix.integrations.langchain.RagFixCompressor` and
+    :class:`ragfix.integrations.haystack.RagFixRanker`.
+
+    Attributes:
+        last_passages: the documents it last passed on, in the order passed on, each as the
+            framework's prompt renders it (``Document (Title: t) text``, the bare text without
+            a title: :func:`ragfix.tasks.render_chunk`); ``None`` before its first run and
+            after a run that raised.
+    """
+
+    @property
+    def last_passages(self) -> list[str] | None: ...
 
 
 class AnswerFields(BaseModel):
@@ -83,6 +110,31 @@ class AnswerSettings(AnswerFields):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def check_passage_source(
+    settings: AnswerFields, passages_from: PassageSource | None, who: str
+) -> None:
+    """Check ``passages_from`` (see :class:`Answerer`) against the answer ``settings`` of
+    ``who`` (the component, as the message names it); ``None`` passes.
+
+    Raises:
+        ConfigError: ``passages_from`` that is not a :class:`PassageSource`, or with
+            ``use_chat_template=False`` (a task prompt is read in the backend's own form, the
+            chat template included).
+    """
+    if passages_from is None:
+        return
+    if not isinstance(passages_from, PassageSource):
+        raise ConfigError(
+            f"{who}: passages_from= takes the correction component that passes the documents "
+            f"on (it says its last_passages), not {type(passages_from).__name__}"
+        )
+    if not settings.use_chat_template:
+        raise ConfigError(
+            f"{who}: passages_from= needs use_chat_template=True (the backend reads a prompt "
+            "whose passages it knows in its own form, chat template included)"
+        )
+
+
 class Answerer:
     """A backend answering prompts with checked settings.
 
@@ -90,6 +142,17 @@ class Answerer:
         settings: an :class:`AnswerFields` instance (a framework component, or
             :class:`AnswerSettings`).
         backend: the backend that answers.
+        passages_from: where each prompt's passages come from (the pipeline's correction
+            component); ``None``: the prompt is answered as plain text. With a source, each
+            call finds the source's :attr:`~PassageSource.last_passages` in the prompt
+            (:func:`~ragfix.prompts.find_passages`) and gives the backend the
+            :class:`~ragfix.prompts.TaskPrompt` ``(user=prompt, passages=spans, max_new_tokens,
+            stop_at_newline)``, the text between two passages as its ``passage_separator``
+            when it is the same between every two (what the frameworks' renderers give; else
+            ``""``). The model reads the same text as without a source (the chat template
+            applied by the backend: :meth:`~ragfix.backends.Backend.format_prompt`), and
+            :attr:`last_prompt` is that text.
+        who: the component, as messages name it.
 
     Attributes:
         context_window: the window in use (the setting, clamped to the backend's, or the
@@ -99,15 +162,35 @@ class Answerer:
         calls: model calls so far.
 
     Raises:
-        ConfigError: a backend that reads passages only where a task prompt says they are
-            (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`: a framework's prompt is
-            plain text), or ``max_new_tokens`` leaves no room for a prompt in the context window
-            (the chat template's own tokens counted).
+        ConfigError: without ``passages_from``, a backend that reads passages only where a
+            task prompt says they are (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`:
+            a framework's prompt is plain text); a bad ``passages_from``
+            (:func:`check_passage_source`); ``max_new_tokens`` leaves
+            no room for a prompt in the context window (the chat template's own tokens
+            counted).
     """
 
-    def __init__(self, settings: AnswerFields, backend: Backend) -> None:
-        require_plain_prompts(backend, "a framework's LLM component")
+    def __init__(
+        self,
+        settings: AnswerFields,
+        backend: Backend,
+        passages_from: PassageSource | None = None,
+        who: str = "the LLM component",
+    ) -> None:
         self.settings = AnswerSettings(**settings.answer_settings())
+        self.who = who
+        check_passage_source(self.settings, passages_from, who)
+        if passages_from is None:
+            try:
+                require_plain_prompts(backend, "a framework's LLM component")
+            except ConfigError as e:
+                if not backend.needs_passage_spans:
+                    raise
+                raise ConfigError(
+                    f"{e}; or give {who} passages_from= (the correction component that passes "
+                    "the documents on)"
+                ) from None
+        self.passages_from = passages_from
         self.backend = backend
         self.last_prompt: str | None = None
         self.last_generation: Generation | None = None
@@ -122,7 +205,8 @@ class Answerer:
                 stacklevel=4,
             )
             self.context_window = model_window
-        template = len(backend.encode(TaskPrompt(user=""))) if s.use_chat_template else 0
+        empty = backend.format_prompt(TaskPrompt(user=""))
+        template = len(backend.tokenize(empty)) if s.use_chat_template else 0
         if s.max_new_tokens + template >= self.context_window:
             raise ConfigError(
                 f"num_output={s.max_new_tokens} leaves no room for a prompt in "
@@ -149,20 +233,64 @@ class Answerer:
             value = changes.get(name, first.get("input"))
             raise ConfigError(f"{who}: {name}={value!r}: {first['msg']}") from None
 
-    def model_prompt(self, prompt: str, settings: AnswerSettings | None = None) -> str:
-        """The text the model reads for ``prompt`` (counted as a call, kept as
-        :attr:`last_prompt`), under ``settings`` (default: :attr:`settings`).
+    def task_prompt(self, prompt: str, settings: AnswerSettings) -> TaskPrompt:
+        """``prompt`` as a :class:`~ragfix.prompts.TaskPrompt` with the spans of the passage
+        source's last documents in it, and the budget and stop rule of ``settings`` (see the
+        class docstring).
+
+        Raises:
+            ConfigError: the source has passed no documents on yet, or one of them is not in
+                ``prompt`` verbatim (after the ones before it): one line naming it (its index
+                and first words).
+        """
+        source = type(self.passages_from).__name__
+        texts = self.passages_from.last_passages
+        if texts is None:
+            raise ConfigError(
+                f"{self.who}: passages_from={source} has passed no documents on yet: run it "
+                "before the LLM in the pipeline"
+            )
+        spans = find_passages(prompt, texts)
+        for i, (text, span) in enumerate(zip(texts, spans, strict=True)):
+            if span is None:
+                words = " ".join(text.split()[:8])
+                raise ConfigError(
+                    f"{self.who}: document {i} of {source}'s last {len(texts)} ({words!r}...) "
+                    "is not in the prompt verbatim after the ones before it: render the "
+                    "documents as the component passes them on, in its order"
+                )
+        gaps = {prompt[a[1] : b[0]] for a, b in zip(spans, spans[1:], strict=False)}
+        return TaskPrompt(
+            user=prompt,
+            max_new_tokens=settings.max_new_tokens,
+            stop_at_newline=settings.stop_at_newline,
+            passages=tuple(spans),
+            passage_separator=gaps.pop() if len(gaps) == 1 else "",
+        )
+
+    def request(self, prompt: str, settings: AnswerSettings | None = None) -> Prompt:
+        """What the backend is given for ``prompt`` under ``settings`` (default:
+        :attr:`settings`), checked against the window, counted as a call, the text the model
+        reads kept as :attr:`last_prompt`: that text itself (``prompt`` in the chat template,
+        or as it is with ``use_chat_template=False``), or with a passage source the
+        :class:`~ragfix.prompts.TaskPrompt` of :meth:`task_prompt`.
 
         Raises:
             ConfigError: the prompt as the model reads it plus ``max_new_tokens`` exceeds the
-                backend's window (:meth:`~ragfix.backends.Backend.fit`): refused, never
-                truncated (unless the backend cuts long prompts by design,
-                :attr:`~ragfix.backends.Backend.cuts_long_prompts`). A backend that cannot count
-                tokens here is not checked.
+                backend's window (:meth:`~ragfix.backends.Backend.fit`; with a passage source,
+                every order a backend answers over counted): refused, never truncated (unless
+                the backend cuts long prompts by design,
+                :attr:`~ragfix.backends.Backend.cuts_long_prompts`). A backend that cannot
+                count tokens here is not checked. See also :meth:`task_prompt`.
         """
         s, b = settings or self.settings, self.backend
-        text = b.format_prompt(TaskPrompt(user=prompt)) if s.use_chat_template else prompt
-        fit = b.fit(text, max_new_tokens=s.max_new_tokens)
+        if self.passages_from is not None:
+            req: Prompt = self.task_prompt(prompt, s)
+            text = b.format_prompt(req)
+        else:
+            text = b.format_prompt(TaskPrompt(user=prompt)) if s.use_chat_template else prompt
+            req = text
+        fit = b.fit(req, max_new_tokens=s.max_new_tokens)
         if not fit.runs:
             raise ConfigError(
                 f"the prompt has {fit.prompt_tokens} tokens (chat template included); with "
@@ -171,18 +299,28 @@ class Answerer:
             )
         self.last_prompt = text
         self.calls += 1
-        return text
+        return req
+
+    def model_prompt(self, prompt: str, settings: AnswerSettings | None = None) -> str:
+        """The text the model reads for ``prompt`` (:meth:`request`: counted as a call, kept as
+        :attr:`last_prompt`).
+
+        Raises:
+            ConfigError: see :meth:`request`.
+        """
+        self.request(prompt, settings)
+        return self.last_prompt
 
     def generate(self, prompt: str, settings: AnswerSettings | None = None) -> Generation:
         """The greedy answer to ``prompt`` under ``settings`` (default: :attr:`settings`; one
         call's from :meth:`settings_for_call`), kept as :attr:`last_generation`.
 
         Raises:
-            ConfigError: see :meth:`model_prompt`.
+            ConfigError: see :meth:`request`.
         """
         s = settings or self.settings
         [gen] = self.backend.generate(
-            [self.model_prompt(prompt, s)],
+            [self.request(prompt, s)],
             batch_size=1,  # one prompt; with prefix_reuse the cache is kept between calls
             max_new_tokens=s.max_new_tokens,
             stop_at_newline=s.stop_at_newline,
@@ -197,17 +335,18 @@ class Answerer:
         ``stop_at_newline`` nothing after the first newline of the answer (leading white space
         aside) is yielded. The backend's stream is closed (its generation stopped, not drained)
         when the newline rule is hit or when the consumer stops iterating. The prompt is checked
-        (:meth:`model_prompt`) before the first piece is asked for.
+        (:meth:`request`) before the first piece is asked for. A backend whose answer exists
+        only once it is complete (order marginalization) yields it as one piece.
 
         Raises:
-            ConfigError: see :meth:`model_prompt`.
+            ConfigError: see :meth:`request`.
         """
         s = settings or self.settings
-        text = self.model_prompt(prompt, s)
+        req = self.request(prompt, s)
 
         def pieces_of() -> Iterator[str]:
             pieces = self.backend.stream(
-                text, max_new_tokens=s.max_new_tokens, stop_at_newline=s.stop_at_newline
+                req, max_new_tokens=s.max_new_tokens, stop_at_newline=s.stop_at_newline
             )
             if s.stop_at_newline:
                 pieces = cut_at_newline(pieces)
@@ -284,6 +423,8 @@ __all__ = [
     "AnswerSettings",
     "Answerer",
     "AnswererView",
+    "PassageSource",
     "StopStream",
+    "check_passage_source",
     "cut_at_stop",
 ]

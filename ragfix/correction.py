@@ -15,8 +15,10 @@ the steps on a list of :class:`Candidate` texts in retrieval order:
    nothing passed on);
 4. reorder with the strategy (:mod:`ragfix.reorder`).
 
-The report (:attr:`Correction.last_report`) names what was dropped and the order. The adapters
-only turn their framework's documents into candidates and back.
+The report (:attr:`Correction.last_report`) names what was dropped and the order, and
+:attr:`Correction.last_passages` holds the texts passed on, in prompt order (what makes each
+component a :class:`ragfix.answering.PassageSource` for an LLM component's ``passages_from``).
+The adapters only turn their framework's documents into candidates and back.
 """
 
 from __future__ import annotations
@@ -129,6 +131,12 @@ class Correction:
             attention-sort); optional for the content-blind strategies without a budget.
         noun: what the framework calls a document (``node``, ``document``), for messages.
 
+    Attributes:
+        last_report: what the last :meth:`apply` did (see there).
+        last_passages: the :attr:`Candidate.text` of each candidate the last :meth:`apply`
+            passed on, in prompt order (``None`` before the first call and after a call that
+            raised).
+
     Raises:
         ConfigError: ``bias-profile`` without a profile, ``attention-sort`` or ``token_budget``
             without a backend, a budget larger than the backend's window or ``reserve_tokens``
@@ -142,6 +150,7 @@ class Correction:
         self.settings = CorrectionSettings(**settings.correction_settings())
         self.backend, self.noun = backend, noun
         self.last_report: dict = {}
+        self.last_passages: list[str] | None = None
         s = self.settings
         self.accuracies: list[float] | None = None
         if s.strategy == "bias-profile":
@@ -202,7 +211,7 @@ class Correction:
             return [candidates[i].id for i in sorted(dropped)]
 
         report: dict = {"dropped_blank": [], "dropped_duplicates": [], "dropped_budget": []}
-        self.last_report = report
+        self.last_report, self.last_passages = report, None
         keep = drop_blank([c.bare for c in candidates])
         report["dropped_blank"] = ids(set(range(len(candidates))) - set(keep))
         texts = [candidates[i].text for i in keep]
@@ -243,7 +252,9 @@ class Correction:
                     f"{', '.join(dropped) or 'none'}{hint})"
                 ) from None
         report["order"] = order
-        return [keep[r] for r in order]
+        passed = [keep[r] for r in order]
+        self.last_passages = [candidates[i].text for i in passed]
+        return passed
 
 
 __all__ = ["Candidate", "Correction", "CorrectionFields", "CorrectionSettings"]

@@ -12,6 +12,16 @@ query engine::
 The prompt LlamaIndex builds is wrapped in the model's chat template (unless
 ``use_chat_template=False``) and answered greedily by the backend.
 
+A backend that reads a prompt's passages where the prompt says they are (order
+marginalization, ``pine``, ``set-based``) answers once the LLM is told where they come from,
+the postprocessor that passed the nodes on::
+
+    from ragfix.backends.orders import OrderOptions, marginalize_orders
+
+    post = RagFixPostprocessor(strategy="none", backend=backend)
+    llm = RagFixLLM(marginalize_orders(backend, OrderOptions(orders=3)), passages_from=post)
+    engine = index.as_query_engine(llm=llm, node_postprocessors=[post])
+
 The settings are checked against the real model when the object is built: ``context_window``
 defaults to the backend's window (the model config's ``max_position_embeddings``, a GGUF's
 ``context_length``, or a method's extended window) and a larger value is clamped to it with a
@@ -33,7 +43,7 @@ from llama_index.core.llms import CustomLLM
 from llama_index.core.llms.callbacks import llm_completion_callback
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ragfix.answering import Answerer, AnswererView, AnswerFields
+from ragfix.answering import Answerer, AnswererView, AnswerFields, PassageSource
 from ragfix.backends.base import Backend
 
 
@@ -42,6 +52,11 @@ class RagFixLLM(AnswerFields, AnswererView, CustomLLM):
 
     Args:
         backend: the backend that answers.
+        passages_from: the :class:`~ragfix.postprocessor.RagFixPostprocessor` that passes the
+            nodes on to this LLM's prompts: each prompt is given to the backend with the spans
+            of the nodes it last passed on (:class:`ragfix.answering.Answerer`), so a backend
+            that needs them (order marginalization, ``pine``, ``set-based``) answers;
+            ``None``: plain text, and such a backend is refused.
         max_new_tokens, context_window, stop_at_newline, use_chat_template, prefix_reuse: the
             answer settings (:class:`ragfix.answering.AnswerFields`); ``max_new_tokens`` is also
             accepted as LlamaIndex's ``num_output``.
@@ -52,10 +67,13 @@ class RagFixLLM(AnswerFields, AnswererView, CustomLLM):
 
     Raises:
         ConfigError: (at construction) ``max_new_tokens`` leaves no room for a prompt in the
-            context window (the chat template's own tokens counted); (at a call) the prompt as the
-            model reads it plus ``max_new_tokens`` exceeds the backend's window: it is refused,
-            never truncated (unless the backend cuts long prompts by design,
-            :attr:`~ragfix.backends.Backend.cuts_long_prompts`).
+            context window (the chat template's own tokens counted), a backend that needs
+            passage spans without ``passages_from``, ``passages_from`` with
+            ``use_chat_template=False``; (at a call) the prompt as the model reads it plus
+            ``max_new_tokens`` exceeds the backend's window: it is refused, never truncated
+            (unless the backend cuts long prompts by design,
+            :attr:`~ragfix.backends.Backend.cuts_long_prompts`); with ``passages_from``, a node
+            it passed on that is not in the prompt verbatim.
         pydantic.ValidationError: an unknown setting or a value out of range.
     """
 
@@ -70,9 +88,11 @@ class RagFixLLM(AnswerFields, AnswererView, CustomLLM):
 
     _answerer: Answerer = PrivateAttr()
 
-    def __init__(self, backend: Backend, **kwargs: Any) -> None:
+    def __init__(
+        self, backend: Backend, passages_from: PassageSource | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self._answerer = Answerer(self, backend)
+        self._answerer = Answerer(self, backend, passages_from, who="RagFixLLM")
         self.context_window = self._answerer.context_window
 
     @classmethod

@@ -29,8 +29,10 @@ components:
    nodes, instead);
 2. reorder with the chosen strategy (:mod:`ragfix.reorder`).
 
-What was dropped, and the order, are in :attr:`RagFixPostprocessor.last_report`. No nodes give
-``[]`` and a single node comes back unchanged, whatever the strategy.
+What was dropped, and the order, are in :attr:`RagFixPostprocessor.last_report`, the nodes passed
+on as the LLM reads them in :attr:`RagFixPostprocessor.last_passages` (what
+``RagFixLLM(passages_from=post)`` finds in its prompt). No nodes give ``[]`` and a single node
+comes back unchanged, whatever the strategy.
 """
 
 from __future__ import annotations
@@ -94,6 +96,15 @@ class RagFixPostprocessor(CorrectionFields, BaseNodePostprocessor):
         ``order`` (rank at each prompt position, ranks of the kept nodes) and, for
         attention-sort, ``attention`` (per round, per kept rank)."""
         return self._correction.last_report
+
+    @property
+    def last_passages(self) -> list[str] | None:
+        """The nodes the last call passed on, in prompt order, each as the LLM reads it
+        (``get_content(metadata_mode=MetadataMode.LLM)``, what LlamaIndex's response synthesis
+        puts into ``{context_str}``); ``None`` before the first call and after one that raised.
+        What makes it a :class:`ragfix.answering.PassageSource` for
+        ``RagFixLLM(passages_from=...)``."""
+        return self._correction.last_passages
 
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None

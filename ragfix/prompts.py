@@ -4,7 +4,8 @@ The prompts themselves are built from task records (:mod:`ragfix.tasks`) and the
 templates (:mod:`ragfix.judge.prompts`); this module holds only the request type, so that
 :mod:`ragfix.backends` can import it without the task registry. A prompt built there knows where
 its passages are (:attr:`TaskPrompt.passages`), so a backend that reads the passages as a set
-(``set-based``, ``pine``) can find them.
+(``set-based``, ``pine``) can find them; a text built elsewhere (a framework's rendered prompt)
+has them found in it by :func:`find_passages`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,33 @@ def join_text_parts(parts: Sequence[str]) -> str:
     the capital of France?"``). ``ragfix serve`` and the LangChain and Haystack components read
     a message's parts by this one rule."""
     return "".join(parts)
+
+
+def find_passages(text: str, chunks: Sequence[str]) -> list[tuple[int, int] | None]:
+    """Where each of ``chunks`` stands verbatim in ``text`` (a prompt a framework rendered from
+    them).
+
+    Each chunk is searched stripped of surrounding white space, from the end of the last chunk
+    found before it (so a text repeated in two chunks is found twice, in order, and the spans
+    found never overlap).
+
+    Returns:
+        per chunk, in the order of ``chunks``: the character span ``(start, end)`` of its
+        stripped text in ``text``, or ``None`` when it is not there after the chunks found
+        before it, or is blank. The spans found are increasing and non-overlapping, as
+        :attr:`TaskPrompt.passages` takes them.
+    """
+    out: list[tuple[int, int] | None] = []
+    start = 0
+    for chunk in chunks:
+        needle = chunk.strip()
+        at = text.find(needle, start) if needle else -1
+        if at < 0:
+            out.append(None)
+            continue
+        start = at + len(needle)
+        out.append((at, start))
+    return out
 
 
 #: what a run's identity records as the chat template of a model without one (a base model),
@@ -127,4 +155,4 @@ class TaskPrompt:
         )
 
 
-__all__ = ["CONTENT_FREE_QUERY", "TaskPrompt", "join_text_parts"]
+__all__ = ["CONTENT_FREE_QUERY", "TaskPrompt", "find_passages", "join_text_parts"]

@@ -152,3 +152,53 @@ def test_same_cells_give_the_same_prompts_in_every_framework(small_corpus, tmp_p
             strategies=["none"],
             framework="dspy",
         )
+
+
+def test_orders_through_the_pipeline_keep_every_vote_and_never_resume_onto_other_orders(
+    small_corpus, tmp_path, smol
+):
+    """``--orders``: each cell's LLM answers over orders of the chunks its postprocessor passed
+    on (``passages_from``); every vote is SmolLM2's own answer to that order of the prompt the
+    record keeps, and a folder is never resumed onto other orders."""
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+    from ragfix.errors import ConfigMismatchError
+    from ragfix.prompts import TaskPrompt, find_passages
+    from ragfix.tasks import get_task, join_chunks
+
+    corpus, questions = small_corpus
+    out = tmp_path / "run"
+    orders = {"orders": 3, "aggregate": "plurality"}
+    kw = dict(corpus=corpus, questions=questions, strategies=["none"], top_k=3, limit=1)
+    run_pipeline_sweep(out=out, positions="0,2", device="cpu", orders=orders, **kw)
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(recs) == 2
+    for r in recs:
+        stored = r["prompt"]
+        chunks = [stored["text"][a:b] for a, b in stored["passages"]]
+        user = get_task("qa").user_turn(r["question"], join_chunks(chunks))
+        assert stored["text"] == smol.format_prompt(TaskPrompt(user=user))
+        spans = tuple(find_passages(user, chunks))
+        prompt = TaskPrompt(user=user, passages=spans, max_new_tokens=32, stop_at_newline=True)
+        votes = r["extra"]["votes"]
+        assert [v["order"] for v in votes] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+        singles = smol.generate([prompt.reordered(v["order"]) for v in votes], batch_size=1)
+        assert [v["answer"] for v in votes] == [g.text for g in singles]
+        assert r["answer"] in [g.text for g in singles]
+    config = json.loads((out / "config.json").read_text())
+    assert config["backend_options"]["orders"]["orders"] == 3
+    assert config["identity"]["orders"]["aggregate"] == "plurality"
+    run_pipeline_sweep(out=out, positions="0,2", device="cpu", orders=orders, **kw)
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2  # every cell done
+    with pytest.raises(ConfigMismatchError):
+        run_pipeline_sweep(
+            out=out, positions="0,2", device="cpu", orders={**orders, "orders": 2}, **kw
+        )
+    with pytest.raises(ConfigMismatchError):
+        run_pipeline_sweep(out=out, positions="0,2", device="cpu", **kw)
+    res = CliRunner().invoke(
+        app, ["eval-pipeline", "--corpus", str(corpus), "--orders-aggregate", "plurality"]
+    )
+    assert res.exit_code != 0
+    assert "--orders-aggregate is a setting of --orders K: give --orders too" in res.output

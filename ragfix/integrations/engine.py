@@ -19,7 +19,7 @@ import time
 
 from ragfix.backends.base import Fit
 from ragfix.metrics import cell_flags
-from ragfix.prompts import TaskPrompt
+from ragfix.prompts import TaskPrompt, find_passages
 from ragfix.reorder import ATTENTION_STRATEGIES
 from ragfix.tasks import get_task, join_chunks
 from ragfix.types import OVERFLOW, UNSCORED, StoredPrompt, SweepRecord, generation_extra
@@ -51,18 +51,16 @@ def node_text(node) -> str:
 
 def _read_prompt(text: str, chunks: list[str], ids: list[str], q) -> StoredPrompt:
     """The prompt a pipeline's model read (``text``, as its LLM component sent it) with the
-    spans of the ``chunks`` it holds verbatim (in prompt order, each searched after the one
-    before; a chunk the framework rewrote has no span) and the gold chunk's index among them
-    (None when it is not among them)."""
-    spans, gold, start = [], None, 0
-    for chunk, node_id in zip(chunks, ids, strict=True):
-        at = text.find(chunk.strip(), start)
-        if at < 0:
+    spans of the ``chunks`` it holds verbatim (:func:`ragfix.prompts.find_passages`: in prompt
+    order, each searched after the one before; a chunk the framework rewrote has no span) and
+    the gold chunk's index among them (None when it is not among them)."""
+    spans, gold = [], None
+    for span, node_id in zip(find_passages(text, chunks), ids, strict=True):
+        if span is None:
             continue
         if node_id == q.gold_node_id:
             gold = len(spans)
-        start = at + len(chunk.strip())
-        spans.append((at, start))
+        spans.append(span)
     return StoredPrompt(text=text, passages=spans, gold=gold)
 
 
@@ -85,8 +83,10 @@ class PipelineEngines:
     (``last_report``).
 
     Args:
-        backend: the answering :class:`~ragfix.backends.Backend` (plain prompts: a framework's
-            prompt is text).
+        backend: the answering :class:`~ragfix.backends.Backend`: one that reads plain prompts,
+            or order marginalization over one (:mod:`ragfix.backends.orders`), whose LLM
+            components are then given their correction component as ``passages_from``
+            (:meth:`source`).
         strategies: the reorder strategies, one pipeline each (:mod:`ragfix.reorder`).
         accuracies: the bias profile's accuracy per position (``bias-profile``), or ``None``.
         top_k: the chunks of each cell (the retriever's top-k).
@@ -115,6 +115,13 @@ class PipelineEngines:
                     "attention_rounds": attention_rounds,
                 },
             )
+
+    def source(self, s: str):
+        """The ``passages_from`` of strategy ``s``'s LLM component: its correction component
+        when the backend needs to know where the passages are
+        (:attr:`~ragfix.backends.Backend.needs_passage_spans`: order marginalization), else
+        ``None`` (plain text)."""
+        return self.posts[s] if self.backend.needs_passage_spans else None
 
     def _build(self, s: str, settings: dict) -> None:
         """Build strategy ``s``'s pipeline, its correction component made with ``settings``."""
@@ -213,10 +220,13 @@ class PipelineEngines:
 
     def fits(self, question: str, cands: list) -> Fit:
         """The backend's verdict (:meth:`~ragfix.backends.Backend.fit`) on the ``qa`` prompt
-        with every candidate chunk (as every framework renders them, in candidate order) and the
-        answer budget."""
-        user = get_task("qa").user_turn(question, join_chunks([node_text(n) for n in cands]))
-        prompt = TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"])
+        with every candidate chunk (as every framework renders them, in candidate order, their
+        spans known: a backend over several orders of them judges the longest) and the answer
+        budget."""
+        chunks = [node_text(n) for n in cands]
+        user = get_task("qa").user_turn(question, join_chunks(chunks))
+        spans = tuple(span for span in find_passages(user, chunks) if span is not None)
+        prompt = TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"], passages=spans)
         return self.backend.fit(prompt)
 
     def _overflow(self, q, r: int, s: str, cell: str, n: int, natural: int | None) -> SweepRecord:

@@ -50,7 +50,12 @@ from haystack import Document, component, default_from_dict, default_to_dict  # 
 from haystack.components.builders import ChatPromptBuilder  # noqa: E402
 from haystack.dataclasses import ChatMessage, StreamingCallbackT, StreamingChunk  # noqa: E402
 
-from ragfix.answering import Answerer, AnswerSettings  # noqa: E402
+from ragfix.answering import (  # noqa: E402
+    Answerer,
+    AnswerSettings,
+    PassageSource,
+    check_passage_source,
+)
 from ragfix.backends import BackendRef  # noqa: E402
 from ragfix.backends.base import Backend  # noqa: E402
 from ragfix.correction import Candidate, Correction, CorrectionSettings  # noqa: E402
@@ -177,6 +182,14 @@ class RagFixRanker:
         """What the last run did (see :meth:`ragfix.correction.Correction.apply`)."""
         return self._correction.last_report if self._correction is not None else {}
 
+    @property
+    def last_passages(self) -> list[str] | None:
+        """The documents the last run passed on, in prompt order, each as its ``context``
+        renders it (``Document (Title: t) content``, the bare ``content`` without a title);
+        ``None`` before the first run and after one that raised. What makes it a
+        :class:`ragfix.answering.PassageSource` for ``RagFixChatGenerator(passages_from=...)``."""
+        return self._correction.last_passages if self._correction is not None else None
+
     @component.output_types(documents=list[Document], context=str)
     def run(self, documents: list[Document], query: str | None = None) -> dict[str, Any]:
         """Correct and reorder ``documents``.
@@ -244,6 +257,12 @@ class RagFixChatGenerator:
     Args:
         backend: a :class:`ragfix.backends.Backend`, or a :class:`ragfix.backends.BackendRef` (or
             its dict) loaded in :meth:`warm_up`.
+        passages_from: the :class:`RagFixRanker` whose ``context`` goes into this generator's
+            prompt: each prompt is given to the backend with the spans of the documents it last
+            passed on (:class:`ragfix.answering.Answerer`), so a backend that needs them (order
+            marginalization, ``pine``, ``set-based``) answers; ``None``: plain text, and such a
+            backend is refused. A component reference is not serialised: :meth:`to_dict`
+            refuses a generator that has one.
         **settings: the answer settings ``max_new_tokens``, ``context_window``,
             ``stop_at_newline``, ``use_chat_template``, ``prefix_reuse``
             (:class:`ragfix.answering.AnswerFields`).
@@ -253,13 +272,23 @@ class RagFixChatGenerator:
 
     Raises:
         pydantic.ValidationError: an unknown setting or a value out of range (when built).
-        ConfigError: ``max_new_tokens`` leaves no room for a prompt (when the backend is
-            loaded); (when run) messages other than one user message, a part that is not text,
-            or a prompt that does not fit the window (never truncated).
+        ConfigError: ``passages_from`` with ``use_chat_template=False`` (when built);
+            ``max_new_tokens`` leaves no room for a prompt, or a backend that needs passage
+            spans without ``passages_from`` (when the backend is loaded); (when run) messages
+            other than one user message, a part that is not text, a prompt that does not fit
+            the window (never truncated), or with ``passages_from`` a document it passed on
+            that is not in the prompt verbatim.
     """
 
-    def __init__(self, backend: Backend | BackendRef | dict, **settings: Any):
+    def __init__(
+        self,
+        backend: Backend | BackendRef | dict,
+        passages_from: PassageSource | None = None,
+        **settings: Any,
+    ):
         self.settings = AnswerSettings(**settings)
+        check_passage_source(self.settings, passages_from, "RagFixChatGenerator")
+        self.passages_from = passages_from
         self._holder = _BackendHolder(backend)
         if self._holder.ref is None:
             raise ConfigError("RagFixChatGenerator needs backend= (a Backend or a BackendRef)")
@@ -270,7 +299,9 @@ class RagFixChatGenerator:
     def warm_up(self) -> None:
         """Load the backend (when given as a reference) and check the settings against it."""
         if self._answerer is None:
-            self._answerer = Answerer(self.settings, self._holder.get())
+            self._answerer = Answerer(
+                self.settings, self._holder.get(), self.passages_from, who="RagFixChatGenerator"
+            )
 
     @property
     def last_prompt(self) -> str | None:
@@ -320,7 +351,17 @@ class RagFixChatGenerator:
 
     def to_dict(self) -> dict[str, Any]:
         """The component as a dict (``Pipeline.dumps``): the settings and the backend
-        reference."""
+        reference.
+
+        Raises:
+            ConfigError: a generator with ``passages_from`` (a component reference has no
+                serialised form).
+        """
+        if self.passages_from is not None:
+            raise ConfigError(
+                "RagFixChatGenerator with passages_from= cannot be serialised (a reference to "
+                "another component): build it in code"
+            )
         return default_to_dict(
             self, backend=self._holder.to_dict(), **self.settings.model_dump(mode="json")
         )
@@ -346,7 +387,9 @@ class HaystackEngines(PipelineEngines):
         if not self.llms:
             self.pipes: dict = {}
         self.posts[s] = RagFixRanker(backend=self.backend, **settings)
-        self.llms[s] = RagFixChatGenerator(self.backend, **self.answer)
+        self.llms[s] = RagFixChatGenerator(
+            self.backend, passages_from=self.source(s), **self.answer
+        )
         pipe = Pipeline()
         pipe.add_component("ranker", self.posts[s])
         pipe.add_component("prompt", qa_prompt_builder())

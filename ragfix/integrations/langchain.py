@@ -69,6 +69,7 @@ from ragfix.answering import (  # noqa: E402
     AnswererView,
     AnswerFields,
     AnswerSettings,
+    PassageSource,
     StopStream,
     cut_at_stop,
 )
@@ -155,6 +156,15 @@ class RagFixCompressor(CorrectionFields, BaseDocumentCompressor, BaseDocumentTra
         """What the last call did (see :meth:`ragfix.correction.Correction.apply`)."""
         return self._correction.last_report
 
+    @property
+    def last_passages(self) -> list[str] | None:
+        """The documents the last call passed on, in prompt order, each as
+        :func:`format_documents` renders it (``Document (Title: t) page_content``, the bare
+        ``page_content`` without a title); ``None`` before the first call and after one that
+        raised. What makes it a :class:`ragfix.answering.PassageSource` for
+        ``RagFixChatModel(passages_from=...)``."""
+        return self._correction.last_passages
+
     def _apply(self, documents: Sequence[Document], query: str | None) -> list[Document]:
         candidates = [
             Candidate(
@@ -203,6 +213,11 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
 
     Args:
         backend: the backend that answers.
+        passages_from: the :class:`RagFixCompressor` that passes the documents on to this
+            model's prompts: each prompt is given to the backend with the spans of the
+            documents it last passed on (:class:`ragfix.answering.Answerer`), so a backend that
+            needs them (order marginalization, ``pine``, ``set-based``) answers; ``None``:
+            plain text, and such a backend is refused.
         max_new_tokens, context_window, stop_at_newline, use_chat_template, prefix_reuse: the
             answer settings (:class:`ragfix.answering.AnswerFields`).
 
@@ -210,10 +225,12 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
     :attr:`last_prompt` and :attr:`last_generation`; :attr:`calls` counts model calls.
 
     Raises:
-        ConfigError: (at construction) ``max_new_tokens`` leaves no room for a prompt; (at a call)
-            messages other than one user turn, a content block that is not text, a keyword
-            other than :data:`CALL_SETTINGS` or an invalid value of one, or a prompt that does
-            not fit the window (never truncated).
+        ConfigError: (at construction) ``max_new_tokens`` leaves no room for a prompt, a backend
+            that needs passage spans without ``passages_from``, ``passages_from`` with
+            ``use_chat_template=False``; (at a call) messages other than one user turn, a
+            content block that is not text, a keyword other than :data:`CALL_SETTINGS` or an
+            invalid value of one, a prompt that does not fit the window (never truncated), or
+            with ``passages_from`` a document it passed on that is not in the prompt verbatim.
         pydantic.ValidationError: an unknown setting or a value out of range.
     """
 
@@ -221,9 +238,11 @@ class RagFixChatModel(AnswerFields, AnswererView, BaseChatModel):
 
     _answerer: Answerer = PrivateAttr()
 
-    def __init__(self, backend: Backend, **kwargs: Any) -> None:
+    def __init__(
+        self, backend: Backend, passages_from: PassageSource | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self._answerer = Answerer(self, backend)
+        self._answerer = Answerer(self, backend, passages_from, who="RagFixChatModel")
         self.context_window = self._answerer.context_window
 
     @property
@@ -338,7 +357,7 @@ class LangChainEngines(PipelineEngines):
     """LangChain: a chain per strategy (a ``ContextualCompressionRetriever`` with
     :class:`~ragfix.integrations.langchain.RagFixCompressor` over a retriever returning the
     cell's candidates, the ``qa`` prompt, :class:`~ragfix.integrations.langchain.RagFixChatModel`,
-    one shared chat model)."""
+    a chat model per strategy over the one backend)."""
 
     framework = "langchain"
 
@@ -360,11 +379,12 @@ class LangChainEngines(PipelineEngines):
                 def _get_relevant_documents(self, query, *, run_manager=None):
                     return list(self.docs)
 
-            self.chat = RagFixChatModel(self.backend, **self.answer)
             self.fixed = FixedRetriever()
             self.chains: dict = {}
-        self.llms[s] = self.chat
         self.posts[s] = RagFixCompressor(backend=self.backend, **settings)
+        self.llms[s] = chat = RagFixChatModel(
+            self.backend, passages_from=self.source(s), **self.answer
+        )
         retriever = ContextualCompressionRetriever(
             base_compressor=self.posts[s], base_retriever=self.fixed
         )
@@ -374,7 +394,7 @@ class LangChainEngines(PipelineEngines):
                 "question": itemgetter("question"),
             }
             | qa_prompt()
-            | self.chat
+            | chat
             | StrOutputParser()
         )
         self.chains[s] = RunnableParallel(docs=retriever, question=RunnablePassthrough()).assign(

@@ -29,7 +29,7 @@ def _fixed_retriever_class():
 class LlamaIndexEngines(PipelineEngines):
     """LlamaIndex: a query engine per strategy (a retriever returning the cell's candidates,
     :class:`~ragfix.postprocessor.RagFixPostprocessor`, ``compact`` synthesis with
-    :class:`~ragfix.llm.RagFixLLM`, one shared LLM)."""
+    :class:`~ragfix.llm.RagFixLLM`, an LLM per strategy over the one backend)."""
 
     framework = "llamaindex"
 
@@ -42,18 +42,17 @@ class LlamaIndexEngines(PipelineEngines):
         from ragfix.postprocessor import RagFixPostprocessor, text_qa_template
 
         if not self.llms:
-            self.llm = RagFixLLM(self.backend, **self.answer)
             self.fixed = _fixed_retriever_class()()
             self.engines: dict = {}
-        self.llms[s] = self.llm
         self.posts[s] = RagFixPostprocessor(backend=self.backend, **settings)
+        self.llms[s] = llm = RagFixLLM(self.backend, passages_from=self.source(s), **self.answer)
         helper = PromptHelper(
-            context_window=self.llm.metadata.context_window,
-            num_output=self.llm.metadata.num_output,
+            context_window=llm.metadata.context_window,
+            num_output=llm.metadata.num_output,
             tokenizer=self.backend.tokenize,
         )
         synth = get_response_synthesizer(
-            llm=self.llm,
+            llm=llm,
             response_mode="compact",
             text_qa_template=text_qa_template("qa"),
             prompt_helper=helper,
