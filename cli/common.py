@@ -300,8 +300,9 @@ ORDER_OPTIONS = OptionGroup(
         Annotated[
             str | None,
             typer.Option(
-                help="--orders: max (the most confident order's answer; default, the tune "
-                "range's best), score (each candidate answer scored under every order), "
+                help="--orders: score-max (each candidate answer scored under every order, the "
+                "one most likely under any; default, the tune range's best), score (the one "
+                "most likely on average), max (the answer whose first token is most likely), "
                 "weighted (a vote weighted by probability) or plurality"
             ),
         ],

@@ -4,8 +4,8 @@ A sweep run with ``--orders K`` keeps every order's answer and confidence in eac
 (``extra["votes"]``). Every smaller number of orders ``K' < K`` whose orders are among the
 recorded ones (``rotate``: the evenly spaced shifts of ``K'``, e.g. shifts 0, 2, 4, 6 of 8;
 ``shuffle``: the first ``K'`` orders, drawn from the same seeded sequence) and every aggregator
-is then scored from the same answers (``score`` from a run that recorded the candidates'
-scores, ``--orders-aggregate score``), with the function the backend itself chooses with
+is then scored from the same answers (``score`` and ``score-max`` from a run that recorded
+the candidates' scores, made with either), with the function the backend itself chooses with
 (:func:`ragfix.backends.orders.choose`): no model is run. The default is the setting with the
 best worst position, then the best mean, then the fewer orders (the cheaper).
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ragfix.backends.orders import OrderOptions, choose, passage_orders
+from ragfix.backends.orders import SCORED, OrderOptions, choose, passage_orders
 from ragfix.errors import DataError
 from ragfix.eval.compare import load_run
 from ragfix.tables import TableSpec, tune_rows
 from ragfix.tasks import get_task
 
-#: the aggregators scored, in the order of the table (``score`` only from a run that recorded
-#: the candidates' scores: one made with ``--orders-aggregate score``)
-AGGREGATORS = ("plurality", "weighted", "max", "score")
+#: the aggregators scored, in the order of the table (``score`` and ``score-max`` only from a
+#: run that recorded the candidates' scores: one made with either)
+AGGREGATORS = ("plurality", "weighted", "max", "score", "score-max")
 
 
 def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
@@ -67,7 +67,9 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
             picks.append([by_order[o] for o in wanted])
         else:
             scored_votes = all("scores" in v for votes in picks for v in votes)
-            for how in AGGREGATORS if scored_votes else AGGREGATORS[:-1]:
+            for how in AGGREGATORS:
+                if how in SCORED and not scored_votes:
+                    continue
                 row = [0] * len(positions)
                 for r, votes in zip(records, picks, strict=True):
                     answer = votes[choose(votes, how)]["answer"]

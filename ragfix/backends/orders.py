@@ -40,6 +40,9 @@ Aggregators (each order's answer normalised by :func:`ragfix.metrics.normalize_a
   with ``max``: one order's confidence carries that order's position bias). Each vote keeps
   its order's ``scores`` (``{normalised candidate: log-likelihood}``) so a smaller number of
   orders is re-scored from the same run.
+* ``score-max``: the same scores, the answer with the largest log-likelihood under any one
+  order (the whole answer's, where ``max`` reads only the first token of the answer each order
+  gave).
 
 The confidence ``c`` of an order's answer is the log-probability of its first token (where
 greedy decoding commits to the passage it copies from): from a local backend, the largest of
@@ -67,6 +70,9 @@ from ragfix.metrics import normalize_answer
 from ragfix.prompts import TaskPrompt
 from ragfix.types import UNSCORED, Generation
 
+#: the aggregators that score each candidate answer under every order (:func:`aggregate`)
+SCORED = frozenset({"score", "score-max"})
+
 
 class OrderOptions(BackendOptions):
     """Settings of order marginalization (``--orders K --orders-design D --orders-aggregate A``).
@@ -77,16 +83,17 @@ class OrderOptions(BackendOptions):
         design: ``rotate`` (evenly spaced cyclic shifts; the design tuned: every number of
             its orders is scored from one run) or ``shuffle`` (seeded permutations, the
             paper's; not measured here).
-        aggregate: ``plurality``, ``weighted``, ``max`` or ``score`` (module docstring);
-            the default, ``max``, is the best worst position on the tune range (SmolLM2-135M,
-            KV-8, records 0-4 of the 140-key file: ``ragfix tune orders``,
-            results/kv8-tune5-orders.json).
+        aggregate: ``plurality``, ``weighted``, ``max``, ``score`` or ``score-max`` (module
+            docstring); the default, ``score-max``, is the best worst position on the tune
+            range (SmolLM2-135M, KV-8, records 0-4 of the 140-key file: ``ragfix tune
+            orders``, results/kv8-tune5-orders-score.json); it needs a backend that scores
+            text, else use ``max`` (first-token log-probabilities) or ``plurality``.
         seed: the ``shuffle`` design's seed.
     """
 
     orders: int = Field(ge=2)
     design: Literal["rotate", "shuffle"] = "rotate"
-    aggregate: Literal["plurality", "weighted", "max", "score"] = "max"
+    aggregate: Literal["plurality", "weighted", "max", "score", "score-max"] = "score-max"
     seed: int = 0
 
 
@@ -145,9 +152,9 @@ def aggregate(
     Args:
         answers: each order's ``(answer, confidence)`` (:func:`confidence`), in order; an empty
             answer is never chosen unless all are empty.
-        how: ``plurality``, ``weighted``, ``max`` or ``score``.
-        scores: for ``score``, each order's ``{normalised answer: log-likelihood}`` of every
-            candidate (:func:`candidates`) under that order's prompt.
+        how: ``plurality``, ``weighted``, ``max``, ``score`` or ``score-max``.
+        scores: for ``score`` and ``score-max``, each order's ``{normalised answer:
+            log-likelihood}`` of every candidate (:func:`candidates`) under that order's prompt.
 
     Returns:
         the index in ``answers`` of the chosen answer: of its answer class, the order with the
@@ -155,7 +162,7 @@ def aggregate(
 
     Raises:
         ConfigError: ``weighted`` or ``max`` with an answer that has no confidence; ``score``
-            without an order's score of a candidate.
+            or ``score-max`` without an order's score of a candidate.
     """
     voting = [i for i, (text, _) in enumerate(answers) if normalize_answer(text)]
     if not voting:
@@ -169,12 +176,12 @@ def aggregate(
     classes: dict[str, list[int]] = {}
     for i in voting:
         classes.setdefault(normalize_answer(answers[i][0]), []).append(i)
-    if how == "score" and (
+    if how in SCORED and (
         scores is None or any(s is None or not classes.keys() <= s.keys() for s in scores)
     ):
         raise ConfigError(
-            "--orders-aggregate score needs every candidate's log-likelihood under every order "
-            "(votes recorded with --orders-aggregate score)"
+            f"--orders-aggregate {how} needs every candidate's log-likelihood under every order "
+            "(votes recorded with --orders-aggregate score or score-max)"
         )
 
     def score(name: str) -> tuple[float, ...]:
@@ -186,6 +193,8 @@ def aggregate(
             return (sum(math.exp(conf[i]) for i in members),)
         if how == "score":
             return (sum(s[name] for s in scores) / len(scores),)
+        if how == "score-max":
+            return (max(s[name] for s in scores),)
         return (max(conf[i] for i in members),)
 
     best = classes[max(classes, key=score)]
@@ -330,8 +339,8 @@ class OrderMarginalBackend(Backend):
         Each returned :class:`Generation` is the chosen order's, with ``prompt_tokens`` the
         longest order's (what the window must hold), ``prefill_tokens``, ``new_tokens`` and
         ``seconds`` summed over all orders and the scoring (what the answer cost) and ``votes``:
-        per order, its ``order``, ``answer``, ``confidence``, ``flags`` and, with
-        ``aggregate="score"``, ``scores``. An order whose answer is not a
+        per order, its ``order``, ``answer``, ``confidence``, ``flags`` and, with a
+        :data:`SCORED` aggregator, ``scores``. An order whose answer is not a
         measurement (an :data:`~ragfix.types.UNSCORED` flag such as ``empty_answer``) does
         not vote; when none votes, the first order's answer and flags are returned.
 
@@ -365,7 +374,7 @@ class OrderMarginalBackend(Backend):
         ]
 
     def _scores(self, prompt: Prompt, votes: list[dict]) -> float:
-        """Put each order's ``scores`` into ``votes`` (``aggregate="score"``): every candidate
+        """Put each order's ``scores`` into ``votes`` (a :data:`SCORED` aggregator): every candidate
         (:func:`candidates`) scored after every order's prompt, the orders in the order of
         their text so a prefix-reusing backend prefills what they share once; returns the
         seconds it took."""
@@ -390,7 +399,7 @@ class OrderMarginalBackend(Backend):
             for o, g in zip(self.orders_of(prompt), gens, strict=True)
         ]
         scoring = 0.0
-        if self.options.aggregate == "score" and len(gens) > 1:
+        if self.options.aggregate in SCORED and len(gens) > 1:
             scoring = self._scores(prompt, votes)
         chosen = gens[choose(votes, self.options.aggregate)]
         return chosen.model_copy(
@@ -414,6 +423,7 @@ def marginalize_orders(backend: Backend, options: OrderOptions | None) -> Backen
 __all__ = [
     "OrderMarginalBackend",
     "OrderOptions",
+    "SCORED",
     "aggregate",
     "candidates",
     "choose",
