@@ -130,6 +130,7 @@ def bench_methods(
     data: str | Path = DATA,
     progress: Callable[[str], object] = lambda _: None,
     orders: int | None = None,
+    aggregates: list[str] | None = None,
 ) -> tuple[TableSpec, dict]:
     """Prefill seconds, generation seconds and prefill peak MiB of ``backends`` (default
     :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
@@ -137,11 +138,13 @@ def bench_methods(
     file, or a bundled sample name), gold passage in the middle
     (``parse_positions("middle")``). ``model`` and ``device`` are
     :func:`ragfix.backends.load_backend`'s. ``progress`` gets one line per prompt and number of
-    passages. With ``orders`` K, one more row: vanilla under order marginalization
-    (:mod:`ragfix.backends.orders`, the default design and aggregator), named
-    ``vanilla --orders K``; its prefill is one order's (the wrapper reads scores from the
+    passages. With ``orders`` K, one more row per aggregator of ``aggregates`` (default: the
+    default aggregator): vanilla under order marginalization (:mod:`ragfix.backends.orders`,
+    the default design), named ``vanilla --orders K --orders-aggregate A``; its prefill is one
+    order's (the wrapper reads scores from the
     wrapped backend), its generation answers all K orders in one batch without prefix reuse
-    (an upper bound on what a sweep, which reuses shared prefixes, pays).
+    (an upper bound on what a sweep, which reuses shared prefixes, pays), the scoring of a
+    scoring aggregator's candidates included.
 
     Returns:
         ``(table, details)``: one row per (number of passages, backend), in that order;
@@ -153,9 +156,11 @@ def bench_methods(
         ``generate_x``, ``peak_x``; ``None`` where a figure is unknown or vanilla's is 0).
 
     Raises:
-        ConfigError: an unknown backend, one that needs an adapter, ``limit`` below 1 or
-            ``orders`` below 2 (before anything is read or loaded).
-        pydantic.ValidationError: a backend whose options have no defaults (likewise).
+        ConfigError: an unknown backend, one that needs an adapter, ``limit`` below 1,
+            ``orders`` below 2 or ``aggregates`` without ``orders`` (before anything is read or
+            loaded).
+        pydantic.ValidationError: a backend whose options have no defaults, or an unknown
+            aggregator (likewise).
         DataError: a missing or malformed data file, or too few passages for ``num_docs``.
         ModelNotFoundError: the model cannot be found.
     """
@@ -169,13 +174,22 @@ def bench_methods(
     names = check_backends(list(backends or BACKENDS), model)
     if limit < 1:
         raise ConfigError(f"--limit {limit}: must be at least 1")
-    marginal = None
+    marginal = []
+    if aggregates and orders is None:
+        raise ConfigError("--orders-aggregate is a setting of --orders K: give --orders too")
     if orders is not None:
         from ragfix.backends.orders import OrderOptions, marginalize_orders
 
         if orders < 2:
             raise ConfigError(f"--orders {orders}: must be at least 2")
-        marginal = (f"vanilla --orders {orders}", OrderOptions(orders=orders))
+        hows = aggregates or [OrderOptions.model_fields["aggregate"].default]
+        marginal = [
+            (
+                f"vanilla --orders {orders} --orders-aggregate {how}",
+                OrderOptions(orders=orders, aggregate=how),
+            )
+            for how in hows
+        ]
     counts = list(num_docs or NUM_DOCS)
     path = resolve_data(data)
     prompts = {
@@ -189,8 +203,7 @@ def bench_methods(
     for name in names:
         progress(f"loading {name}")
         loaded[name] = load_backend(name, model=model, device=device)
-    if marginal is not None:  # over the vanilla already loaded: the same weights, loaded once
-        label, options = marginal
+    for label, options in marginal:  # over the vanilla already loaded: its weights, loaded once
         loaded[label] = marginalize_orders(loaded["vanilla"], options)
         names = [*names, label]
     dev = resolve_device(device)

@@ -198,6 +198,13 @@ def methods_cmd(
         int | None,
         typer.Option(help="also vanilla answering over K orders of the passages (--orders K)"),
     ] = None,
+    orders_aggregate: Annotated[
+        str | None,
+        typer.Option(
+            help="--orders: the aggregators to measure, comma separated (default: the "
+            "default aggregator)"
+        ),
+    ] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Prefill time, 8-token generation time and prefill peak memory of each backend against
@@ -216,6 +223,9 @@ def methods_cmd(
             data,
             status.update,
             orders,
+            [a.strip() for a in orders_aggregate.split(",") if a.strip()]
+            if orders_aggregate
+            else None,
         )
     show_tables(table, details, json_out, keep_all=True)
 

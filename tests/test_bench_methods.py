@@ -93,19 +93,28 @@ def test_backends_are_checked_before_anything_is_read_an_unknown_one_in_one_line
 
 
 def test_bench_methods_adds_order_marginalization_as_one_more_row(smol):
-    """``orders=2``: a ``vanilla --orders 2`` row on the same prompt, whose prompt is vanilla's
-    (the wrapper encodes with the wrapped backend) and whose generation answers both orders;
-    ``orders=1`` is refused before anything is loaded."""
+    """``orders=2``: a ``vanilla --orders 2`` row per aggregator on the same prompt, whose
+    prompt is vanilla's (the wrapper encodes with the wrapped backend) and whose generation
+    answers both orders; ``orders=1``, and aggregators without orders, are refused before
+    anything is loaded."""
     from ragfix.bench.methods import bench_methods
     from ragfix.errors import ConfigError
 
     (table, _), details = bench_methods(
-        ["vanilla"], [4], limit=1, model="smollm2", device="cpu", data=data_file(KV), orders=2
-    )
-    vanilla, marginal = details["measurements"]
-    assert [r[0] for r in table.rows] == ["vanilla", "vanilla --orders 2"]
+        ["vanilla"], [4], limit=1, model="smollm2", device="cpu", data=data_file(KV), orders=2,
+        aggregates=["max", "score-max"],
+    )  # fmt: skip
+    vanilla, marginal, scored = details["measurements"]
+    assert [r[0] for r in table.rows] == [
+        "vanilla",
+        "vanilla --orders 2 --orders-aggregate max",
+        "vanilla --orders 2 --orders-aggregate score-max",
+    ]
+    assert scored["generated_tokens"] == marginal["generated_tokens"]  # the same answers
     assert marginal["prompt_tokens"] == vanilla["prompt_tokens"]
     assert marginal["generate_x"] == marginal["generate_s_median"] / vanilla["generate_s_median"]
     assert 1 <= marginal["generated_tokens"][0] <= 2 * details["new_tokens"]
     with pytest.raises(ConfigError, match="--orders 1"):
         bench_methods(["vanilla"], [4], data="missing.jsonl", orders=1)
+    with pytest.raises(ConfigError, match="give --orders"):
+        bench_methods(["vanilla"], [4], data="missing.jsonl", aggregates=["max"])
