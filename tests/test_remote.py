@@ -315,10 +315,22 @@ def test_window_is_checked_on_the_servers_count(server, tmp_path):
     assert gen.flags == [OVERFLOW] and gen.text == ""
     with pytest.raises(RagfixError, match="give --tokenizer"):
         b.count_tokens("x")
-    with pytest.raises(RagfixError, match="full next-token distribution"):
-        b.loglikelihood([("a", "b")])
     with pytest.raises(ModelNotFoundError, match="does not serve 'other'"):
         load_backend("vanilla", model="openai:other", api_base=server)
+
+
+def test_a_served_model_scores_a_continuation_through_completions_echo(server, smol):
+    """``loglikelihood`` of a model behind an endpoint (what ``--orders-aggregate score-max``
+    needs): the server's echoed log-probabilities of the continuation's tokens sum to the local
+    model's; a token read across the end of the context is refused, not half counted."""
+    from ragfix.backends import load_backend
+
+    b = load_backend("vanilla", model=MODEL, api_base=server)
+    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " Lyon")]
+    served, mine = b.loglikelihood(pairs), smol.loglikelihood(pairs)
+    assert served == pytest.approx(mine, abs=1e-3) and max(served) < 0
+    with pytest.raises(RagfixError, match="across the end of the context"):
+        b.loglikelihood([("The capital of Fr", "ance")])  # "France" is one token
 
 
 def test_pipeline_sweep_through_serve_equals_local(server, tmp_path):

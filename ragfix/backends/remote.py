@@ -646,9 +646,10 @@ class RemoteBackend(Backend):
         Raises:
             ValueError: an empty continuation.
             RagfixError: a :class:`TaskPrompt` context without ``--tokenizer`` (the chat text is
-                formatted here), a request failed for good, or the server did not score the
+                formatted here), a request failed for good, the server did not score the
                 prompt's tokens (no ``echo`` log-probabilities, or none inside the
-                continuation).
+                continuation), or it reads one token across the end of the context (the
+                continuation's score would hold part of the context's).
         """
         texts = []
         for context, continuation in pairs:
@@ -679,21 +680,18 @@ class RemoteBackend(Backend):
             raise self._failed(e) from None
         lp = self._choice(resp, "completions echo").logprobs
         start, end = len(context), len(context) + len(continuation)
-        picked = [
-            value
-            for offset, value in zip(
-                getattr(lp, "text_offset", None) or [],
-                getattr(lp, "token_logprobs", None) or [],
-                strict=False,
-            )
-            if start <= offset < end and value is not None
-        ]
-        if not picked:
+        offsets = list(getattr(lp, "text_offset", None) or [])
+        values = list(getattr(lp, "token_logprobs", None) or [])
+        ends = [*offsets[1:], end]
+        if any(a < start < b for a, b in zip(offsets, ends, strict=False)):
             raise RagfixError(
-                f"{self.options.api_base} ({self.served}) returned no echoed log-probabilities "
-                "of the continuation: scoring text needs a server that answers completions "
-                "echo with logprobs (vLLM, llama.cpp's server, ragfix serve)"
+                f"{self.options.api_base} ({self.served}) reads one token across the end of the "
+                f"context (character {start}): a continuation is scored from a token boundary "
+                "(begin it with a space or a new line)"
             )
+        picked = [
+            v for a, v in zip(offsets, values, strict=False) if start <= a < end and v is not None
+        ]
         return float(sum(picked))
 
     def token_scores(self, ids: Sequence[int], top: int):
