@@ -245,7 +245,10 @@ def test_order_marginalization_through_serve_gives_the_local_votes(server, tmp_p
     orders = ["--orders", "3", "--orders-aggregate", "score"]
     _cli("eval", str(KV), *SWEEP, *orders, "--device", "cpu", "--out", str(tmp_path / "l"))
     remote = ("--model", MODEL, "--api-base", server, "--out", str(tmp_path / "r"))
-    _cli("eval", str(KV), *SWEEP, *orders, *remote)
+    res = CliRunner().invoke(app, ["eval", str(KV), *SWEEP, *orders, *remote])
+    assert res.exit_code == 2 and "give --tokenizer" in res.output  # refused before any cell
+    assert not (tmp_path / "r" / "results.jsonl").exists()
+    _cli("eval", str(KV), *SWEEP, *orders, *remote, "--tokenizer", "smollm2")
     mine, ref = _results(tmp_path / "r"), _results(tmp_path / "l")
     assert mine.keys() == ref.keys() and len(mine) == 2
     for k, r in mine.items():

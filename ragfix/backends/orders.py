@@ -236,11 +236,21 @@ class OrderMarginalBackend(Backend):
     Everything but :meth:`generate` and :meth:`fit` is the wrapped backend's: its name, model,
     window, tokenizer and scores. :meth:`identity` is the wrapped one's plus ``orders`` (the
     settings), so a run with other orders is never resumed onto.
+
+    Raises:
+        ConfigError: a :data:`SCORED` aggregator over a backend without a tokenizer here (a
+            served model without ``--tokenizer``: its prompts could not be formatted to score).
     """
 
     needs_passage_spans = True
 
     def __init__(self, inner: Backend, options: OrderOptions):
+        if options.aggregate in SCORED and not inner.has_tokenizer:
+            raise ConfigError(
+                f"--orders-aggregate {options.aggregate} scores each candidate answer after "
+                "each order's prompt, formatted here with the model's tokenizer: give "
+                "--tokenizer NAME, or choose --orders-aggregate max or plurality"
+            )
         self.inner = inner
         self.options = options
         self.name = inner.name
