@@ -163,6 +163,24 @@ def test_a_sweep_over_orders_keeps_every_vote_and_never_resumes_onto_other_order
         run_sweep(KV, out, **kw)  # the same folder without orders
 
 
+def test_the_tune_rescores_the_scoring_aggregators_from_a_scored_sweep(tmp_path):
+    """A sweep made with a scoring aggregator records every candidate's scores, so the tune
+    re-scores ``score`` and ``score-max`` (and the others) from it, the run's own setting as
+    the run chose."""
+    from ragfix.eval import run_sweep
+    from ragfix.eval.orders_tune import AGGREGATORS, tune_orders
+
+    out = tmp_path / "scored"
+    orders = {"orders": 2, "aggregate": "score-max"}
+    run_sweep(KV, out, orders=orders, num_docs=3, limit=1, positions="0,2", device="cpu")
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert all("scores" in v for r in rows for v in r["extra"]["votes"])
+    _, details = tune_orders(out)
+    assert set(details["accuracy"]) == {f"orders=2 aggregate={a}" for a in AGGREGATORS}
+    mine = details["accuracy"]["orders=2 aggregate=score-max"]
+    assert mine == [float(r["correct"]) for r in sorted(rows, key=lambda r: r["position"])]
+
+
 def test_a_setting_of_orders_without_orders_is_refused_in_one_line():
     from typer.testing import CliRunner
 
