@@ -697,6 +697,21 @@ class HFBackend(Backend):
         logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), dim=-1)
         return TokenScores.of(logp, x[0, 1:], top)
 
+    def _tail_logprobs(self, ids: list[int], start: int) -> torch.Tensor:
+        """Float32 ``[len(ids) - 1 - start, vocab]``: the next-token log-probabilities after
+        ``ids[:t + 1]`` for ``t = start .. len(ids) - 2`` (row ``i`` scores ``ids[start + 1 + i]``),
+        over the prefix-reuse KV cache cropped to what it shares with ``ids[:start]``; the cache
+        then holds ``ids[:-1]``. Needs ``start < len(ids) - 1``."""
+        common = self._crop_reuse_cache(ids[:start])
+        logits = self.model(
+            input_ids=torch.tensor([ids[common:-1]], device=self.device),
+            position_ids=torch.arange(common, len(ids) - 1, device=self.device)[None],
+            cache=self._reuse_cache,
+            logits_to_keep=len(ids) - 1 - start,
+        ).logits[0]
+        self._reuse_ids = ids[:-1]
+        return torch.log_softmax(logits.float(), dim=-1)
+
     @torch.no_grad()
     def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
         """See :meth:`Backend.loglikelihood`. Where :attr:`supports_prefix_reuse`, each pair
@@ -717,17 +732,7 @@ class HFBackend(Backend):
             if not cont or not ctx:
                 raise ValueError("loglikelihood needs a non-empty context and continuation")
             ids = ctx + cont
-            common = self._crop_reuse_cache(ctx[:-1])
-            fed = ids[common:-1]  # the logits of its last len(cont) tokens predict cont
-            pos = torch.arange(common, len(ids) - 1, device=self.device)[None]
-            logits = self.model(
-                input_ids=torch.tensor([fed], device=self.device),
-                position_ids=pos,
-                cache=self._reuse_cache,
-                logits_to_keep=len(cont),
-            ).logits[0]
-            self._reuse_ids = ids[:-1]
-            logp = torch.log_softmax(logits.float(), dim=-1)
+            logp = self._tail_logprobs(ids, len(ctx) - 1)
             target = torch.tensor(cont, device=logp.device)[:, None]
             out.append(float(logp.gather(1, target).sum()))
         return out
@@ -771,16 +776,8 @@ class HFBackend(Backend):
         start = max(shared - 1, 0)  # the first row to compute (row t scores ids[t + 1])
         if start >= len(ids) - 1:
             return TokenScores(*(column[: len(ids) - 1] for column in scores))
-        common = self._crop_reuse_cache(ids[:start])
-        logits = self.model(
-            input_ids=torch.tensor([ids[common:-1]], device=self.device),
-            position_ids=torch.arange(common, len(ids) - 1, device=self.device)[None],
-            cache=self._reuse_cache,
-            logits_to_keep=len(ids) - 1 - start,
-        ).logits[0]
-        self._reuse_ids = ids[:-1]
         targets = torch.tensor(ids[start + 1 :], device=self.device)
-        new = TokenScores.of(torch.log_softmax(logits.float(), dim=-1), targets, top)
+        new = TokenScores.of(self._tail_logprobs(ids, start), targets, top)
         if start:
             new = TokenScores.cat([TokenScores(*(column[:start] for column in scores)), new])
         self._scored = (ids, new)
