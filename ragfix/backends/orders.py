@@ -358,7 +358,8 @@ class OrderMarginalBackend(Backend):
             ConfigError: see :func:`aggregate`.
             Cancelled: as the wrapped backend's.
         """
-        expanded = [(i, p) for i, prompt in enumerate(prompts) for p in self._ordered(prompt)]
+        ordered = [self._ordered(prompt) for prompt in prompts]
+        expanded = [(i, p) for i, each in enumerate(ordered) for p in each]
         reuse = prefix_reuse and self.inner.supports_prefix_reuse
         run = list(range(len(expanded)))
         if reuse:  # a depth-first order of the prompts' trie: each shared prefix computed once
@@ -379,18 +380,17 @@ class OrderMarginalBackend(Backend):
         for (i, _), gen in zip(expanded, answered, strict=True):
             by_prompt[i].append(gen)
         return [
-            self._marginal(prompt, answers, first_logprobs)
-            for prompt, answers in zip(prompts, by_prompt, strict=True)
+            self._marginal(prompt, each, answers, first_logprobs)
+            for prompt, each, answers in zip(prompts, ordered, by_prompt, strict=True)
         ]
 
-    def _scores(self, prompt: Prompt, votes: list[dict]) -> float:
+    def _scores(self, ordered: list[Prompt], votes: list[dict]) -> float:
         """Put each order's ``scores`` into ``votes`` (a :data:`SCORED` aggregator): every candidate
         (:func:`candidates`) scored after every order's prompt, the orders in the order of
         their text so a prefix-reusing backend prefills what they share once; returns the
         seconds it took."""
         start = time.perf_counter()
         names = candidates([_ballot(v) for v in votes])
-        ordered = self._ordered(prompt)
         run = sorted(range(len(ordered)), key=lambda k: self.inner.format_prompt(ordered[k]))
         pairs = [(ordered[k], text) for k in run for text in names.values()]
         values = iter(self.inner.loglikelihood(pairs) if pairs else [])
@@ -398,7 +398,9 @@ class OrderMarginalBackend(Backend):
             votes[k]["scores"] = {name: round(next(values), 4) for name in names}
         return time.perf_counter() - start
 
-    def _marginal(self, prompt: Prompt, gens: list[Generation], first_logprobs: bool) -> Generation:
+    def _marginal(
+        self, prompt: Prompt, ordered: list[Prompt], gens: list[Generation], first_logprobs: bool
+    ) -> Generation:
         votes = [
             {
                 "order": list(o),
@@ -410,7 +412,7 @@ class OrderMarginalBackend(Backend):
         ]
         scoring = 0.0
         if self.options.aggregate in SCORED and len(gens) > 1:
-            scoring = self._scores(prompt, votes)
+            scoring = self._scores(ordered, votes)
         chosen = gens[choose(votes, self.options.aggregate)]
         return chosen.model_copy(
             update={
