@@ -113,6 +113,13 @@ def register(app: typer.Typer) -> None:
         mtbench_models: Annotated[
             str, typer.Option(help="MT-bench answers: the two models to compare, comma separated")
         ] = "gpt-4,gpt-3.5-turbo",
+        kv_wrong: Annotated[
+            str,
+            typer.Option(
+                help="KV-retrieval records: the wrong answer is another given pair's value "
+                "(context) or a value no given pair holds (unsupported)"
+            ),
+        ] = "context",
         from_judgments: Annotated[
             bool,
             typer.Option(help="DATA holds other judges' verdicts: compute the metrics only"),
@@ -155,6 +162,7 @@ def register(app: typer.Typer) -> None:
                 records=records,
                 batch_size=batch_size,
                 mtbench_models=tuple(m.strip() for m in mtbench_models.split(",") if m.strip()),
+                kv_wrong=kv_wrong,
                 skip_invalid=skip_invalid,
                 device=device,
                 dtype=dtype,

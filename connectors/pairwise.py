@@ -46,7 +46,7 @@ from ragfix.connectors.jsonl import (
     require,
     skip_or_raise,
 )
-from ragfix.errors import DataError
+from ragfix.errors import ConfigError, DataError
 from ragfix.types import JudgePair, Passage, pair_id
 
 FORMATS = ("llmbar", "pandalm", "mtbench", "simple", "kv", "swap_judgments")
@@ -264,6 +264,8 @@ def load_simple(
 KV_PAIR_CONTEXT = 8
 #: seed of the KV pairs' random choices (with the record's line: each pair on its own)
 KV_PAIR_SEED = 0
+#: where a KV pair's wrong answer comes from (see :func:`load_kv_pairs`)
+KV_WRONG = ("context", "unsupported")
 
 
 def load_kv_pairs(
@@ -271,6 +273,7 @@ def load_kv_pairs(
     limit: int | None = None,
     skip_invalid: bool = False,
     skipped: SkipCounter | None = None,
+    wrong: str = "context",
 ) -> list[JudgePair]:
     """Judge pairs from KV-retrieval records: a task whose answer is in the prompt, so a small
     judge can do it and its slot or letter preference shows against a known truth.
@@ -285,28 +288,47 @@ def load_kv_pairs(
     The label is the ground truth (the value stored under the key), what a human annotator
     would give. ``pair_id`` = ``kv:<line>:<key>``.
 
+    ``wrong`` says where the wrong answer comes from (:data:`KV_WRONG`): ``context`` (the value
+    of a distractor pair of the object: the judge must bind the key to its value) or
+    ``unsupported`` (the value of a pair of the record that is not in the object, drawn from
+    ``random.Random(f"{KV_PAIR_SEED}:{line}:unsupported")``: no given passage supports it, so
+    the judge must check which answer the passages contain, a RAG faithfulness judgment). The object, the key and the side of the
+    right value are the same either way.
+
     Raises:
+        ConfigError: an unknown ``wrong``.
         DataError: a malformed record (:func:`~ragfix.connectors.litm.load_kv`'s checks) or
-            fewer than ``KV_PAIR_CONTEXT`` pairs (unless ``skip_invalid``).
+            fewer than ``KV_PAIR_CONTEXT`` pairs (``KV_PAIR_CONTEXT + 1`` for ``unsupported``;
+            unless ``skip_invalid``).
     """
     from ragfix.connectors.litm import _parse_kv
     from ragfix.tasks import KV
 
+    if wrong not in KV_WRONG:
+        raise ConfigError(
+            f"unknown KV wrong answer {wrong!r}; choose one of: {', '.join(KV_WRONG)}"
+        )
+    needed = KV_PAIR_CONTEXT + (wrong == "unsupported")
+
     def parse(rec: dict, line: int) -> JudgePair:
         key, value, others = _parse_kv(rec, path, line)
-        if len(others) < KV_PAIR_CONTEXT - 1:
+        if len(others) < needed - 1:
             raise DataError(
                 path,
                 line,
                 "ordered_kv_records",
-                f"a KV judge pair needs {KV_PAIR_CONTEXT} pairs, got {len(others) + 1}",
+                f"a KV judge pair needs {needed} pairs, got {len(others) + 1}",
             )
         rng = random.Random(f"{KV_PAIR_SEED}:{line}")
         members = [(key, value), *(tuple(p) for p in others[: KV_PAIR_CONTEXT - 1])]
         rng.shuffle(members)
-        wrong = rng.choice([v for k, v in members if k != key])
+        other = rng.choice([v for k, v in members if k != key])
+        if wrong == "unsupported":  # its own generator: the label below is drawn as before
+            shown = {v for _, v in members}
+            unshown = [v for _, v in others[KV_PAIR_CONTEXT - 1 :] if v not in shown]
+            other = random.Random(f"{KV_PAIR_SEED}:{line}:unsupported").choice(unshown)
         label = rng.choice(("A", "B"))
-        a, b = (value, wrong) if label == "A" else (wrong, value)
+        a, b = (value, other) if label == "A" else (other, value)
         context = [Passage(title=k, text=v) for k, v in members]
         return JudgePair(
             pair_id=f"kv:{line}:{key}",
@@ -451,16 +473,22 @@ def load_pairs(
     skipped: SkipCounter | None = None,
     mtbench_models: tuple[str, str] = ("gpt-4", "gpt-3.5-turbo"),
     mtbench_questions: str | Path | None = None,
+    kv_wrong: str = "context",
 ) -> list[JudgePair]:
     """Pairs from any pair format (detected with :func:`detect_format`). For MT-bench answers the
     questions file defaults to ``mtbench_question.jsonl`` next to ``path``, and
-    ``mtbench_reference_answer_gpt-4.jsonl`` there is used when present.
+    ``mtbench_reference_answer_gpt-4.jsonl`` there is used when present. ``kv_wrong`` is
+    :func:`load_kv_pairs`'s ``wrong``.
 
     Raises:
+        ConfigError: ``kv_wrong`` other than ``context`` for a file that is not KV records, or
+            unknown.
         DataError: bad records, a judgments file (it holds verdicts, not pairs), or a missing
             MT-bench questions file.
     """
     fmt = detect_format(path)
+    if kv_wrong != "context" and fmt != "kv":
+        raise ConfigError(f"{path}: the KV wrong answer applies to KV-retrieval records, not {fmt}")
     if fmt == "llmbar":
         return load_llmbar(path, limit, skip_invalid, skipped)
     if fmt == "pandalm":
@@ -468,7 +496,7 @@ def load_pairs(
     if fmt == "simple":
         return load_simple(path, limit, skip_invalid, skipped)
     if fmt == "kv":
-        return load_kv_pairs(path, limit, skip_invalid, skipped)
+        return load_kv_pairs(path, limit, skip_invalid, skipped, kv_wrong)
     if fmt == "mtbench":
         folder = Path(path).parent
         questions = Path(mtbench_questions or folder / "mtbench_question.jsonl")

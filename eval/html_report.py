@@ -126,7 +126,8 @@ def load_judge_run(path: str | Path) -> JudgeRun:
         run.missing = f"the pair file {data} has changed since the run"
     else:
         models = tuple(config.get("mtbench_models") or ("gpt-4", "gpt-3.5-turbo"))
-        pairs = load_pairs(data, summary.get("limit"), True, SkipCounter(), models)
+        wrong = config.get("kv_wrong", "context")
+        pairs = load_pairs(data, summary.get("limit"), True, SkipCounter(), models, kv_wrong=wrong)
         run.pairs = {p.pair_id: p for p in pairs}
     ids = list(run.pairs) if run.pairs else list(stored)
     run.records = [stored[i] for i in ids if i in stored]

@@ -135,10 +135,12 @@ class JudgeConfig(RunConfig):
         style, max_new_tokens, repeats, tie_margin, swap, labels, calibrate: the judge settings
             (:class:`ragfix.judge.PairwiseJudge`).
         mtbench_models: for MT-bench answers, the two models compared, else None.
+        kv_wrong: for KV-retrieval records, where the wrong answer comes from
+            (:func:`ragfix.connectors.pairwise.load_kv_pairs`).
     """
 
     #: folders written before the letter prior could be removed: MT-bench letters, uncalibrated
-    ABSENT: ClassVar[dict] = {"labels": "slot", "calibrate": "none"}
+    ABSENT: ClassVar[dict] = {"labels": "slot", "calibrate": "none", "kv_wrong": "context"}
 
     run: Literal["judge"] = "judge"
     data: str
@@ -155,9 +157,12 @@ class JudgeConfig(RunConfig):
     labels: str = "slot"
     calibrate: str = "none"
     mtbench_models: list[str] | None = None
+    kv_wrong: Literal["context", "unsupported"] = "context"
 
 
-def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, records=None):
+def _load_pairs(
+    data: Path, limit, skip_invalid: bool, mtbench_models, records=None, kv_wrong="context"
+):
     """The pairs of ``data`` (of the record range ``records``, a slice, when given; then the
     first ``limit`` of them) and the skip counter.
 
@@ -169,7 +174,9 @@ def _load_pairs(data: Path, limit, skip_invalid: bool, mtbench_models, records=N
     from ragfix.connectors.records import select_records
 
     skipped = SkipCounter()
-    pairs = load_pairs(data, None if records else limit, skip_invalid, skipped, mtbench_models)
+    pairs = load_pairs(
+        data, None if records else limit, skip_invalid, skipped, mtbench_models, kv_wrong=kv_wrong
+    )
     if records is not None:
         pairs = select_records(pairs, records)[:limit]
     if not pairs:
@@ -299,6 +306,7 @@ def run_judge(
     records: str | None = None,
     batch_size: int | None = None,
     mtbench_models: tuple[str, str] = ("gpt-4", "gpt-3.5-turbo"),
+    kv_wrong: str = "context",
     skip_invalid: bool = False,
     device: str = "auto",
     dtype: str = "auto",
@@ -329,6 +337,8 @@ def run_judge(
             ``i + 1`` of the file; :mod:`ragfix.connectors.records`), e.g. a held-out range
             disjoint from the one a judge option was chosen on.
         mtbench_models: for MT-bench answers, the two models to compare.
+        kv_wrong: for KV-retrieval records, where the wrong answer comes from: ``context`` or
+            ``unsupported`` (:func:`ragfix.connectors.pairwise.load_kv_pairs`).
         skip_invalid: skip and count malformed records instead of stopping.
         device, dtype: where and how to load the model.
         restart: start ``out`` over when it holds judgments of other settings, weights or pair
@@ -365,7 +375,7 @@ def run_judge(
         raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
     opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
     resolve_model(model)
-    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, span)
+    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, span, kv_wrong)
     ref = BackendRef(
         name=backend,
         model=model,
@@ -389,6 +399,7 @@ def run_judge(
         labels=labels,
         calibrate=calibrate,
         mtbench_models=list(mtbench_models) if fmt == "mtbench" else None,
+        kv_wrong=kv_wrong,
         inputs=input_fingerprints(data=data),
         backend_ref=ref,
     )
@@ -407,6 +418,7 @@ def run_judge(
         "format": fmt,
         "limit": limit,
         "records": format_records(span) if span is not None else None,
+        "kv_wrong": kv_wrong if fmt == "kv" else None,
     }
     kind = JudgeRun(config, pairs, settings, extra, skipped)
     return run(kind, ref, out, restart=restart, console=console)

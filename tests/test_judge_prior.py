@@ -220,10 +220,11 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
         )
         m = s[source]
         row = rows[name]
-        assert row[4] == "1"
-        assert row[5] == f"{m['position_consistency']:.3f} ({m['consistent_pairs']}/1)"
-        assert row[8] == f"{s['agreement'][agreement]['accuracy']:.3f}"
-        assert row[10] == f"{s['agreement']['swap_aggregated']['accuracy']:.3f}"
-    assert rows["content"][2:4] == ["content", "content-free"]
+        assert row[1:4] == ["smollm2", "vanilla", "verdict"] and row[6] == "1"
+        assert row[7] == f"{m['position_consistency']:.3f} ({m['consistent_pairs']}/1)"
+        assert row[10] == f"{s['agreement'][agreement]['accuracy']:.3f}"
+        assert row[12] == f"{s['agreement']['swap_aggregated']['accuracy']:.3f}"
+        assert row[13] == f"{s['agreement']['logit_calibrated']['accuracy']:.3f}"
+    assert rows["content"][4:6] == ["content", "content-free"]
     [table] = result_tables(load_result(out), "benchmark")
     assert table.title.startswith("Judge corrections")

@@ -21,6 +21,7 @@ import torch
 from ragfix.backends.base import Backend, Fit
 from ragfix.errors import ConfigError, Interrupted
 from ragfix.judge.prompts import (
+    ANSWER_PREFIX,
     ANSWER_SEPARATOR,
     STYLES,
     VERDICT_PREFIX,
@@ -64,6 +65,8 @@ CALIBRATIONS = ("none", "content-free")
 CONTENT_FREE_INPUTS = ("N/A", "", "[MASK]")
 #: the letters of the first and second slot in the MT-bench layout
 SLOT_LABELS = ("A", "B")
+#: the assistant-turn prefix of each prompt style
+PREFIXES = {"verdict": VERDICT_PREFIX, "explain": "", "answer": ANSWER_PREFIX}
 
 
 def check_judge_settings(
@@ -144,11 +147,12 @@ def order_prompt(
 ) -> TaskPrompt:
     """The judge prompt of one order, ``first`` in the first slot with letter ``labels[0]``:
     the :func:`judge_prompt` user turn with its answer blocks as passages, the assistant turn
-    prefilled with ``[[`` in the ``verdict`` style (the backend applies its chat template)."""
+    prefilled with ``[[`` in the ``verdict`` style and :data:`~ragfix.judge.prompts.ANSWER_PREFIX`
+    in the ``answer`` style (the backend applies its chat template)."""
     user = judge_prompt(question, first, second, reference, style, labels)
     return TaskPrompt(
         user=user,
-        assistant_prefix=VERDICT_PREFIX if style == "verdict" else "",
+        assistant_prefix=PREFIXES[style],
         max_new_tokens=max_new_tokens,
         stop_at_newline=False,
         passages=answer_spans(user, labels),
@@ -192,7 +196,18 @@ class PairwiseJudge:
         backend: any :class:`~ragfix.backends.base.Backend` (vanilla, channel-scaled, gali,
             truncated, any adapter, a remote model).
         style: ``"verdict"`` (default: verdict only, assistant turn prefilled with ``[[``; gives
-            the logit verdict) or ``"explain"`` (MT-bench: explanation then verdict).
+            the logit verdict), ``"explain"`` (MT-bench: explanation then verdict) or
+            ``"answer"``: no letter is asked for; the judge is asked to copy the better answer
+            and each answer is scored as that reply (:meth:`Backend.loglikelihood
+            <ragfix.backends.base.Backend.loglikelihood>` of ``" " + answer`` after the
+            :data:`~ragfix.judge.prompts.ANSWER_PREFIX`), the more likely one winning: the cloze
+            formulation of multiple choice, which small models answer where they cannot bind
+            an answer to its symbol (Robinson and Wingate, ICLR 2023, "Leveraging Large
+            Language Models for Multiple Choice Question Answering", section 2; Gu et al.
+            2024, OLMES, section 3.2). Each order's ``p_a`` / ``p_b`` are the two answers'
+            likelihoods normalised over the pair (``ll_a`` / ``ll_b`` the summed
+            log-probabilities), so the logit verdict averages the two orders' normalised
+            likelihoods; nothing is generated (``raw`` is empty).
         max_new_tokens: generation budget per order (default 4 for ``verdict``, 256 for
             ``explain``).
         repeats: with ``repeats > 1`` (``verdict`` style), that many verdict tokens are sampled
@@ -252,12 +267,12 @@ class PairwiseJudge:
         self.prior_passes = 0
         self.backend = backend
         self.style = style
-        self.max_new_tokens = max_new_tokens or (4 if style == "verdict" else 256)
+        self.max_new_tokens = max_new_tokens or (256 if style == "explain" else 4)
         self.repeats = repeats
         self.tie_margin = tie_margin
         self.batch_size = batch_size
         self.generator = torch.Generator().manual_seed(seed)
-        self.prefix = VERDICT_PREFIX if style == "verdict" else ""
+        self.prefix = PREFIXES[style]
         if style == "verdict" and backend.has_tokenizer:
             self.token_a = letter_token(backend, self.prefix, "A")
             self.token_b = letter_token(backend, self.prefix, "B")
@@ -387,9 +402,52 @@ class PairwiseJudge:
             prefix_reuse=True,
         )
 
-    def _fits(self, tp: TaskPrompt) -> Fit:
-        """The window verdict of one order's prompt with the judge's answer budget."""
-        return self.backend.fit(tp, max_new_tokens=self.max_new_tokens)
+    def _fits(self, tp: TaskPrompt, pair: JudgePair) -> Fit:
+        """The window verdict of one order's prompt with the judge's answer budget: in the
+        ``answer`` style the longer of the two scored replies (where the backend counts
+        tokens here), else ``max_new_tokens``."""
+        budget = self.max_new_tokens
+        if self.style == "answer" and self.backend.has_tokenizer:
+            budget = max(self.backend.count_tokens(" " + a) for a in (pair.answer_a, pair.answer_b))
+        return self.backend.fit(tp, max_new_tokens=budget)
+
+    def _score_answers(
+        self, chunk: list[tuple[JudgePair, tuple[TaskPrompt, TaskPrompt]]]
+    ) -> list[tuple[OrderJudgment, OrderJudgment]]:
+        """Both orders of each pair of ``chunk`` judged in the ``answer`` style, in letter
+        terms: each order's two answers scored as the reply (one
+        :meth:`~ragfix.backends.base.Backend.loglikelihood` call for the whole chunk, the two
+        answers of one prompt next to each other so a backend reusing prefixes prefills the
+        prompt once); ``p_a`` = ``1 / (1 + exp(ll_b - ll_a))``, the slot verdict the more
+        likely letter (``tie`` when equal)."""
+        queries = []
+        for pair, both in chunk:
+            for tp in both:
+                queries += [(tp, " " + pair.answer_a), (tp, " " + pair.answer_b)]
+        scores = self.backend.loglikelihood(queries)
+        out = []
+        for k, (pair, _) in enumerate(chunk):
+            layouts = pair_layouts(pair, self.swap, self.labels)
+            orders = []
+            for j, lay in enumerate(layouts):
+                ll_a_text, ll_b_text = scores[4 * k + 2 * j], scores[4 * k + 2 * j + 1]
+                # the first slot holds answer_a in the original order, answer_b in the swapped
+                first, second = (ll_a_text, ll_b_text) if j == 0 else (ll_b_text, ll_a_text)
+                ll = dict(zip(lay, (first, second), strict=True))
+                p_a = 1.0 / (1.0 + math.exp(min(ll["B"] - ll["A"], 700.0)))
+                verdict = "A" if ll["A"] > ll["B"] else "B" if ll["B"] > ll["A"] else "tie"
+                orders.append(
+                    OrderJudgment(
+                        raw="",
+                        slot_verdict=verdict,
+                        p_a=p_a,
+                        p_b=1.0 - p_a,
+                        ll_a=ll["A"],
+                        ll_b=ll["B"],
+                    )
+                )
+            out.append((orders[0], orders[1]))
+        return out
 
     def _identical(self, pair: JudgePair) -> PairJudgment:
         """Both orders of a pair with identical answers: a tie, without asking the model."""
@@ -458,7 +516,7 @@ class PairwiseJudge:
                 done(i, self._identical(p))
                 continue
             both = pair_prompts(p, self.style, self.swap, self.max_new_tokens, self.labels)
-            fit = (self._fits(both[0]), self._fits(both[1]))
+            fit = (self._fits(both[0], p), self._fits(both[1], p))
             if all(f.runs for f in fit):
                 prompts[i], fits[i] = both, fit
                 layouts[i] = pair_layouts(p, self.swap, self.labels)
@@ -485,11 +543,19 @@ class PairwiseJudge:
             flags += sorted(
                 {f for g in both for f in g.flags if f in (SERVED_MODEL_MISMATCH, INVALID_TEXT)}
             )
-            orders = []
-            for g, lay in zip(both, layouts[i], strict=True):
-                o = self._order(g, lay, bool(pairs[i].reference))
-                orders.append(in_slot_terms(o) if lay[0] == "B" else o)  # A in the second slot
-            res = combine(pairs[i], *orders, self.tie_margin, flags)
+            orders = [
+                self._order(g, lay, bool(pairs[i].reference))
+                for g, lay in zip(both, layouts[i], strict=True)
+            ]
+            finish(i, orders, flags, share)
+
+        def finish(i: int, orders: list[OrderJudgment], flags: list[str], share: float) -> None:
+            """Pair ``i``'s record from its two orders in letter terms, handed to ``done``."""
+            slots = [
+                in_slot_terms(o) if lay[0] == "B" else o  # A in the second slot
+                for o, lay in zip(orders, layouts[i], strict=True)
+            ]
+            res = combine(pairs[i], *slots, self.tie_margin, flags)
             res.seconds = share
             done(i, res)
 
@@ -502,6 +568,13 @@ class PairwiseJudge:
         for start in range(0, len(order), per_step):
             chunk = order[start : start + per_step]
             began = time.perf_counter()
+            if self.style == "answer":
+                scored = self._score_answers([(pairs[i], prompts[i]) for i in chunk])
+                share = (time.perf_counter() - began) / len(chunk)
+                for i, both in zip(chunk, scored, strict=True):
+                    cut = CUT_TO_WINDOW in (f.flag for f in fits[i])
+                    finish(i, list(both), [CUT_TO_WINDOW] if cut else [], share)
+                continue
             stop = None
             try:
                 gens = dict(enumerate(self._generate([tp for i in chunk for tp in prompts[i]])))

@@ -29,10 +29,14 @@ _VERDICT_ONLY = (
     '"[[B]]" if assistant B is better, or "[[C]]" for a tie.'
 )
 
+_ANSWER_ONLY = " Reply with the better answer only, copied exactly as it is written."
+
 #: prompt styles: ``explain`` = MT-bench pair-v2 style (explanation, then the verdict; for judges
 #: that follow instructions), ``verdict`` = the verdict only, with the assistant turn prefilled
-#: with ``[[`` so the next token is the verdict letter (small models; gives the logit verdict).
-STYLES = ("verdict", "explain")
+#: with ``[[`` so the next token is the verdict letter (small models; gives the logit verdict),
+#: ``answer`` = the better answer copied as the reply, the assistant turn prefilled with
+#: :data:`ANSWER_PREFIX`: each answer's likelihood as that reply is the verdict (no letter).
+STYLES = ("verdict", "explain", "answer")
 
 
 def judge_prompt(
@@ -64,7 +68,7 @@ def judge_prompt(
             f"unknown judge prompt style {style!r}; choose one of: {', '.join(STYLES)}"
         )
     head = _INSTRUCTIONS + (_REFERENCE_NOTE if reference else "")
-    head += _EXPLAIN if style == "explain" else _VERDICT_ONLY
+    head += {"explain": _EXPLAIN, "verdict": _VERDICT_ONLY, "answer": _ANSWER_ONLY}[style]
     parts = [head, f"[User Question]\n{question}"]
     if reference:
         parts.append(f"[The Start of Reference Answer]\n{reference}\n[The End of Reference Answer]")
@@ -108,3 +112,6 @@ def content_labels(first: str, second: str) -> tuple[str, str]:
 
 #: the assistant-turn prefix of the ``verdict`` style (the verdict letter comes next)
 VERDICT_PREFIX = "[["
+#: the assistant-turn prefix of the ``answer`` style; an answer is scored as what follows it,
+#: after one space (the continuation then starts on a token boundary)
+ANSWER_PREFIX = "The better answer is:"

@@ -283,7 +283,9 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
     Its position consistency (consistent / pairs both of whose verdicts were read, with the
     Wilson 95% interval) is measured under the run's swap; its accuracy (Wilson 95% interval)
     against the human labels. The swap-aggregated verdict reads both orders (two passes; an
-    inconsistent pair is a tie and counts as wrong).
+    inconsistent pair is a tie and counts as wrong), and so does the calibrated logit verdict
+    (both orders' normalised letter probabilities, or in the ``answer`` style answer
+    likelihoods, averaged: order-free by construction).
 
     Raises:
         KeyError: a summary that is not a judged run's (``--from-judgments`` summaries have no
@@ -304,11 +306,14 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
         )
         m, acc = s[source], s["agreement"].get(agreement)
         swap = s["agreement"].get("swap_aggregated")
+        logit = s["agreement"].get("logit_calibrated")
         pc_ci = {"low": m["pc_low"], "high": m["pc_high"]} if m["pc_low"] is not None else None
         rows.append(
             [
                 name,
+                config["model"],
                 config["backend"],
+                config["style"],
                 config.get("labels", "slot"),
                 config.get("calibrate", "none"),
                 str(s["pairs"]),
@@ -318,11 +323,14 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
                 "n/a" if acc is None else fmt_num(acc["accuracy"]),
                 "n/a" if acc is None else fmt_ci({"low": acc["acc_low"], "high": acc["acc_high"]}),
                 "n/a" if swap is None else fmt_num(swap["accuracy"]),
+                "n/a" if logit is None else fmt_num(logit["accuracy"]),
             ]
         )
     headers = [
         "run",
+        "model",
         "backend",
+        "style",
         "labels",
         "calibration",
         "pairs",
@@ -332,10 +340,11 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
         "one-pass accuracy",
         "95% CI",
         "swap-aggregated accuracy (2 passes)",
+        "calibrated logit accuracy (2 passes)",
     ]
     line = (
         "One-pass verdict: the first order's (1 pass a pair; with content-free calibration the "
-        "calibrated argmax); PC under the ordinary swap (the answers exchange slots). "
+        "calibrated argmax; style answer: the more likely answer as the reply); PC under the ordinary swap (the answers exchange slots). "
         "Intervals: Wilson 95%."
     )
     return TableSpec(

@@ -239,6 +239,9 @@ class OrderJudgment(BaseModel):
             position (``verdict`` style only, else None).
         samples: slot verdicts of ``repeats`` sampled verdict tokens (``verdict`` style, when
             ``repeats > 1``).
+        ll_a, ll_b: in the ``answer`` style, the summed log-probabilities (nats) of the answers
+            under the letters ``A`` and ``B`` as the judge's reply (``p_a``, ``p_b`` are then
+            their likelihoods normalised over the two); else None.
         q_a, q_b: ``p_a``, ``p_b`` after contextual calibration
             (:func:`contextual_calibration`; judges with ``calibrate="content-free"``, else None).
         empty_reply_reason: when the judge model gave no reply text (its answer flagged
@@ -255,13 +258,15 @@ class OrderJudgment(BaseModel):
     empty_reply_reason: str | None = None
     q_a: float | None = None
     q_b: float | None = None
+    ll_a: float | None = None
+    ll_b: float | None = None
 
 
 def in_slot_terms(order: OrderJudgment) -> OrderJudgment:
     """A judgment of a prompt whose answer "A" is in the second slot (the ``move`` swap, letters
-    assigned by content), in slot terms: its verdicts unswapped (``A`` <-> ``B``) and its letter
-    probabilities (raw and calibrated) exchanged, so that ``slot_verdict`` and ``p_a`` are about
-    the first slot as in every other order."""
+    assigned by content), in slot terms: its verdicts unswapped (``A`` <-> ``B``), its letter
+    probabilities (raw and calibrated) and answer log-likelihoods exchanged, so that
+    ``slot_verdict`` and ``p_a`` are about the first slot as in every other order."""
     return order.model_copy(
         update={
             "slot_verdict": unswap(order.slot_verdict),
@@ -269,6 +274,8 @@ def in_slot_terms(order: OrderJudgment) -> OrderJudgment:
             "p_b": order.p_a,
             "q_a": order.q_b,
             "q_b": order.q_a,
+            "ll_a": order.ll_b,
+            "ll_b": order.ll_a,
             "samples": [unswap(v) for v in order.samples],
         }
     )
