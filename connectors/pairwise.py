@@ -292,8 +292,8 @@ def load_kv_pairs(
     of a distractor pair of the object: the judge must bind the key to its value) or
     ``unsupported`` (the value of a pair of the record that is not in the object, drawn from
     ``random.Random(f"{KV_PAIR_SEED}:{line}:unsupported")``: no given passage supports it, so
-    the judge must check which answer the passages contain, a RAG faithfulness judgment). The object, the key and the side of the
-    right value are the same either way.
+    the judge must check which answer the passages contain, a RAG faithfulness judgment). The
+    object, the key and the side of the right value are the same either way.
 
     Raises:
         ConfigError: an unknown ``wrong``.

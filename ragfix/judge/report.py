@@ -344,7 +344,8 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
     ]
     line = (
         "One-pass verdict: the first order's (1 pass a pair; with content-free calibration the "
-        "calibrated argmax; style answer: the more likely answer as the reply); PC under the ordinary swap (the answers exchange slots). "
+        "calibrated argmax; style answer: the more likely answer as the reply); PC under the "
+        "ordinary swap (the answers exchange slots). "
         "Intervals: Wilson 95%."
     )
     return TableSpec(
