@@ -71,12 +71,11 @@ def register(app: typer.Typer) -> None:
             comparison = compare_loaded(sweeps, plot=out, title=title) if sweeps else None
             tables = comparison_tables(comparison) if comparison else []
             tables += [t for j in judges for t in judge_tables(j.summary)]
-            judged_runs = {
-                p.name: j.summary
-                for p, j in zip([p for p in runs if judged[p]], judges, strict=True)
-            }
+            names = [p.name for p in runs if judged[p]]
+            judged_runs = {n: j.summary for n, j in zip(names, judges, strict=True)}
+            records = {n: j.records for n, j in zip(names, judges, strict=True)}
             if len(judges) > 1:
-                tables.append(judge_comparison(judged_runs))
+                tables.append(judge_comparison(judged_runs, records))
             if markdown:
                 typer.echo(markdown_tables(tables))
             else:
@@ -92,7 +91,7 @@ def register(app: typer.Typer) -> None:
                 if comparison is not None:
                     write_comparison(json_out, comparison)
                 else:
-                    write_benchmark(json_out, judge_comparison(judged_runs))
+                    write_benchmark(json_out, judge_comparison(judged_runs, records))
                 if not markdown:
                     console.print(f"comparison: {json_out}", soft_wrap=True, highlight=False)
             if html is not None:

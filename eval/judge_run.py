@@ -439,29 +439,16 @@ def compare_runs(baseline: str | Path, other: str | Path, field: str = "verdict_
     """
     from ragfix.errors import RagfixError
     from ragfix.io import JsonlStore
-    from ragfix.metrics import mcnemar_exact
+    from ragfix.judge.metrics import paired_agreement, verdict_correct
 
     def correct(folder) -> dict[str, bool]:
-        out = {}
-        for r in JsonlStore(Path(folder) / JUDGMENTS_FILE, key="pair_id").load().values():
-            if r.get("label") is not None and OVERFLOW not in r.get("flags", ()):
-                out[r["pair_id"]] = r.get(field) == r["label"]
-        return out
+        store = JsonlStore(Path(folder) / JUDGMENTS_FILE, key="pair_id")
+        return verdict_correct(store.load().values(), field)
 
-    base, mine = correct(baseline), correct(other)
-    shared = sorted(set(base) & set(mine))
-    if not shared:
+    result = paired_agreement(correct(baseline), correct(other))
+    if result is None:
         raise RagfixError(f"{baseline} and {other} share no labelled pair")
-    b = sum(mine[k] and not base[k] for k in shared)
-    c = sum(base[k] and not mine[k] for k in shared)
-    return {
-        "pairs": len(shared),
-        "baseline_correct": sum(base[k] for k in shared),
-        "other_correct": sum(mine[k] for k in shared),
-        "only_other": b,
-        "only_baseline": c,
-        "p_value": mcnemar_exact(b, c),
-    }
+    return result
 
 
 __all__ = [

@@ -226,5 +226,16 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
         assert row[12] == f"{s['agreement']['swap_aggregated']['accuracy']:.3f}"
         assert row[13] == f"{s['agreement']['logit_calibrated']['accuracy']:.3f}"
     assert rows["content"][4:6] == ["content", "content-free"]
+    # the one-pass verdicts tested against the first run's (one pair: p = 1 whatever the counts)
+    right = {
+        name: next(
+            iter(json.loads((tmp_path / name / "summary.json").read_text())["judges"].values())
+        )["agreement"][agreement]["accuracy"]
+        == 1.0
+        for name, agreement in (("slot", "single_original"), ("content", "contextual_original"))
+    }
+    b, c = int(right["content"] and not right["slot"]), int(right["slot"] and not right["content"])
+    assert rows["slot"][14] == "baseline"
+    assert rows["content"][14] == f"1 (+{b} / -{c})"
     [table] = result_tables(load_result(out), "benchmark")
     assert table.title.startswith("Judge corrections")

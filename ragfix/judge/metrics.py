@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ragfix.judge.verdicts import Verdict, swap_aggregate, unswap
-from ragfix.metrics import wilson_interval
+from ragfix.metrics import mcnemar_exact, wilson_interval
 from ragfix.types import OVERFLOW
 
 
@@ -171,6 +171,43 @@ def _logit_slot(o: dict, field: str = "p") -> Verdict:
     if a is None or b is None or a + b <= 0:
         return "invalid"
     return "A" if a > b else "B" if b > a else "tie"
+
+
+def verdict_correct(records: Iterable[dict], field: str = "verdict_original") -> dict[str, bool]:
+    """``{pair_id: the verdict equals the label}`` over the labelled pairs judged (overflowing
+    pairs left out). ``field`` is a verdict field of the records (``verdict_original``: the
+    one-pass verdict, ``swap_verdict``, ``logit_verdict``, ...) or ``contextual_original``, the
+    argmax of the original order's contextually calibrated letter probabilities."""
+    out = {}
+    for r in records:
+        if r.get("label") is None or OVERFLOW in r.get("flags", ()):
+            continue
+        v = _logit_slot(r["original"], "q") if field == "contextual_original" else r.get(field)
+        out[r["pair_id"]] = v == r["label"]
+    return out
+
+
+def paired_agreement(baseline: dict[str, bool], other: dict[str, bool]) -> dict | None:
+    """Two verdicts' agreement with the labels on the pairs both judged (``{pair_id: correct}``
+    each), with the exact McNemar test (:func:`ragfix.metrics.mcnemar_exact`).
+
+    Returns:
+        ``{"pairs", "baseline_correct", "other_correct", "only_other", "only_baseline",
+        "p_value"}``, or None when they share no pair.
+    """
+    shared = sorted(set(baseline) & set(other))
+    if not shared:
+        return None
+    b = sum(other[k] and not baseline[k] for k in shared)
+    c = sum(baseline[k] and not other[k] for k in shared)
+    return {
+        "pairs": len(shared),
+        "baseline_correct": sum(baseline[k] for k in shared),
+        "other_correct": sum(other[k] for k in shared),
+        "only_other": b,
+        "only_baseline": c,
+        "p_value": mcnemar_exact(b, c),
+    }
 
 
 def summarize(records: Sequence[dict]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ragfix.io import atomic_write_bytes
-from ragfix.judge.metrics import VERDICT_KINDS
+from ragfix.judge.metrics import VERDICT_KINDS, paired_agreement, verdict_correct
 from ragfix.judge.verdicts import EMPTY_JUDGE_REPLY
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed, print_tables
 
@@ -273,7 +273,9 @@ def plot_judges(summaries: dict[str, dict], path, title: str | None = None) -> N
     atomic_write_bytes(path, buf.getvalue())
 
 
-def judge_comparison(results: dict[str, dict]) -> TableSpec:
+def judge_comparison(
+    results: dict[str, dict], judgments: dict[str, list[dict]] | None = None
+) -> TableSpec:
     """One row per judge run (``{run name: summary.json}``, each with one judge): its one-pass
     verdict against its two-pass swap aggregate, on the same footing.
 
@@ -287,15 +289,34 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
     (both orders' normalised letter probabilities, or in the ``answer`` style answer
     likelihoods, averaged: order-free by construction).
 
+    With ``judgments`` (``{run name: its judgments.jsonl records}``), each run's one-pass
+    verdict is tested against the one-pass verdict of the first run listed with the same judge
+    model and pair file, on the labelled pairs both judged (exact McNemar,
+    :func:`~ragfix.judge.metrics.paired_agreement`); that first run reads ``baseline``.
+
     Raises:
         KeyError: a summary that is not a judged run's (``--from-judgments`` summaries have no
             one-pass verdict of their own).
     """
     rows = []
+    baselines: dict[tuple[str, str], dict[str, bool]] = {}
     for name, result in results.items():
         config = result["config"]
         [(judge, s)] = result["judges"].items()
         calibrated = config.get("calibrate", "none") != "none"
+        tested = []
+        if judgments is not None:
+            field = "contextual_original" if calibrated else "verdict_original"
+            mine = verdict_correct(judgments[name], field)
+            base = baselines.setdefault((config["model"], config["data"]), mine)
+            test = paired_agreement(base, mine)
+            tested = [
+                "baseline"
+                if base is mine
+                else "n/a"
+                if test is None
+                else f"{test['p_value']:.3g} (+{test['only_other']} / -{test['only_baseline']})"
+            ]
         source, agreement = (
             ("contextual", "contextual_original")
             if calibrated
@@ -324,6 +345,7 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
                 "n/a" if acc is None else fmt_ci({"low": acc["acc_low"], "high": acc["acc_high"]}),
                 "n/a" if swap is None else fmt_num(swap["accuracy"]),
                 "n/a" if logit is None else fmt_num(logit["accuracy"]),
+                *tested,
             ]
         )
     headers = [
@@ -342,6 +364,8 @@ def judge_comparison(results: dict[str, dict]) -> TableSpec:
         "swap-aggregated accuracy (2 passes)",
         "calibrated logit accuracy (2 passes)",
     ]
+    if judgments is not None:
+        headers.append("one pass vs the model's first run: McNemar p (right only here / there)")
     line = (
         "One-pass verdict: the first order's (1 pass a pair; with content-free calibration the "
         "calibrated argmax; style answer: the more likely answer as the reply); PC under the "
