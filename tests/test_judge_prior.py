@@ -195,8 +195,9 @@ def test_compare_runs_is_the_exact_mcnemar_test_of_one_verdict_field(tmp_path):
 def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path):
     """Two real judge runs on the same KV pair (slot letters; letters by content with the
     content-free calibration): ``ragfix report A B --json`` writes one row per run whose figures
-    are each run's own one-pass verdict (generated, resp. calibrated) and swap aggregate, and the
-    file renders as a benchmark table."""
+    are each run's own one-pass verdict (the letter argmax, resp. the calibrated one), swap
+    aggregate and calibrated logit verdict, the second tested against the first, and the file
+    renders as a benchmark table."""
     from typer.testing import CliRunner
 
     from ragfix.cli.app import app
@@ -212,7 +213,7 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
     assert res.exit_code == 0, res.output
     rows = {r[0]: r for r in load_result(out)["rows"]}
     for name, source, agreement in (
-        ("slot", "generated", "single_original"),
+        ("slot", "logit", "logit_original"),
         ("content", "contextual", "contextual_original"),
     ):
         s = next(
@@ -232,7 +233,7 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
             iter(json.loads((tmp_path / name / "summary.json").read_text())["judges"].values())
         )["agreement"][agreement]["accuracy"]
         == 1.0
-        for name, agreement in (("slot", "single_original"), ("content", "contextual_original"))
+        for name, agreement in (("slot", "logit_original"), ("content", "contextual_original"))
     }
     b, c = int(right["content"] and not right["slot"]), int(right["slot"] and not right["content"])
     assert rows["slot"][14] == "baseline"

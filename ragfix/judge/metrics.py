@@ -176,13 +176,15 @@ def _logit_slot(o: dict, field: str = "p") -> Verdict:
 def verdict_correct(records: Iterable[dict], field: str = "verdict_original") -> dict[str, bool]:
     """``{pair_id: the verdict equals the label}`` over the labelled pairs judged (overflowing
     pairs left out). ``field`` is a verdict field of the records (``verdict_original``: the
-    one-pass verdict, ``swap_verdict``, ``logit_verdict``, ...) or ``contextual_original``, the
-    argmax of the original order's contextually calibrated letter probabilities."""
+    generated one-pass verdict, ``swap_verdict``, ``logit_verdict``, ...), ``logit_original``
+    (the argmax of the original order's letter probabilities) or ``contextual_original`` (of its
+    contextually calibrated ones)."""
     out = {}
     for r in records:
         if r.get("label") is None or OVERFLOW in r.get("flags", ()):
             continue
-        v = _logit_slot(r["original"], "q") if field == "contextual_original" else r.get(field)
+        scores = {"logit_original": "p", "contextual_original": "q"}.get(field)
+        v = _logit_slot(r["original"], scores) if scores else r.get(field)
         out[r["pair_id"]] = v == r["label"]
     return out
 

@@ -279,9 +279,12 @@ def judge_comparison(
     """One row per judge run (``{run name: summary.json}``, each with one judge): its one-pass
     verdict against its two-pass swap aggregate, on the same footing.
 
-    The one-pass verdict is the first order's: the generated verdict, or with
-    ``--calibrate content-free`` the contextually calibrated argmax (Zhao et al., ICML 2021), one
-    forward pass per pair (the calibration's content-free passes are per run, not per pair).
+    The one-pass verdict is the first order's, one forward pass per pair: the argmax of its
+    letter probabilities (``A`` against ``B``; in the ``answer`` style of the two answers'
+    likelihoods), with ``--calibrate content-free`` of the contextually calibrated ones (Zhao et
+    al., ICML 2021; the calibration's content-free passes are per run, not per pair), and the
+    generated verdict where the judge gives no probabilities (``explain``, a server without
+    log-probabilities).
     Its position consistency (consistent / pairs both of whose verdicts were read, with the
     Wilson 95% interval) is measured under the run's swap; its accuracy (Wilson 95% interval)
     against the human labels. The swap-aggregated verdict reads both orders (two passes; an
@@ -304,9 +307,16 @@ def judge_comparison(
         config = result["config"]
         [(judge, s)] = result["judges"].items()
         calibrated = config.get("calibrate", "none") != "none"
+        source, agreement = (
+            ("contextual", "contextual_original")
+            if calibrated
+            else ("logit", "logit_original")
+            if s.get("logit") is not None
+            else ("generated", "single_original")
+        )
         tested = []
         if judgments is not None:
-            field = "contextual_original" if calibrated else "verdict_original"
+            field = {"single_original": "verdict_original"}.get(agreement, agreement)
             mine = verdict_correct(judgments[name], field)
             base = baselines.setdefault((config["model"], config["data"]), mine)
             test = paired_agreement(base, mine)
@@ -317,14 +327,6 @@ def judge_comparison(
                 if test is None
                 else f"{test['p_value']:.3g} (+{test['only_other']} / -{test['only_baseline']})"
             ]
-        source, agreement = (
-            ("contextual", "contextual_original")
-            if calibrated
-            else (
-                "generated",
-                "single_original",
-            )
-        )
         m, acc = s[source], s["agreement"].get(agreement)
         swap = s["agreement"].get("swap_aggregated")
         logit = s["agreement"].get("logit_calibrated")
@@ -367,9 +369,9 @@ def judge_comparison(
     if judgments is not None:
         headers.append("one pass vs the model's first run: McNemar p (right only here / there)")
     line = (
-        "One-pass verdict: the first order's (1 pass a pair; with content-free calibration the "
-        "calibrated argmax; style answer: the more likely answer as the reply); PC under the "
-        "ordinary swap (the answers exchange slots). "
+        "One-pass verdict: the first order's argmax of p(A) against p(B) (1 pass a pair; with "
+        "content-free calibration of the calibrated ones; style answer: the more likely answer "
+        "as the reply); PC under the ordinary swap (the answers exchange slots). "
         "Intervals: Wilson 95%."
     )
     return TableSpec(
