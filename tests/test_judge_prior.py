@@ -226,6 +226,7 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
         assert row[10] == f"{s['agreement'][agreement]['accuracy']:.3f}"
         assert row[12] == f"{s['agreement']['swap_aggregated']['accuracy']:.3f}"
         assert row[13] == f"{s['agreement']['logit_calibrated']['accuracy']:.3f}"
+        assert row[14] == f"{s['seconds_per_pair']:.2f}"
     assert rows["content"][4:6] == ["content", "content-free"]
     # the one-pass verdicts tested against the first run's (one pair: p = 1 whatever the counts)
     right = {
@@ -236,7 +237,7 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
         for name, agreement in (("slot", "logit_original"), ("content", "contextual_original"))
     }
     b, c = int(right["content"] and not right["slot"]), int(right["slot"] and not right["content"])
-    assert rows["slot"][14] == "baseline"
-    assert rows["content"][14] == f"1 (+{b} / -{c})"
+    assert rows["slot"][15] == "baseline"
+    assert rows["content"][15] == f"1 (+{b} / -{c})"
     [table] = result_tables(load_result(out), "benchmark")
     assert table.title.startswith("Judge corrections")

@@ -347,6 +347,7 @@ def judge_comparison(
                 "n/a" if acc is None else fmt_ci({"low": acc["acc_low"], "high": acc["acc_high"]}),
                 "n/a" if swap is None else fmt_num(swap["accuracy"]),
                 "n/a" if logit is None else fmt_num(logit["accuracy"]),
+                "n/a" if s.get("seconds_per_pair") is None else f"{s['seconds_per_pair']:.2f}",
                 *tested,
             ]
         )
@@ -365,13 +366,15 @@ def judge_comparison(
         "95% CI",
         "swap-aggregated accuracy (2 passes)",
         "calibrated logit accuracy (2 passes)",
+        "seconds per pair (2 passes)",
     ]
     if judgments is not None:
         headers.append("one pass vs the model's first run: McNemar p (right only here / there)")
     line = (
         "One-pass verdict: the first order's argmax of p(A) against p(B) (1 pass a pair; with "
         "content-free calibration of the calibrated ones; style answer: the more likely answer "
-        "as the reply); PC under the ordinary swap (the answers exchange slots). "
+        "as the reply); PC under the ordinary swap (the answers exchange slots). Seconds: the "
+        "model's wall time for both orders of a pair, as the run measured it. "
         "Intervals: Wilson 95%."
     )
     return TableSpec(
