@@ -336,6 +336,28 @@ def test_a_served_model_scores_a_continuation_through_completions_echo(server, s
         b.loglikelihood([("The capital of Fr", "ance")])  # "France" is one token
 
 
+def test_the_answer_style_judge_through_serve_scores_as_the_local_judge(server, smol):
+    """A served judge in the ``answer`` style (each answer scored as the reply through
+    completions ``echo``): both orders' answer log-likelihoods equal the local judge's, so its
+    verdicts do; without ``--tokenizer`` the chat text cannot be formatted and it says so."""
+    from test_judge import PAIRS as JUDGE_PAIRS
+
+    from ragfix.backends import load_backend
+    from ragfix.judge import PairwiseJudge
+
+    pairs = JUDGE_PAIRS[:2]
+    b = load_backend("vanilla", model=MODEL, api_base=server, tokenizer="smollm2")
+    served = PairwiseJudge(b, style="answer").judge_pairs(pairs)
+    mine = PairwiseJudge(smol, style="answer").judge_pairs(pairs)
+    for r, m in zip(served, mine, strict=True):
+        for o, n in ((r.original, m.original), (r.swapped, m.swapped)):
+            assert (o.ll_a, o.ll_b) == pytest.approx((n.ll_a, n.ll_b), abs=1e-3)
+        assert (r.verdict_original, r.verdict_swapped) == (m.verdict_original, m.verdict_swapped)
+    bare = load_backend("vanilla", model=MODEL, api_base=server)
+    with pytest.raises(RagfixError, match="tokenizer"):
+        PairwiseJudge(bare, style="answer").judge_pairs(pairs[:1])
+
+
 def test_pipeline_sweep_through_serve_equals_local(server, tmp_path):
     from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
     from ragfix.eval.pipeline import run_pipeline_sweep
