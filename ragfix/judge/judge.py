@@ -207,7 +207,9 @@ class PairwiseJudge:
             2024, OLMES, section 3.2). Each order's ``p_a`` / ``p_b`` are the two answers'
             likelihoods normalised over the pair (``ll_a`` / ``ll_b`` the summed
             log-probabilities), so the logit verdict averages the two orders' normalised
-            likelihoods; nothing is generated (``raw`` is empty).
+            likelihoods; nothing is generated (``raw`` is empty). The sums are not normalised
+            by length, so the shorter answer is favoured: meant for answers of about the same
+            length (a KV value against another).
         max_new_tokens: generation budget per order (default 4 for ``verdict``, 256 for
             ``explain``).
         repeats: with ``repeats > 1`` (``verdict`` style), that many verdict tokens are sampled
