@@ -414,28 +414,28 @@ class PairwiseJudge:
         return self.backend.fit(tp, max_new_tokens=budget)
 
     def _score_answers(
-        self, chunk: list[tuple[JudgePair, tuple[TaskPrompt, TaskPrompt]]]
+        self,
+        chunk: list[
+            tuple[JudgePair, tuple[TaskPrompt, TaskPrompt], tuple[tuple[str, str], tuple[str, str]]]
+        ],
     ) -> list[tuple[OrderJudgment, OrderJudgment]]:
-        """Both orders of each pair of ``chunk`` judged in the ``answer`` style, in letter
-        terms: each order's two answers scored as the reply (one
-        :meth:`~ragfix.backends.base.Backend.loglikelihood` call for the whole chunk, the two
-        answers of one prompt next to each other so a backend reusing prefixes prefills the
-        prompt once); ``p_a`` = ``1 / (1 + exp(ll_b - ll_a))``, the slot verdict the more
-        likely letter (``tie`` when equal)."""
+        """Both orders of each pair of ``chunk`` (pair, its two prompts, their letter layouts)
+        judged in the ``answer`` style, in letter terms: each order's two answers scored as the
+        reply (one :meth:`~ragfix.backends.base.Backend.loglikelihood` call for the whole chunk,
+        each prompt's two answers next to each other in slot order, so a backend reusing
+        prefixes prefills the prompt once); ``p_a`` = ``1 / (1 + exp(ll_b - ll_a))``, the slot
+        verdict the more likely letter (``tie`` when equal)."""
         queries = []
-        for pair, both in chunk:
-            for tp in both:
-                queries += [(tp, " " + pair.answer_a), (tp, " " + pair.answer_b)]
-        scores = self.backend.loglikelihood(queries)
+        for pair, both, _ in chunk:
+            slots = ((pair.answer_a, pair.answer_b), (pair.answer_b, pair.answer_a))
+            for tp, answers in zip(both, slots, strict=True):
+                queries += [(tp, " " + a) for a in answers]
+        scores = iter(self.backend.loglikelihood(queries))
         out = []
-        for k, (pair, _) in enumerate(chunk):
-            layouts = pair_layouts(pair, self.swap, self.labels)
+        for _, _, layouts in chunk:
             orders = []
-            for j, lay in enumerate(layouts):
-                ll_a_text, ll_b_text = scores[4 * k + 2 * j], scores[4 * k + 2 * j + 1]
-                # the first slot holds answer_a in the original order, answer_b in the swapped
-                first, second = (ll_a_text, ll_b_text) if j == 0 else (ll_b_text, ll_a_text)
-                ll = dict(zip(lay, (first, second), strict=True))
+            for lay in layouts:
+                ll = dict(zip(lay, (next(scores), next(scores)), strict=True))
                 p_a = 1.0 / (1.0 + math.exp(min(ll["B"] - ll["A"], 700.0)))
                 verdict = "A" if ll["A"] > ll["B"] else "B" if ll["B"] > ll["A"] else "tie"
                 orders.append(
@@ -539,7 +539,7 @@ class PairwiseJudge:
             if any(_refused(f, g) for f, g in zip(fits[i], both, strict=True)):
                 done(i, overflowed(pairs[i]))
                 return
-            flags = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
+            flags = []
             if any(f in g.flags for g in both for f in _NO_REPLY):
                 flags.append(EMPTY_JUDGE_REPLY)
             flags += sorted(
@@ -552,12 +552,14 @@ class PairwiseJudge:
             finish(i, orders, flags, share)
 
         def finish(i: int, orders: list[OrderJudgment], flags: list[str], share: float) -> None:
-            """Pair ``i``'s record from its two orders in letter terms, handed to ``done``."""
+            """Pair ``i``'s record from its two orders in letter terms (flagged ``cut_to_window``
+            where a prompt was cut, then ``flags``), handed to ``done``."""
+            cut = [CUT_TO_WINDOW] if CUT_TO_WINDOW in (f.flag for f in fits[i]) else []
             slots = [
                 in_slot_terms(o) if lay[0] == "B" else o  # A in the second slot
                 for o, lay in zip(orders, layouts[i], strict=True)
             ]
-            res = combine(pairs[i], *slots, self.tie_margin, flags)
+            res = combine(pairs[i], *slots, self.tie_margin, cut + flags)
             res.seconds = share
             done(i, res)
 
@@ -571,11 +573,10 @@ class PairwiseJudge:
             chunk = order[start : start + per_step]
             began = time.perf_counter()
             if self.style == "answer":
-                scored = self._score_answers([(pairs[i], prompts[i]) for i in chunk])
+                scored = self._score_answers([(pairs[i], prompts[i], layouts[i]) for i in chunk])
                 share = (time.perf_counter() - began) / len(chunk)
                 for i, both in zip(chunk, scored, strict=True):
-                    cut = CUT_TO_WINDOW in (f.flag for f in fits[i])
-                    finish(i, list(both), [CUT_TO_WINDOW] if cut else [], share)
+                    finish(i, list(both), [], share)
                 continue
             stop = None
             try:
