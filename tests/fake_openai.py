@@ -42,6 +42,26 @@ MODES = {
 }
 
 
+class LocalServer(ThreadingHTTPServer):
+    """A threaded HTTP server on 127.0.0.1 (any free port) for tests. A client that hangs up
+    (a connection reset or a broken pipe, e.g. a kept-alive connection closed after the last
+    answer) ends its thread silently: the standard server prints that traceback to
+    ``sys.stderr``, which is the output a ``CliRunner`` test reads. Any other error is printed."""
+
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]):
+        """Bind a free port and serve ``handler`` in a daemon thread; :attr:`url` is its
+        OpenAI-style base URL (``.../v1``)."""
+        super().__init__(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}/v1"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 def send_json(handler: BaseHTTPRequestHandler, status: int, data: bytes) -> None:
     """Answer ``handler``'s request with ``status`` and the JSON document ``data``."""
     handler.send_response(status)
@@ -147,10 +167,8 @@ class FakeOpenAI:
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.close_connection = True
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd = LocalServer(Handler)
+        self.url = self.httpd.url
 
     def response(self, mode: str, body: dict, path: str) -> dict:
         """The JSON body of the answer to ``body`` in ``mode``."""

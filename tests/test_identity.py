@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, tiny_model
+from fake_openai import LocalServer
 
 import ragfix.io
 import ragfix.models.load
@@ -383,9 +383,8 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd = LocalServer(Handler)
+        self.url = self.httpd.url
 
     def close(self):
         self.httpd.shutdown()

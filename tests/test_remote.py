@@ -14,11 +14,11 @@ import shutil
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from conftest import BUNDLED, data_file
-from fake_openai import send_json
+from fake_openai import LocalServer, send_json
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -121,9 +121,8 @@ class Proxy:
             def do_POST(self):
                 self._forward(self.rfile.read(int(self.headers["content-length"])))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd = LocalServer(Handler)
+        self.url = self.httpd.url
 
     def close(self):
         self.httpd.shutdown()

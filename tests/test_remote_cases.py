@@ -5,7 +5,12 @@ the KV task itself; ``--tokenizer smollm2`` loads only the tokenizer."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import socket
+import struct
+import time
 
 import pytest
 from conftest import data_file
@@ -195,6 +200,26 @@ def test_c19_an_error_body_is_one_line_naming_the_endpoint_and_its_message(tmp_p
     tail = "; nothing to read" if "choices" in said else ""
     assert lines == [f"error: {url} (fake) {said}{tail}"]
     assert "Traceback" not in res.output and "TypeError" not in res.output
+
+
+def test_a_client_that_resets_its_connection_prints_nothing_into_the_output():
+    """The stand-in server runs in the test process, so what its threads print lands in the
+    output a ``CliRunner`` test reads (the C19 tests above assert there is no traceback in it).
+    A client that resets its kept-alive connection ends the server's thread without a word."""
+    with FakeOpenAI("ok") as fake:
+        port = int(fake.url.rsplit(":", 1)[1].split("/")[0])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            client = socket.create_connection(("127.0.0.1", port))
+            client.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            seen = b""
+            while b"fake" not in seen:  # the head and the body come in two writes
+                seen += client.recv(65536)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()  # linger 0: the close sends RST, the server's readline is reset
+            time.sleep(0.5)
+        assert fake.url.endswith("/v1")
+    assert err.getvalue() == ""
 
 
 def test_c19_the_completions_endpoint_says_the_same():
