@@ -344,12 +344,15 @@ def reads_chat(config: dict) -> bool:
 
 
 def _order(name: str, order: dict, prompt, chat: bool, strings: _Strings) -> dict:
-    """The payload of one order of a judged pair (``chat``: :func:`reads_chat`)."""
+    """The payload of one order of a judged pair (``chat``: :func:`reads_chat`): ``ll`` holds the
+    summed log-probabilities of the answers in slots A and B as the reply (the ``answer`` style;
+    ``[None, None]`` for a generated verdict)."""
     out = {
         "name": name,
         "reply": order.get("raw", ""),
         "verdict": order.get("slot_verdict"),
         "p": [order.get("p_a"), order.get("p_b")],
+        "ll": [order.get("ll_a"), order.get("ll_b")],
     }
     if prompt is not None:
         out["prompt"] = strings.segments(prompt.user, prompt.passages, None)

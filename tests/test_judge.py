@@ -512,7 +512,7 @@ def test_llamaindex_evaluator(judged):
     assert tie.score == 0.5 and tie.passing is None and tie.pairwise_source == "original"
     with pytest.raises(RagfixError, match="second_response"):
         ev.evaluate(query="q", response="a")
-    with pytest.raises(ConfigError, match="style='verdict'"):
+    with pytest.raises(ConfigError, match="style='verdict' or style='answer', not 'explain'"):
         RagfixPairwiseEvaluator(PairwiseJudge(judge.backend, style="explain"))
 
 

@@ -12,9 +12,11 @@ import pytest
 import torch
 from conftest import data_file
 from test_judge import PAIRS as JUDGE_PAIRS
+from test_report_html import _payload, _text
 
 from ragfix.connectors.pairwise import load_pairs
 from ragfix.errors import ConfigError
+from ragfix.eval.html_report import load_judge_run, render_report
 from ragfix.judge import PairwiseJudge
 from ragfix.judge.judge import pair_prompts
 
@@ -85,6 +87,22 @@ def test_the_answer_style_scores_each_answer_as_the_reply_by_hand(smol):
     assert judge.settings()["style"] == "answer"
 
 
+def test_the_llamaindex_evaluator_reads_the_answer_style_logit_verdict(smol):
+    """``RagfixPairwiseEvaluator`` over an ``answer``-style judge: the score is the judge's
+    own logit verdict of the pair."""
+    from ragfix.judge import RagfixPairwiseEvaluator
+
+    judge = PairwiseJudge(smol, style="answer", batch_size=4)
+    ev = RagfixPairwiseEvaluator(judge)
+    for pair, res in zip(PAIRS, judge.judge_pairs(PAIRS), strict=True):
+        out = ev.evaluate(
+            query=pair.question, response=pair.answer_a, second_response=pair.answer_b
+        )
+        assert res.logit_verdict in ("A", "B")
+        assert out.score == {"A": 1.0, "B": 0.0}[res.logit_verdict]
+        assert out.passing == (res.logit_verdict == "A")
+
+
 def test_pine_in_the_answer_style_with_content_letters_is_consistent_by_construction(smol):
     """PINE reads the two answer blocks as a set and, with letters by content, both orders are
     the same prompt: each answer's likelihood is the same in both orders."""
@@ -117,3 +135,18 @@ def test_a_judge_run_records_the_style_and_the_kv_wrong_answer(tmp_path):
     assert all(r["original"]["ll_a"] is not None for r in recs)
     with pytest.raises(ConfigMismatchError, match="kv_wrong"):
         run_judge(data, out, records="3:5", style="answer", device="cpu")
+    # the HTML report rebuilds the run's own pairs (unsupported wrong answers, answer prompts)
+    judged = load_judge_run(out)
+    assert judged.missing == "" and len(judged.records) == 2
+    payload = _payload(render_report([], None, [judged]))
+    for row in payload["groups"][0]["rows"]:
+        pair = judged.pairs[row["key"]]
+        assert pair.answer_a not in pair.question or pair.answer_b not in pair.question
+        [cell] = row["cells"]
+        rec = next(r for r in recs if r["pair_id"] == row["key"])
+        first, second = pair_prompts(pair, "answer")
+        assert [_text(payload, o["prompt"]) for o in cell["orders"]] == [first.user, second.user]
+        assert {o["prefix"].strip() for o in cell["orders"]} == {"The better answer is:"}
+        assert [o["ll"] for o in cell["orders"]] == [
+            [rec[k]["ll_a"], rec[k]["ll_b"]] for k in ("original", "swapped")
+        ]

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import BUNDLED, tiny_folder
+from conftest import BUNDLED, data_file, tiny_folder
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -386,3 +386,42 @@ def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
         browser.close()
     assert errors == []
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_an_answer_style_judge_page_in_a_real_browser_shows_each_answers_likelihood(
+    tmp_path, model_dir
+):
+    """A judge run in the ``answer`` style (no reply generated) on KV pairs with an unsupported
+    wrong answer, its page opened in headless Chromium: each order of an opened pair says no
+    reply was generated and shows both slots' log-likelihoods as its record has them."""
+    browser_path = _chromium()
+    from playwright.sync_api import sync_playwright
+
+    out = tmp_path / "judge"
+    data = data_file("litm_kv_retrieval_140_keys.jsonl.gz")
+    run_judge(data, out, records="3:5", style="answer", kv_wrong="unsupported",
+              model=str(model_dir), device="cpu")  # fmt: skip
+    page_file = tmp_path / "judge.html"
+    result = runner.invoke(app, ["report", str(out), "--html", str(page_file)])
+    assert result.exit_code == 0, result.output
+    rec = json.loads((out / "judgments.jsonl").read_text().splitlines()[0])
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_file.as_uri())
+        row = page.locator(f'details.row[data-key="{rec["pair_id"]}"]')
+        row.locator("summary").click()
+        orders = row.locator(".order")
+        assert orders.count() == 2
+        for k, name in enumerate(("original", "swapped")):
+            order = orders.nth(k)
+            assert order.locator("pre.answer").text_content() == (
+                "(none generated: each answer scored as the reply)"
+            )
+            shown = order.locator(".facts span").all_text_contents()
+            assert f"log-likelihood of A's answer: {rec[name]['ll_a']:.3f}" in shown
+            assert f"log-likelihood of B's answer: {rec[name]['ll_b']:.3f}" in shown
+        browser.close()
+    assert errors == []

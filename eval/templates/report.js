@@ -115,9 +115,12 @@
     for (const o of cell.orders) {
       const d = el("div", "order");
       d.append(el("h5", null, o.name));
-      d.append(el("div", "facts", "reply"), el("pre", "answer", o.reply === "" ? "(empty)" : o.reply));
+      const scored = o.ll && o.ll[0] !== null;
+      const reply = scored ? "(none generated: each answer scored as the reply)" : o.reply === "" ? "(empty)" : o.reply;
+      d.append(el("div", "facts", "reply"), el("pre", "answer", reply));
       const p = o.p[0] === null ? [] : [["P(A)", o.p[0].toFixed(3)], ["P(B)", o.p[1].toFixed(3)]];
-      d.append(facts([["verdict about the slots", o.verdict], ...p]));
+      const ll = scored ? [["log-likelihood of A's answer", o.ll[0].toFixed(3)], ["log-likelihood of B's answer", o.ll[1].toFixed(3)]] : [];
+      d.append(facts([["verdict about the slots", o.verdict], ...p, ...ll]));
       if (o.prompt) d.append(renderPrompt(o.prompt, o.prefix));
       orders.append(d);
     }

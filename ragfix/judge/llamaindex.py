@@ -63,7 +63,8 @@ def evaluator_class() -> type:
         The pair is always judged in both orders by a :class:`PairwiseJudge`; the result carries an
         order-free verdict instead of LlamaIndex's vote rule:
 
-        * ``verdict="logit"`` (default with the ``verdict`` style): the calibrated logit verdict;
+        * ``verdict="logit"`` (default): the calibrated logit verdict (the ``verdict`` and
+          ``answer`` styles, which give the two answers' probabilities);
         * ``verdict="swap"``: the MT-bench swap-aggregated verdict (inconsistent -> tie).
 
         ``pairwise_source`` is ``"original"`` when both orders agree and ``"neither"`` when they do
@@ -77,8 +78,11 @@ def evaluator_class() -> type:
         """
 
         def __init__(self, judge: PairwiseJudge, verdict: Literal["logit", "swap"] = "logit"):
-            if verdict == "logit" and judge.style != "verdict":
-                raise ConfigError("the logit verdict needs a judge with style='verdict'")
+            if verdict == "logit" and judge.style == "explain":
+                raise ConfigError(
+                    "the logit verdict needs the answers' probabilities: a judge with "
+                    "style='verdict' or style='answer', not 'explain'"
+                )
             self.judge = judge
             self.verdict = verdict
 
