@@ -9,6 +9,11 @@ the candidates' scores, made with either), with the function the backend itself 
 (:func:`ragfix.backends.orders.choose`): no model is run. The default is the setting with the
 best worst position, then the best mean, then the fewer orders (the cheaper).
 
+The table also has the ceiling of every aggregator of the run's ``K`` orders: the accuracy when a
+cell counts as right if any of its orders answered right. It is not a setting (no aggregator can
+know which order that is) and is never the default; the distance between it and an aggregator is
+what choosing among the orders' answers loses.
+
 Run: ``ragfix tune orders RUN --json results/NAME.json``, ``RUN`` a sweep of the tune range.
 """
 
@@ -36,12 +41,14 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
 
     Returns:
         ``(table, details)``: one row per setting (accuracy per position, mean, worst
-        position), the default marked; ``details`` holds the run, its range, the accuracies and
-        the ``default`` (``{"orders", "aggregate"}``).
+        position), the default marked, then the ceiling's row; ``details`` holds the run, its
+        range, the accuracies, the ``ceiling`` (accuracy per position) and the ``default``
+        (``{"orders", "aggregate"}``).
 
     Raises:
         DataError: not a run folder (:func:`~ragfix.eval.compare.load_run`), a run made
-            without ``--orders``, or a record without its votes or its prompt.
+            without ``--orders``, a record without its votes, or a record of a ``shuffle``
+            run without its prompt (its orders are seeded by the prompt's text).
     """
     loaded = load_run(run)
     options = loaded.config.get("backend_options", {}).get("orders")
@@ -58,10 +65,17 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
         picks = []
         for r in records:
             votes = r.get("extra", {}).get("votes")
-            if not votes or r.get("prompt") is None:
+            if not votes:
                 raise DataError(loaded.folder, None, "votes", f"cell {r['cell_id']} has none")
+            if recorded.design == "shuffle" and r.get("prompt") is None:
+                raise DataError(
+                    loaded.folder, None, "prompt", f"cell {r['cell_id']} has none (the "
+                    "shuffle design's orders are seeded by the prompt: rerun without "
+                    "--no-log-prompts)"
+                )  # fmt: skip
+            key = r["prompt"]["text"] if recorded.design == "shuffle" else ""
             by_order = {tuple(v["order"]): v for v in votes}
-            wanted = passage_orders(len(votes[0]["order"]), sub, r["prompt"]["text"])
+            wanted = passage_orders(len(votes[0]["order"]), sub, key)
             if not all(o in by_order for o in wanted):
                 break
             picks.append([by_order[o] for o in wanted])
@@ -75,8 +89,14 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
                     answer = votes[choose(votes, how)]["answer"]
                     row[positions.index(r["position"])] += task.score(answer, r["gold_answers"])
                 hits[f"orders={k} aggregate={how}"] = row
+    ceiling = [0] * len(positions)
+    for r in records:
+        right = any(task.score(v["answer"], r["gold_answers"]) for v in r["extra"]["votes"])
+        ceiling[positions.index(r["position"])] += right
     n = len(records) // len(positions)
     rates = {name: [h / n for h in row] for name, row in hits.items()}
+    ceiling_rates = [h / n for h in ceiling]
+    ceiling_name = f"ceiling: any of the {recorded.orders} orders right"
     names = list(rates)
     best = max(
         names, key=lambda m: (min(rates[m]), sum(rates[m]), -int(m.split()[0].split("=")[1]))
@@ -85,11 +105,16 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
         title=f"order marginalization tune · {loaded.config.get('model')} · "
         f"{recorded.design} design · records {loaded.config.get('records') or 'all'}",
         headers=["setting", *(f"pos {p}" for p in positions), "mean", "worst"],
-        rows=tune_rows(rates, positions, best),
+        rows=[
+            *tune_rows(rates, positions, best),
+            *tune_rows({ceiling_name: ceiling_rates}, positions, ""),
+        ],
         lines=[
             f"{n} samples x {len(positions)} gold positions, re-aggregated from the votes of "
             f"{loaded.name} (orders={recorded.orders}); accuracy of the marginal answer. "
-            "Default: the best worst position, then the best mean, then fewer orders."
+            "Default: the best worst position, then the best mean, then fewer orders. "
+            "Ceiling: a cell is right when any of its orders answered right (no aggregator "
+            "does better; not a setting)."
         ],
     )
     k, how = (part.split("=")[1] for part in best.split())
@@ -101,6 +126,7 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
         "positions": positions,
         "samples": n,
         "accuracy": rates,
+        "ceiling": ceiling_rates,
         "default": {"orders": int(k), "aggregate": how},
     }
     return table, details

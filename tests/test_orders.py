@@ -21,7 +21,7 @@ from ragfix.backends.orders import (
 from ragfix.connectors.litm import load_samples
 from ragfix.errors import ConfigError, ConfigMismatchError
 from ragfix.metrics import normalize_answer
-from ragfix.tasks import task_prompt
+from ragfix.tasks import get_task, task_prompt
 
 KV = BUNDLED / "kv_16pairs_sample.jsonl.gz"
 
@@ -154,7 +154,18 @@ def test_a_sweep_over_orders_keeps_every_vote_and_never_resumes_onto_other_order
     assert set(details["accuracy"]) == {
         f"orders={k} aggregate={a}" for k in (2, 3) for a in ("plurality", "weighted", "max")
     }
-    assert details["default"]["orders"] in (2, 3) and len(table.rows) == 6
+    assert details["default"]["orders"] in (2, 3) and len(table.rows) == 7
+    # the ceiling: a cell is right when any of its three orders' answers is right
+    task = get_task(config["task"])
+    ceiling = [
+        float(any(task.score(v["answer"], r["gold_answers"]) for v in r["extra"]["votes"]))
+        for r in sorted(rows, key=lambda r: r["position"])
+    ]
+    assert details["ceiling"] == ceiling
+    for acc in details["accuracy"].values():
+        assert all(c >= a for c, a in zip(ceiling, acc, strict=True))
+    assert table.rows[-1][0] == "ceiling: any of the 3 orders right"
+    assert "(default)" not in table.rows[-1][0]
     run_sweep(KV, out, orders=orders, **kw)  # a rerun finds every cell done
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
     with pytest.raises(ConfigMismatchError):
