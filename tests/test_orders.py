@@ -19,7 +19,7 @@ from ragfix.backends.orders import (
     passage_orders,
 )
 from ragfix.connectors.litm import load_samples
-from ragfix.errors import ConfigError, ConfigMismatchError
+from ragfix.errors import ConfigError, ConfigMismatchError, DataError
 from ragfix.metrics import normalize_answer
 from ragfix.tasks import get_task, task_prompt
 
@@ -190,6 +190,27 @@ def test_the_tune_rescores_the_scoring_aggregators_from_a_scored_sweep(tmp_path)
     assert set(details["accuracy"]) == {f"orders=2 aggregate={a}" for a in AGGREGATORS}
     mine = details["accuracy"]["orders=2 aggregate=score-max"]
     assert mine == [float(r["correct"]) for r in sorted(rows, key=lambda r: r["position"])]
+
+
+def test_the_tune_reads_a_rotate_run_without_prompts_and_refuses_a_shuffle_one(tmp_path):
+    """Rotations do not depend on the prompt, so a ``rotate`` run made with
+    ``--no-log-prompts`` is re-aggregated (its own setting as the run chose); ``shuffle`` orders
+    are seeded by the prompt's text, so such a run is refused, naming the cell and the field."""
+    from ragfix.eval import run_sweep
+    from ragfix.eval.orders_tune import tune_orders
+
+    kw = dict(num_docs=3, limit=1, positions="0,2", device="cpu", workers=1, log_prompts=False)
+    rotate = tmp_path / "rotate"
+    run_sweep(KV, rotate, orders={"orders": 2, "aggregate": "max"}, **kw)
+    rows = [json.loads(x) for x in (rotate / "results.jsonl").read_text().splitlines()]
+    assert all(r.get("prompt") is None for r in rows)
+    _, details = tune_orders(rotate)
+    mine = details["accuracy"]["orders=2 aggregate=max"]
+    assert mine == [float(r["correct"]) for r in sorted(rows, key=lambda r: r["position"])]
+    shuffle = tmp_path / "shuffle"
+    run_sweep(KV, shuffle, orders={"orders": 2, "aggregate": "max", "design": "shuffle"}, **kw)
+    with pytest.raises(DataError, match=r"prompt: cell \w+ has none \(the shuffle design"):
+        tune_orders(shuffle)
 
 
 def test_a_setting_of_orders_without_orders_is_refused_in_one_line():
