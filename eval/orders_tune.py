@@ -59,20 +59,20 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
     scored = {(s, p) for cells in loaded.curves.values() for s, p in cells}
     records = [r for r in loaded.records if (r["sample_id"], r["position"]) in scored]
     positions = sorted({r["position"] for r in records})
+    for r in records:
+        if not r.get("extra", {}).get("votes"):
+            raise DataError(loaded.folder, None, "votes", f"cell {r['cell_id']} has none")
+        if recorded.design == "shuffle" and r.get("prompt") is None:
+            raise DataError(
+                loaded.folder, None, "prompt", f"cell {r['cell_id']} has none (the shuffle "
+                "design's orders are seeded by the prompt: rerun without --no-log-prompts)"
+            )  # fmt: skip
     hits: dict[str, list[int]] = {}
     for k in range(2, recorded.orders + 1):
         sub = recorded.model_copy(update={"orders": k})
         picks = []
         for r in records:
-            votes = r.get("extra", {}).get("votes")
-            if not votes:
-                raise DataError(loaded.folder, None, "votes", f"cell {r['cell_id']} has none")
-            if recorded.design == "shuffle" and r.get("prompt") is None:
-                raise DataError(
-                    loaded.folder, None, "prompt", f"cell {r['cell_id']} has none (the "
-                    "shuffle design's orders are seeded by the prompt: rerun without "
-                    "--no-log-prompts)"
-                )  # fmt: skip
+            votes = r["extra"]["votes"]
             key = r["prompt"]["text"] if recorded.design == "shuffle" else ""
             by_order = {tuple(v["order"]): v for v in votes}
             wanted = passage_orders(len(votes[0]["order"]), sub, key)
