@@ -61,6 +61,11 @@ class LocalServer(ThreadingHTTPServer):
         if not isinstance(sys.exc_info()[1], ConnectionError):
             super().handle_error(request, client_address)
 
+    def close(self) -> None:
+        """Stop serving and close the listening socket."""
+        self.shutdown()
+        self.server_close()
+
 
 def send_json(handler: BaseHTTPRequestHandler, status: int, data: bytes) -> None:
     """Answer ``handler``'s request with ``status`` and the JSON document ``data``."""
@@ -212,8 +217,7 @@ class FakeOpenAI:
     def close(self) -> None:
         """Release the held requests (they are dropped) and stop serving."""
         self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.httpd.close()
 
     def __enter__(self) -> FakeOpenAI:
         return self

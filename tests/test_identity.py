@@ -387,8 +387,7 @@ class FakeServer:
         self.url = self.httpd.url
 
     def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.httpd.close()
 
 
 def test_remote_identity_ignores_the_address_and_the_start_time():

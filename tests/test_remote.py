@@ -125,7 +125,7 @@ class Proxy:
         self.url = self.httpd.url
 
     def close(self):
-        self.httpd.shutdown()
+        self.httpd.close()
 
 
 # ------------------------------------------------------------------ settings refused early

@@ -207,7 +207,7 @@ def test_a_client_that_resets_its_connection_prints_nothing_into_the_output():
     output a ``CliRunner`` test reads (the C19 tests above assert there is no traceback in it).
     A client that resets its kept-alive connection ends the server's thread without a word."""
     with FakeOpenAI("ok") as fake:
-        port = int(fake.url.rsplit(":", 1)[1].split("/")[0])
+        port = fake.httpd.server_address[1]
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             client = socket.create_connection(("127.0.0.1", port))

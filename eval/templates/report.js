@@ -115,7 +115,7 @@
     for (const o of cell.orders) {
       const d = el("div", "order");
       d.append(el("h5", null, o.name));
-      const scored = o.ll && o.ll[0] !== null;
+      const scored = o.ll[0] !== null;
       const reply = scored ? "(none generated: each answer scored as the reply)" : o.reply === "" ? "(empty)" : o.reply;
       d.append(el("div", "facts", "reply"), el("pre", "answer", reply));
       const p = o.p[0] === null ? [] : [["P(A)", o.p[0].toFixed(3)], ["P(B)", o.p[1].toFixed(3)]];
