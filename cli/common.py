@@ -164,6 +164,30 @@ RestartOpt = Annotated[
 ]
 RunFolderOpt = Annotated[Path, typer.Option("--out", "-o", help="run folder (resumable)")]
 PositionsOpt = Annotated[str, typer.Option(help="all | first,middle,last | 0,4,9")]
+TaskOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="the task the records are read as: QA files qa (Lost in the Middle's prompt, the "
+        "default), qa-extractive (short extractive answers), qa-extractive-2shot (the same with "
+        "two demonstrations); KV files kv"
+    ),
+]
+RepeatOpt = Annotated[
+    str,
+    typer.Option(
+        help="read the passages (passages: JRT-Prompt) or the whole prompt (prompt) twice, a "
+        "prompt-level correction any backend reads, remote ones too: none | passages | prompt"
+    ),
+]
+ReferencesOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--references/--no-references",
+        help="also run each sample closed-book (no passage) and oracle (the gold alone), "
+        "reported before the curve (default: on for QA, off for KV)",
+        show_default=False,
+    ),
+]
 LimitOpt = Annotated[int | None, typer.Option(help="use the first N samples")]
 SkipInvalidOpt = Annotated[
     bool, typer.Option(help="skip and count malformed records instead of stopping")

@@ -356,11 +356,13 @@ def load_samples(
     skip_invalid: bool = False,
     skipped: SkipCounter | None = None,
     records: str | slice | None = None,
+    task: str | None = None,
 ) -> list[QASample]:
     """Read a Lost-in-the-Middle QA or KV file (format detected from the first record): the
     samples of the record range ``records`` (``"START:END"`` or a slice,
     :func:`~ragfix.connectors.records.parse_records`; all records when None), then the first
-    ``limit`` of them.
+    ``limit`` of them, each read as ``task`` (:attr:`~ragfix.types.QASample.task`; ``None``:
+    ``qa`` or ``kv`` as the format; the caller checks that the task reads this format).
 
     Raises:
         ConfigError: a malformed record range.
@@ -372,4 +374,6 @@ def load_samples(
         samples = load_kv(path, num_docs, first, skip_invalid, skipped)
     else:
         samples = load_qa(path, num_docs, first, distractor_pool, skip_invalid, skipped)
+    if task is not None:
+        samples = [s.model_copy(update={"task": task}) for s in samples]
     return samples if rng is None else select_records(samples, rng)[:limit]

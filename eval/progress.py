@@ -32,7 +32,10 @@ class RunTally:
 
     def add(self, record: dict) -> str:
         """Count one stored cell (``correct``, ``flags``; one with an
-        :data:`~ragfix.types.UNSCORED` flag is not scored); return :meth:`status`."""
+        :data:`~ragfix.types.UNSCORED` flag is not scored, nor a sweep's reference point, which
+        is no part of a curve); return :meth:`status`."""
+        if record.get("reference"):
+            return self.status()
         if not UNSCORED.intersection(record.get("flags", ())):
             self.scored += 1
             self.right += bool(record["correct"])

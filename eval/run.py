@@ -75,7 +75,7 @@ class RunConfig(BaseModel):
     ``ABSENT`` (a class attribute, not a field) maps a field added after ``config.json`` files
     were already written to what such a file stands for without it (a run made before records
     kept their prompts: ``{"log_prompts": False}``), so :meth:`RunFolder.check` compares an old
-    folder with what it really holds.
+    folder with what it really holds (through :meth:`absent`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -86,6 +86,11 @@ class RunConfig(BaseModel):
     identity: dict = Field(default_factory=dict)
     inputs: dict[str, str] = Field(default_factory=dict)
     backend_ref: BackendRef | None = Field(default=None, exclude=True)
+
+    def absent(self, stored: dict) -> dict:
+        """What the fields missing from a stored ``config.json`` stand for (:attr:`ABSENT`; a
+        kind overrides this where that depends on the stored configuration)."""
+        return self.ABSENT
 
     def stored(self) -> dict:
         """The configuration as written to ``config.json``."""
@@ -191,7 +196,7 @@ class RunFolder:
                 "the weights and inputs it ran on, so its cells cannot be checked: rerun with "
                 "--restart to start it over, or use another --out folder"
             )
-        theirs = {**self.config.ABSENT, **theirs}
+        theirs = {**self.config.absent(theirs), **theirs}
         mine = self.config.stored()
         if not mine["identity"]:
             theirs = {**theirs, "identity": {}}

@@ -24,6 +24,14 @@ and ``prompt_cut`` (the server cut the prompt). Gold answers that make the metri
 (:func:`ragfix.metrics.degenerate_gold`) are scored, flagged ``degenerate_gold`` and counted the
 same way.
 
+Reference points: with ``references`` (the default for QA tasks) every sample also gets two
+cells that place no gold passage among distractors: ``closed-book`` (the task's prompt without
+passages: what the model knows without reading) and ``oracle`` (the gold passage alone: what it
+can read). They are stored with ``reference`` set and ``position`` -1 (:data:`REFERENCE_POSITION`),
+never enter a curve, and are summarised per curve in ``summary.json``'s ``references``
+(:func:`summary_counts`), over the same samples as the curve: a reader sees whether the model
+reads the context at all before reading its position curve.
+
 Ctrl-C keeps every answer that had arrived: a backend that stops its requests in flight hands
 them back (:class:`~ragfix.errors.Interrupted`) and :func:`run_cells` stores them before it
 stops.
@@ -48,20 +56,34 @@ from ragfix.backends.base import Backend, Fit, Prompt
 from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError, Interrupted
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
-from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE
+from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE, curve_label
 from ragfix.io import JsonlStore
-from ragfix.metrics import cell_flags
-from ragfix.tasks import score_answer, task_prompt
+from ragfix.metrics import cell_flags, wilson_interval
+from ragfix.tasks import get_task, score_answer
 from ragfix.types import (
     EMPTY_ANSWER,
     OVERFLOW,
     UNSCORED,
     Generation,
+    Passage,
     QASample,
     StoredPrompt,
     SweepRecord,
     generation_extra,
 )
+
+#: the reference point without passages: the task's closed-book prompt
+CLOSED_BOOK = "closed-book"
+#: the reference point with the gold passage alone
+ORACLE = "oracle"
+#: the reference points of a sweep, in the order they are reported
+REFERENCES = (CLOSED_BOOK, ORACLE)
+#: the ``position`` of a reference cell (it places no gold passage among distractors)
+REFERENCE_POSITION = -1
+
+#: the task fingerprints (:meth:`ragfix.tasks.Task.fingerprint`) of the two tasks that existed
+#: before configurations recorded it: what a ``config.json`` without ``task_form`` stands for
+LEGACY_TASK_FORMS = {"qa": "71b58d987828e304", "kv": "8b1c45cbc3ec2b89"}
 
 
 class SweepConfig(RunConfig):
@@ -75,7 +97,11 @@ class SweepConfig(RunConfig):
 
     Attributes:
         data: the data file (resolved path).
-        task: the task (``qa``, ``kv``).
+        task: the task (``qa``, ``qa-extractive``, ``kv``, ...: :func:`ragfix.tasks.task_names`).
+        task_form: the task's :meth:`~ragfix.tasks.Task.fingerprint` (its rendered prompts): a
+            rerun under an edited task is refused. A ``config.json`` written before it was
+            recorded stands for its task as it was then (:data:`LEGACY_TASK_FORMS`); ``None``
+            only in a configuration built to name cells, never in a run's.
         num_docs: passages per prompt.
         model: the model name.
         backend: the backend name.
@@ -96,6 +122,7 @@ class SweepConfig(RunConfig):
     run: Literal["sweep"] = "sweep"
     data: str
     task: str
+    task_form: str | None = None
     num_docs: int
     model: str
     backend: str
@@ -104,6 +131,12 @@ class SweepConfig(RunConfig):
     records: str | None = None
     log_prompts: bool = True
     ABSENT: ClassVar[dict] = {"log_prompts": False}
+
+    def absent(self, stored: dict) -> dict:
+        """:attr:`ABSENT`, with ``task_form`` the fingerprint the stored task had before
+        configurations recorded it (:data:`LEGACY_TASK_FORMS`)."""
+        legacy = LEGACY_TASK_FORMS.get(stored.get("task"))
+        return {**self.ABSENT, **({"task_form": legacy} if legacy else {})}
 
     @field_validator("num_docs")
     @classmethod
@@ -120,11 +153,30 @@ class SweepConfig(RunConfig):
 
 @dataclass(frozen=True)
 class Cell:
-    """One unit of the sweep: a sample with its gold passage at ``position``."""
+    """One unit of the sweep: a sample with its gold passage at ``position``, or one of its
+    reference points (``reference``: :data:`CLOSED_BOOK` or :data:`ORACLE`, ``position``
+    :data:`REFERENCE_POSITION`)."""
 
     cell_id: str
     sample: QASample
     position: int
+    reference: str | None = None
+
+    def passages(self) -> list[Passage]:
+        """The passages the cell's prompt holds, in prompt order: none (closed-book), the gold
+        alone (oracle), or the sample's with the gold at :attr:`position`."""
+        if self.reference == CLOSED_BOOK:
+            return []
+        if self.reference == ORACLE:
+            return [self.sample.gold]
+        return self.sample.passages_with_gold_at(self.position)
+
+    @property
+    def gold_index(self) -> int | None:
+        """Where the gold passage is among :meth:`passages` (``None``: closed-book)."""
+        if self.reference == CLOSED_BOOK:
+            return None
+        return 0 if self.reference == ORACLE else self.position
 
 
 def parse_positions(spec: str, num_docs: int) -> list[int]:
@@ -159,12 +211,14 @@ def parse_positions(spec: str, num_docs: int) -> list[int]:
     return out
 
 
-def cell_id(config: SweepConfig, sample_id: str, position: int) -> str:
-    """Deterministic 16-hex id of a cell."""
+def cell_id(
+    config: SweepConfig, sample_id: str, position: int, reference: str | None = None
+) -> str:
+    """Deterministic 16-hex id of a cell (of a reference point when ``reference`` is given)."""
     key = json.dumps(
         [
             sample_id,
-            position,
+            position if reference is None else reference,
             config.num_docs,
             config.task,
             config.model,
@@ -176,13 +230,27 @@ def cell_id(config: SweepConfig, sample_id: str, position: int) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
-def plan_cells(config: SweepConfig, samples: list[QASample], positions: list[int]) -> list[Cell]:
-    """All cells, sample-major, positions in the order given."""
-    return [Cell(cell_id(config, s.id, p), s, p) for s in samples for p in positions]
+def plan_cells(
+    config: SweepConfig,
+    samples: list[QASample],
+    positions: list[int],
+    references: bool = False,
+) -> list[Cell]:
+    """All cells, sample-major: each sample's reference points first (with ``references``),
+    then its positions in the order given."""
+    out = []
+    for s in samples:
+        if references:
+            out += [
+                Cell(cell_id(config, s.id, REFERENCE_POSITION, r), s, REFERENCE_POSITION, r)
+                for r in REFERENCES
+            ]
+        out += [Cell(cell_id(config, s.id, p), s, p) for p in positions]
+    return out
 
 
 def _prompt(cell: Cell):
-    return task_prompt(cell.sample, cell.sample.passages_with_gold_at(cell.position))
+    return get_task(cell.sample.task).prompt(cell.sample.question, cell.passages())
 
 
 def stored_prompt(
@@ -205,9 +273,9 @@ def stored_prompt(
     """
     prompt = _prompt(cell)
     read = prompt if read_prompt is None else read_prompt(prompt)
-    gold: int | None = cell.position
-    if read is not prompt:
-        start, end = prompt.passages[cell.position]
+    gold = cell.gold_index
+    if read is not prompt and gold is not None:
+        start, end = prompt.passages[gold]
         text = prompt.user[start:end]
         gold = next((i for i, (a, b) in enumerate(read.passages) if read.user[a:b] == text), None)
     return StoredPrompt(
@@ -238,8 +306,9 @@ def _record(cell: Cell, backend: Backend, gen: Generation, flags: list[str]) -> 
         cell_id=cell.cell_id,
         sample_id=cell.sample.id,
         position=cell.position,
+        reference=cell.reference,
         prompt_position=read.gold if OVERFLOW not in flags and read.gold is not None else -1,
-        num_docs=cell.sample.num_docs,
+        num_docs=len(cell.passages()),
         backend=backend.name,
         prompt_tokens=gen.prompt_tokens,
         prefill_tokens=gen.prefill_tokens,
@@ -361,43 +430,84 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
     """The records that count towards accuracy, and the flag counts for ``summary.json``.
 
     A sample with a cell that is not scored (an :data:`~ragfix.types.UNSCORED` flag:
-    ``overflow``, ``prompt_cut``, ``empty_answer``) at any position is left out at every
-    position, so each position's accuracy is over the same samples; its cells are counted, not
-    scored.
+    ``overflow``, ``prompt_cut``, ``empty_answer``) at any position or reference point is left
+    out at every position and reference point, so each position's accuracy is over the same
+    samples; its cells are counted, not scored. Reference cells (``reference`` set) never count
+    towards a curve: they are summarised apart (:func:`reference_points`).
 
     Args:
         records: the run's records (dicts as stored).
 
     Returns:
-        ``(scored, extra)``: ``scored`` the records of samples without an unscored cell;
-        ``extra`` = ``{"cells": all records, "scored_cells": len(scored), "excluded_samples":
-        samples left out, "flags": {flag: {position: cells}}, "empty_answer_reasons": {the
-        server's reason: cells}, "cell_ids": the ids of all records}`` (positions as strings,
-        sorted). ``cell_ids`` tells a report which of a folder's cells the run reported
+        ``(scored, extra)``: ``scored`` the curve records (no reference cell) of samples
+        without an unscored cell; ``extra`` = ``{"cells": curve records, "scored_cells":
+        len(scored), "excluded_samples": samples left out, "flags": {flag: {position or
+        reference: cells}}, "empty_answer_reasons": {the server's reason: cells}, "cell_ids":
+        the ids of all records, "references": reference_points of the scored reference
+        cells}`` (positions as strings, sorted; ``references`` only when the run has reference
+        cells). ``cell_ids`` tells a report which of a folder's cells the run reported
         (:func:`ragfix.eval.compare.load_run`).
     """
     left_out = {r["sample_id"] for r in records if UNSCORED.intersection(r.get("flags", ()))}
-    counts: dict[str, dict[int, int]] = {}
+    counts: dict[str, dict[int | str, int]] = {}
     for r in records:
+        where = r.get("reference") or int(r["position"])
         for f in r.get("flags", ()):
             per = counts.setdefault(f, {})
-            per[int(r["position"])] = per.get(int(r["position"]), 0) + 1
+            per[where] = per.get(where, 0) + 1
     reasons = Counter(
         str(r.get("extra", {}).get(EMPTY_ANSWER, "no reason recorded"))
         for r in records
         if EMPTY_ANSWER in r.get("flags", ())
     )
-    scored = [r for r in records if r["sample_id"] not in left_out]
+    curve = [r for r in records if not r.get("reference")]
+    scored = [r for r in curve if r["sample_id"] not in left_out]
+    refs = [r for r in records if r.get("reference") and r["sample_id"] not in left_out]
+
+    def order(item: tuple[int | str, int]) -> tuple:
+        return (1, REFERENCES.index(item[0])) if isinstance(item[0], str) else (0, item[0])
+
     return scored, {
-        "cells": len(records),
+        "cells": len(curve),
         "scored_cells": len(scored),
         "excluded_samples": len(left_out),
         "flags": {
-            f: {str(p): n for p, n in sorted(per.items())} for f, per in sorted(counts.items())
+            f: {str(p): n for p, n in sorted(per.items(), key=order)}
+            for f, per in sorted(counts.items())
         },
         "empty_answer_reasons": dict(sorted(reasons.items())),
         "cell_ids": [r["cell_id"] for r in records],
+        **({"references": reference_points(refs)} if refs else {}),
     }
+
+
+def reference_points(records: list[dict]) -> dict[str, dict[str, dict]]:
+    """The accuracy of each reference point, per curve: ``{curve label: {reference: {"n",
+    "correct", "accuracy", "low", "high"}}}`` (``low``, ``high``: its 95% Wilson interval),
+    references in the order of :data:`REFERENCES`.
+
+    Args:
+        records: reference cells (``reference`` set), as stored.
+    """
+    tally: dict[str, dict[str, list[int]]] = {}
+    for r in records:
+        n_ok = tally.setdefault(curve_label(r), {}).setdefault(r["reference"], [0, 0])
+        n_ok[0] += 1
+        n_ok[1] += bool(r["correct"])
+    out: dict[str, dict[str, dict]] = {}
+    for label, by_ref in sorted(tally.items()):
+        out[label] = {}
+        for name in (n for n in REFERENCES if n in by_ref):
+            n, ok = by_ref[name]
+            low, high = wilson_interval(ok, n)
+            out[label][name] = {
+                "n": n,
+                "correct": ok,
+                "accuracy": ok / n,
+                "low": low,
+                "high": high,
+            }
+    return out
 
 
 def open_store(out: Path, rank: int = 0, world_size: int = 1) -> JsonlStore:

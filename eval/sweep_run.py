@@ -48,7 +48,7 @@ from ragfix.eval.sweep import (
 )
 from ragfix.eval.sweep_summary import write_report
 from ragfix.io import atomic_write_text
-from ragfix.tasks import get_task
+from ragfix.tasks import get_task, repeated, task_names
 from ragfix.types import SweepRecord
 
 #: where a failed worker's traceback is written, in the run folder
@@ -360,6 +360,9 @@ def run_sweep(
     adapter: str | Path | None = None,
     backend_options: dict | None = None,
     orders: dict | None = None,
+    task: str | None = None,
+    repeat: str = "none",
+    references: bool | None = None,
     num_docs: int = 10,
     positions: str = "all",
     records: str | None = None,
@@ -399,6 +402,17 @@ def run_sweep(
             every order's answer kept in the record (``extra["votes"]``); validated before
             anything is loaded, part of the cell ids (as ``backend_options["orders"]``) and of
             the backend's identity. ``None``: one order, as placed.
+        task: the task the records are read as (:func:`ragfix.tasks.task_names`; one of the
+            data file's format: ``qa``, ``qa-extractive``, ``qa-extractive-2shot`` for QA
+            records), part of the configuration with its fingerprint; ``None``: ``qa`` or
+            ``kv`` as the file's format.
+        repeat: read the passages (``passages``) or the whole prompt (``prompt``) twice, a
+            prompt-level correction any backend reads (:attr:`ragfix.tasks.Task.repeat`): the
+            task becomes ``TASK:repeat-MODE``; ``none``: once. Not with ``orders`` (the two
+            copies would be reordered apart).
+        references: also run each sample's reference points, closed-book and oracle
+            (:data:`~ragfix.eval.sweep.REFERENCES`), summarised apart from the curve
+            (``summary.json``'s ``references``); ``None``: for QA tasks, not for KV.
         num_docs: passages (documents or KV pairs) per prompt.
         positions: ``all``, ``first,middle,last`` or ``0,4,9`` (0-based gold positions).
         records: a record range of the file, ``"START:END"`` (0-based, END excluded; record
@@ -436,7 +450,8 @@ def run_sweep(
 
     Raises:
         DataError: a missing file, a malformed record, no record in ``records``.
-        ConfigError: unknown backend, bad positions or record range, ``limit``,
+        ConfigError: unknown backend or task, a task of the other data format, bad positions or
+            record range, ``limit``,
             ``batch_size`` or ``workers`` < 1, more than one worker off the CPU, a missing
             adapter for an adapter backend, an answer budget that fills the model's window.
         ConfigMismatchError: ``out`` holds results of other settings, weights (the backend's
@@ -474,9 +489,22 @@ def run_sweep(
         device=str(state.device) if state is not None else device,
         dtype=dtype,
     )
+    data_format = detect_format(path)
+    the_task = repeated(get_task(task or data_format), repeat)
+    if repeat != "none" and orders is not None:
+        raise ConfigError(
+            "--repeat and --orders do not combine: order marginalization would reorder the two "
+            "copies of the passages apart"
+        )
+    if the_task.data_format != data_format:
+        raise ConfigError(
+            f"--task {the_task.name} reads {the_task.data_format} records and {path} holds "
+            f"{data_format} records; its tasks: {', '.join(task_names(data_format))}"
+        )
     config = SweepConfig(
         data=str(path.resolve()),
-        task=detect_format(path),
+        task=the_task.name,
+        task_form=the_task.fingerprint(),
         num_docs=num_docs,
         model=model,
         backend=backend,
@@ -493,13 +521,17 @@ def run_sweep(
     )
     pos = parse_positions(positions, num_docs)
     skipped = SkipCounter()
-    samples = load_samples(path, num_docs, limit, distractor_pool, skip_invalid, skipped, rng)
+    samples = load_samples(
+        path, num_docs, limit, distractor_pool, skip_invalid, skipped, rng, task=the_task.name
+    )
     if rng is not None and not samples:
         raise DataError(path, None, None, f"no usable record in --records {records}")
     n = sweep_workers(workers, device=device, model=model, samples=len(samples))
     kind = SweepRun(
         config,
-        plan_cells(config, samples, pos),
+        plan_cells(
+            config, samples, pos, the_task.data_format == "qa" if references is None else references
+        ),
         workers=n,
         state=state,
         prefix_reuse=prefix_reuse,

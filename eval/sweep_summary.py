@@ -164,15 +164,36 @@ def curve_table(label: str, curve: dict, x_axis: str = "position") -> TableSpec:
 
 
 def print_summary(summary: dict, console: Console | None = None, title: str = "") -> None:
-    """Per-position table (position, n, accuracy, 95% Wilson interval) and each curve's mean,
-    worst, best and gap."""
+    """The reference points (when the run has them), then per curve its per-position table
+    (position, n, accuracy, 95% Wilson interval) and its mean, worst, best and gap."""
     print_tables(summary_tables(summary, title), console)
+
+
+def references_table(references: dict[str, dict[str, dict]]) -> TableSpec:
+    """The reference points of a run (``summary.json``'s ``references``, per curve): samples,
+    closed-book and oracle accuracy with their 95% Wilson intervals."""
+    from ragfix.eval.sweep import REFERENCES
+
+    rows = []
+    for label, by_ref in references.items():
+        n = max(v["n"] for v in by_ref.values())
+        cells = []
+        for name in REFERENCES:
+            v = by_ref.get(name)
+            cells += ["-", "-"] if v is None else [fmt_num(v["accuracy"]), fmt_ci(v)]
+        rows.append([label, str(n), *cells])
+    return TableSpec(
+        "reference points: no passage (closed-book), the gold passage alone (oracle)",
+        ["curve", "samples", "closed-book", "95% CI", "oracle", "95% CI"],
+        rows,
+        ["the curve below reads the gold passage among distractors; the oracle is its ceiling"],
+    )
 
 
 def summary_tables(summary: dict, title: str = "") -> list[TableSpec]:
     """The tables :func:`print_summary` prints, one per curve of a ``summary.json``."""
     x_axis = summary.get("x_axis", "position")
-    tables = []
+    tables = [references_table(summary["references"])] if summary.get("references") else []
     for label, c in summary["curves"].items():
         spec = curve_table(label, c, x_axis)
         spec.title = f"{title or label} — {x_axis}"

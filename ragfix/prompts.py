@@ -74,7 +74,10 @@ class TaskPrompt:
         passages: the character spans ``(start, end)`` in ``user`` of each passage as rendered
             (its label, ``Document [i](Title: ...)``, included; what joins two passages left
             out), in prompt order, non-overlapping; ``()`` when the prompt does not know its
-            passages (a framework's or a client's text).
+            passages (a framework's or a client's text), or has none (:attr:`closed_book`).
+        closed_book: a task prompt built without passages on purpose (a sweep's closed-book
+            reference point): it knows it has none, so a backend that acts on passages reads it
+            as the model does, where a prompt that does not know its passages is refused.
         passage_separator: what the template puts between two passages (``"\n"`` for QA);
             a backend that reads the passages as a set gives every passage this ending.
         no_query: the same prompt with the content-free query of in-context re-ranking
@@ -97,10 +100,13 @@ class TaskPrompt:
     stop_at_newline: bool = True
     passages: tuple[tuple[int, int], ...] = ()
     passage_separator: str = ""
+    closed_book: bool = False
     no_query: TaskPrompt | None = None
     no_content: TaskPrompt | None = None
 
     def __post_init__(self) -> None:
+        if self.closed_book and self.passages:
+            raise ValueError("a closed-book prompt has no passage spans")
         end = 0
         for start, stop in self.passages:
             if not end <= start < stop <= len(self.user):

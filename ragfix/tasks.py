@@ -7,20 +7,34 @@ prefix, the answer budget, the stop rule and the scorer. Every prompt of ragfix 
 the sweep (:func:`task_prompt`), attention sorting (:meth:`Task.user_turn` with a marker) and the
 LlamaIndex text-QA prompt (:meth:`Task.llama_index_template`), so each template exists once.
 
-Built in, both from Lost in the Middle (Liu et al., TACL 2024, ``prompts/qa.prompt`` and
-``prompts/kv_retrieval.prompt``):
+Built in:
 
-* ``qa``: multi-document question answering, scored by best_subspan_em;
-* ``kv``: key-value retrieval over a JSON object, scored by value containment.
+* ``qa``: multi-document question answering, scored by best_subspan_em (Lost in the Middle, Liu
+  et al., TACL 2024, ``prompts/qa.prompt``; closed-book: ``prompts/closedbook_qa.prompt``);
+* ``qa-extractive`` and ``qa-extractive-2shot``: extractive multi-document QA (the answer is a
+  span of one passage, as in SQuAD): a short-answer instruction, and the same with two fixed
+  demonstrations from the tune range of ``data/squad_dev_multidoc.jsonl.gz`` (the design of
+  HELMET's RAG prompts for base models, Yen et al., arXiv 2410.02694); scored by
+  best_subspan_em;
+* ``kv``: key-value retrieval over a JSON object, scored by value containment (Lost in the
+  Middle, ``prompts/kv_retrieval.prompt``).
+
+Every task reads one data format (:attr:`Task.data_format`: ``qa`` or ``kv`` records), so a QA
+file can be swept with any QA task (``ragfix eval FILE --task qa-extractive``). A task's prompt
+with no passages is its closed-book form and with the gold passage alone its oracle form, the
+two reference points of a sweep (:mod:`ragfix.eval.sweep`). A run records the task's
+:meth:`Task.fingerprint` (the prompts it renders), so a run never resumes under an edited task.
 
 A new task is one :func:`register_task` call.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from ragfix.errors import ConfigError
 from ragfix.metrics import best_subspan_em, kv_match
@@ -32,6 +46,16 @@ QA_INSTRUCTION = (
     "(some of which might be irrelevant)."
 )
 KV_INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below."
+EXTRACTIVE_INSTRUCTION = (
+    "Answer the question with a short phrase copied from the document that answers it (some "
+    "documents are irrelevant)."
+)
+#: what joins the two copies of a repeated context or user turn (:attr:`Task.repeat`)
+REPEAT_SEPARATOR = "\n\n"
+#: what :func:`get_task` reads as a repeated variant of a task: ``NAME:repeat-MODE``
+REPEAT_SUFFIX = ":repeat-"
+#: the closed-book user turn of Lost in the Middle (``prompts/closedbook_qa.prompt``)
+CLOSED_BOOK_TEMPLATE = "Question: {question}\nAnswer:"
 
 
 def render_document(index: int, passage: Passage) -> str:
@@ -55,6 +79,24 @@ def kv_completion_prefix(key: str) -> str:
     """Base-model form of KV retrieval: the value opens with its quote right after
     ``Corresponding value:`` (Liu et al., "Lost in the Middle", TACL 2024, Sec. 3)."""
     return ' "'
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    """A solved example shown before the question (few-shot): a question, its passages in
+    prompt order and its answer, rendered by the task's own passage format.
+
+    Attributes:
+        question: the question.
+        passages: the passages, in the order shown.
+        answer: the answer the example gives.
+        source: where it comes from (``file#record`` and the record's id), for the docs.
+    """
+
+    question: str
+    passages: tuple[Passage, ...]
+    answer: str
+    source: str
 
 
 def _no_prefix(question: str) -> str:
@@ -87,6 +129,20 @@ class Task:
         max_new_tokens: answer budget (tokens).
         stop_at_newline: the answer ends at its first newline.
         scorer: ``(answer, gold answers) -> correct``.
+        data_format: the records the task reads (``qa``: question, answers and passages;
+            ``kv``: key-value records), :func:`ragfix.connectors.litm.detect_format`.
+        demonstrations: solved examples put between the instruction and the context, each in
+            the task's own format (``{context}`` then ``{question}`` and its answer).
+        closed_book_template: the user turn without passages, with the field ``{question}``;
+            ``None``: the template with an empty context.
+        repeat: a prompt-level correction that any backend can read, remote ones too:
+            ``passages`` puts the context twice, one copy after the other (JRT-Prompt, Arora
+            et al., "Just read twice", arXiv 2407.05483), ``prompt`` the whole user turn twice
+            (Leviathan et al., "Prompt repetition improves non-reasoning LLMs", arXiv
+            2512.14982), each joined by :data:`REPEAT_SEPARATOR`; so every passage is read once
+            more after all the others (``passages``) or after the question too (``prompt``), at
+            about twice the prefill. The prompt's spans are those of both copies, in order.
+            :func:`get_task` builds the variant ``NAME:repeat-MODE`` of a registered task.
     """
 
     name: str
@@ -100,6 +156,41 @@ class Task:
     max_new_tokens: int = 32
     stop_at_newline: bool = True
     scorer: Callable[[str, Sequence[str]], bool] = best_subspan_em
+    data_format: str = "qa"
+    demonstrations: tuple[Demonstration, ...] = ()
+    closed_book_template: str | None = None
+    repeat: Literal["none", "passages", "prompt"] = "none"
+
+    @property
+    def head(self) -> str:
+        """What precedes the context in ``{instruction}``: the instruction and, after a blank
+        line each, the rendered demonstrations."""
+        parts = [self.instruction]
+        for d in self.demonstrations:
+            context = "".join(self.passage_texts(d.passages))
+            parts.append(
+                f"{context}\n\nQuestion: {self.render_question(d.question)}\nAnswer: {d.answer}"
+            )
+        return "\n\n".join(parts)
+
+    def fingerprint(self) -> str:
+        """16 hex digits identifying what the task renders and how it scores: its chat and
+        completion prompts for a fixed probe (two passages, and none), its answer budget, stop
+        rule and scorer. Recorded in a run's configuration (an edited template, instruction or
+        demonstration changes it)."""
+        probe = [Passage(title="T0", text="a b"), Passage(title="T1", text="c d")]
+        parts = [
+            self.name,
+            self.data_format,
+            str(self.max_new_tokens),
+            str(self.stop_at_newline),
+            f"{self.scorer.__module__}.{self.scorer.__qualname__}",
+            self.repeat,
+        ]
+        for passages in (probe, []):
+            p = self.prompt("Q?", passages)
+            parts += [p.user, p.assistant_prefix, str(p.completion_prefix)]
+        return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
 
     def passage_texts(self, passages: Sequence[Passage]) -> list[str]:
         """Each passage rendered with its 1-based index, the separator attached to every one but
@@ -112,13 +203,25 @@ class Task:
 
     def user_turn(self, question: str, passages: Sequence[Passage] | str) -> str:
         """The filled template; ``passages`` in prompt order, or a ready ``{context}`` string
-        (e.g. a marker where attention sorting cuts the prompt)."""
+        (e.g. a marker where attention sorting cuts the prompt); no passages: the closed-book
+        form (:attr:`closed_book_template`), if the task has one. Repeated as
+        :attr:`repeat` says."""
+        question = self.render_question(question)
+        if not isinstance(passages, str) and not passages and self.closed_book_template:
+            return self._repeated(self.closed_book_template.format(question=question))
         context = passages if isinstance(passages, str) else "".join(self.passage_texts(passages))
-        return self.template.format(
-            instruction=self.instruction,
-            context=context,
-            question=self.render_question(question),
-        )
+        return self._filled(context, question)
+
+    def _filled(self, context: str, question: str) -> str:
+        """The template filled with ``context`` and ``question`` as they are, repeated as
+        :attr:`repeat` says."""
+        if self.repeat == "passages" and context:
+            context = context + REPEAT_SEPARATOR + context
+        user = self.template.format(instruction=self.head, context=context, question=question)
+        return self._repeated(user)
+
+    def _repeated(self, user: str) -> str:
+        return user + REPEAT_SEPARATOR + user if self.repeat == "prompt" else user
 
     def prompt(self, question: str, passages: Sequence[Passage] | str) -> TaskPrompt:
         """The :class:`TaskPrompt` of ``question`` with ``passages`` in the given order; given
@@ -141,7 +244,7 @@ class Task:
         if not isinstance(passages, str) and passages:
             marker = "\x00"  # never in a template: where the context starts
             head = self.template.format(
-                instruction=self.instruction,
+                instruction=self.head,
                 context=marker,
                 question=self.render_question(question),
             ).split(marker)[0]
@@ -150,6 +253,11 @@ class Task:
                 text = self.render_passage(i + 1, p)
                 out.append((start, start + len(text)))
                 start += len(text) + len(self.separator)
+            if self.repeat != "none":  # the second copy's spans, the same distance on
+                context = len("".join(self.passage_texts(passages)))
+                single = (len(user) - len(REPEAT_SEPARATOR)) // 2
+                shift = (context if self.repeat == "passages" else single) + len(REPEAT_SEPARATOR)
+                out += [(a + shift, b + shift) for a, b in out]
             spans = tuple(out)
         return TaskPrompt(
             user=user,
@@ -159,6 +267,7 @@ class Task:
             stop_at_newline=self.stop_at_newline,
             passages=spans,
             passage_separator=self.separator if spans else "",
+            closed_book=not isinstance(passages, str) and not passages,
         )
 
     def score(self, answer: str, answers: Sequence[str]) -> bool:
@@ -168,10 +277,8 @@ class Task:
     def placeholder_template(self, context: str, question: str) -> str:
         """The user turn with the instruction filled in and the given placeholders where the
         context and the question go (the question is inserted as it is, so this suits tasks
-        whose ``render_question`` is the identity)."""
-        return self.template.format(
-            instruction=self.instruction, context=context, question=question
-        )
+        whose ``render_question`` is the identity), repeated as :attr:`repeat` says."""
+        return self._filled(context, question)
 
     def llama_index_template(self) -> str:
         """The user turn as a LlamaIndex text-QA prompt string: ``{context_str}`` where the
@@ -192,12 +299,37 @@ def register_task(task: Task) -> Task:
     return task
 
 
+def task_names(data_format: str | None = None) -> list[str]:
+    """The registered tasks, sorted; only those reading ``data_format`` records when given."""
+    return sorted(n for n, t in _TASKS.items() if data_format in (None, t.data_format))
+
+
+def repeated(task: Task, mode: str) -> Task:
+    """``task`` read with its passages (``passages``) or its whole user turn (``prompt``)
+    twice (:attr:`Task.repeat`), registered as ``NAME:repeat-MODE``; ``none``: ``task``.
+
+    Raises:
+        ConfigError: an unknown mode, or a task that is already repeated.
+    """
+    if mode == "none":
+        return task
+    if mode not in ("passages", "prompt"):
+        raise ConfigError(f"unknown repetition {mode!r}; choose none, passages or prompt")
+    if task.repeat != "none":
+        raise ConfigError(f"task {task.name!r} is already repeated")
+    return register_task(replace(task, name=f"{task.name}{REPEAT_SUFFIX}{mode}", repeat=mode))
+
+
 def get_task(name: str) -> Task:
-    """The task registered under ``name``.
+    """The task registered under ``name``, or the repeated variant ``NAME:repeat-MODE`` of one
+    (:func:`repeated`).
 
     Raises:
         ConfigError: unknown task (the message lists the known ones).
     """
+    base, sep, mode = name.partition(REPEAT_SUFFIX)
+    if name not in _TASKS and sep and base in _TASKS:
+        return repeated(_TASKS[base], mode)
     if name not in _TASKS:
         raise ConfigError(f"unknown task {name!r}; choose one of: {', '.join(sorted(_TASKS))}")
     return _TASKS[name]
@@ -209,6 +341,7 @@ QA = register_task(
         instruction=QA_INSTRUCTION,
         template="{instruction}\n\n{context}\n\nQuestion: {question}\nAnswer:",
         render_passage=render_document,
+        closed_book_template=CLOSED_BOOK_TEMPLATE,
     )
 )
 KV = register_task(
@@ -226,7 +359,67 @@ KV = register_task(
         max_new_tokens=40,
         stop_at_newline=False,
         scorer=_kv_score,
+        data_format="kv",
     )
+)
+
+#: the two demonstrations of ``qa-extractive-2shot``: records 721 and 729 of
+#: data/squad_dev_multidoc.jsonl.gz (tune range, articles Super_Bowl_50 and Nikola_Tesla), each
+#: with one short distractor of its article; the gold passage second in the first, first in the
+#: second, so the examples favour no position
+SQUAD_DEMONSTRATIONS = (
+    Demonstration(
+        question="What disease did Tesla catch?",
+        passages=(
+            Passage(
+                title="Nikola Tesla",
+                text="In 1899, John Jacob Astor IV invested $100,000 for Tesla to further develop "
+                "and produce a new lighting system. Instead, Tesla used the money to fund his "
+                "Colorado Springs experiments.",
+            ),
+            Passage(
+                title="Nikola Tesla",
+                text="In 1873, Tesla returned to his birthtown, Smiljan. Shortly after he arrived, "
+                "Tesla contracted cholera; he was bedridden for nine months and was near death "
+                "multiple times. Tesla's father, in a moment of despair, promised to send him to "
+                "the best engineering school if he recovered from the illness (his father had "
+                "originally wanted him to enter the priesthood).",
+            ),
+        ),
+        answer="cholera",
+        source="data/squad_dev_multidoc.jsonl.gz#729 (SQuAD 56e0c2307aa994140058e6e0)",
+    ),
+    Demonstration(
+        question="Who is the commissioner of the NFL?",
+        passages=(
+            Passage(
+                title="Super Bowl 50",
+                text="In early 2012, NFL Commissioner Roger Goodell stated that the league planned "
+                'to make the 50th Super Bowl "spectacular" and that it would be "an important '
+                'game for us as a league".',
+            ),
+            Passage(
+                title="Super Bowl 50",
+                text="The Panthers used the San Jose State practice facility and stayed at the San "
+                "Jose Marriott. The Broncos practiced at Stanford University and stayed at the "
+                "Santa Clara Marriott.",
+            ),
+        ),
+        answer="Roger Goodell",
+        source="data/squad_dev_multidoc.jsonl.gz#721 (SQuAD 56d6edd00d65d21400198250)",
+    ),
+)
+QA_EXTRACTIVE = register_task(
+    Task(
+        name="qa-extractive",
+        instruction=EXTRACTIVE_INSTRUCTION,
+        template="{instruction}\n\n{context}\n\nQuestion: {question}\nAnswer:",
+        render_passage=render_document,
+        closed_book_template="Answer the question with a short phrase.\n\n" + CLOSED_BOOK_TEMPLATE,
+    )
+)
+QA_EXTRACTIVE_2SHOT = register_task(
+    replace(QA_EXTRACTIVE, name="qa-extractive-2shot", demonstrations=SQUAD_DEMONSTRATIONS)
 )
 
 
@@ -271,6 +464,9 @@ def score_answer(sample: QASample, answer: str) -> bool:
 
 __all__ = [
     "CHUNK_SEPARATOR",
+    "Demonstration",
+    "QA_EXTRACTIVE",
+    "QA_EXTRACTIVE_2SHOT",
     "CHUNK_TEMPLATE",
     "KV",
     "KV_INSTRUCTION",
@@ -282,8 +478,10 @@ __all__ = [
     "kv_answer_prefix",
     "register_task",
     "render_chunk",
+    "repeated",
     "render_document",
     "render_kv_pair",
     "score_answer",
+    "task_names",
     "task_prompt",
 ]

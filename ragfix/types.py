@@ -192,7 +192,10 @@ class SweepRecord(BaseModel):
 
     ``position`` is the gold passage's prompt position (raw model) or its retrieval rank (when a
     reorder strategy is applied); ``prompt_position`` is always where it ended up in the prompt
-    (-1: not in the prompt, or no prompt was run).
+    (-1: not in the prompt, or no prompt was run). A reference point of the sweep
+    (:mod:`ragfix.eval.sweep`) has ``reference`` set (``closed-book``: no passage; ``oracle``:
+    the gold passage alone), ``position`` -1 and ``num_docs`` 0 or 1; it is never part of a
+    curve.
 
     ``flags`` name what makes the cell unlike an ordinary scored answer (counted per position in
     ``summary.json`` and the printed tables, see :mod:`ragfix.eval.sweep`):
@@ -226,6 +229,7 @@ class SweepRecord(BaseModel):
     cell_id: str
     sample_id: str
     position: int
+    reference: str | None = None
     prompt_position: int
     num_docs: int
     backend: str

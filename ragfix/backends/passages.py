@@ -29,7 +29,9 @@ PAD = -2
 
 
 def spans_required(backend: HFBackend, prompt: Prompt, does: str) -> TaskPrompt:
-    """``prompt`` as a task prompt with passage spans.
+    """``prompt`` as a task prompt with passage spans, or a closed-book task prompt (no
+    passages by construction, :attr:`TaskPrompt.closed_book`: the methods read it as the model
+    does, every passage function here giving it no passage).
 
     Args:
         does: what the backend does with the passages, for the message (``"sorts a prompt's
@@ -38,7 +40,7 @@ def spans_required(backend: HFBackend, prompt: Prompt, does: str) -> TaskPrompt:
     Raises:
         RagfixError: a plain string or a task prompt without spans (one line naming the backend).
     """
-    if not isinstance(prompt, TaskPrompt) or not prompt.passages:
+    if not isinstance(prompt, TaskPrompt) or not (prompt.passages or prompt.closed_book):
         raise RagfixError(
             f"backend {backend.name!r} {does} and this prompt does not say where they are (a "
             "plain text, or a prompt built without passages): use a task prompt (ragfix eval, "
@@ -119,6 +121,8 @@ def passage_set(backend: HFBackend, prompt: Prompt) -> PassageSet:
     """
     prompt = spans_required(backend, prompt, "reads a prompt's passages as a set")
     text = backend.format_prompt(prompt)
+    if not prompt.passages:  # closed-book: every token before the (empty) set
+        return PassageSet(prefix=backend.tokenize(text), passages=[], suffix=[])
     offset = text.find(prompt.user)
     first, last = prompt.passages[0][0], prompt.passages[-1][1]
     sep = prompt.passage_separator

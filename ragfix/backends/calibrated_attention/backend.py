@@ -297,11 +297,15 @@ class CalibratedAttentionBackend(LayoutBackend):
     def _content_free(self, prompt: Prompt) -> TaskPrompt:
         """The content-free form of ``prompt`` (:attr:`TaskPrompt.no_content`).
 
+        A closed-book prompt (:attr:`TaskPrompt.closed_book`) is its own: it has no passage.
+
         Raises:
             RagfixError: a prompt without passage spans, or without a content-free form with
                 as many passages (built by the task prompts of :mod:`ragfix.tasks`).
         """
         prompt = spans_required(self, prompt, "calibrates the attention to a prompt's passages")
+        if prompt.closed_book:
+            return prompt
         free = prompt.no_content
         if free is None or len(free.passages) != len(prompt.passages):
             raise RagfixError(
@@ -333,8 +337,13 @@ class CalibratedAttentionBackend(LayoutBackend):
             RagfixError: as :meth:`_content_free`; a content-free prompt without text after
                 its passages.
             IncompatibleMethodsError: another method already patches the attention.
+
+        A closed-book prompt has no slot (``[H, 0]`` per layer): its attention is the model's.
         """
         free = self._content_free(prompt)
+        if free.closed_book:
+            heads = self.model.config.num_attention_heads
+            return {layer: torch.zeros(heads, 0, device=self.device) for layer in self.layers}
         key = chat_text(self.tokenizer, free)
         if key not in self._biases:
             if len(self._biases) >= _BIAS_CACHE:

@@ -190,7 +190,8 @@ class _PineRun:
         n = len(lengths)
         in_region = blocks >= 0
         region = in_region.nonzero().squeeze(-1)  # passage tokens
-        onehot = torch.nn.functional.one_hot(blocks[region], n).to(q.dtype)  # [R, n]
+        # [R, n]; a row without passages (a closed-book prompt) is plain causal attention below
+        onehot = torch.nn.functional.one_hot(blocks[region], n).to(q.dtype) if n else None
         doc_of_key = blocks.clamp(min=0)  # a passage index for every key (used where in_region)
         out = torch.zeros(heads, c, d, device=q.device, dtype=q.dtype)
         first = int(region[0]) if len(region) else total

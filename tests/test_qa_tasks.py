@@ -1,0 +1,185 @@
+"""Task forms for QA (extractive, demonstrations, closed-book, repetition) and the sweep's
+reference points (closed-book, oracle), on the real SmolLM2 and the bundled SQuAD file."""
+
+import json
+
+import pytest
+from conftest import data_file, tiny_folder
+from typer.testing import CliRunner
+
+from ragfix.cli.app import app
+from ragfix.eval.compare import load_run
+from ragfix.eval.sweep import CLOSED_BOOK, LEGACY_TASK_FORMS, ORACLE, REFERENCE_POSITION
+from ragfix.metrics import wilson_interval
+from ragfix.tasks import REPEAT_SEPARATOR, SQUAD_DEMONSTRATIONS, get_task
+from ragfix.types import Passage
+
+runner = CliRunner()
+DOCS = [
+    Passage(title="Rivers", text="The Rhine flows into the North Sea."),
+    Passage(title="Cities", text="Paris is the capital of France.", is_gold=True),
+    Passage(title="Mountains", text="Mont Blanc is in the Alps."),
+]
+
+
+def test_the_legacy_fingerprints_are_the_tasks_as_they_are():
+    # a folder written before configurations recorded task_form stands for these: editing the
+    # qa or kv prompt must change them (and so refuse those folders), never silently resume
+    assert {n: get_task(n).fingerprint() for n in LEGACY_TASK_FORMS} == LEGACY_TASK_FORMS
+    forms = {get_task(n).fingerprint() for n in ("qa", "qa-extractive", "qa-extractive-2shot")}
+    assert len(forms) == 3
+
+
+def test_the_extractive_forms_render_passages_demonstrations_and_closed_book():
+    plain, shot = get_task("qa-extractive"), get_task("qa-extractive-2shot")
+    p = shot.prompt("What is the capital of France?", DOCS)
+    assert [p.user[a:b] for a, b in p.passages] == [
+        f"Document [{i}](Title: {d.title}) {d.text}" for i, d in enumerate(DOCS, 1)
+    ]
+    # the demonstrations stand between the instruction and the context, answered
+    head = p.user[: p.passages[0][0]]
+    assert head.startswith(plain.instruction)
+    for demo in SQUAD_DEMONSTRATIONS:
+        assert f"Question: {demo.question}\nAnswer: {demo.answer}\n\n" in head
+        assert all(d.text in head for d in demo.passages)
+    assert p.user.endswith("Question: What is the capital of France?\nAnswer:")
+    assert (
+        p.user[p.passages[0][0] :]
+        == plain.prompt("What is the capital of France?", DOCS).user[len(plain.instruction) + 2 :]
+    )
+    # no passages: the closed-book form, which knows it has none
+    closed = shot.prompt("What is the capital of France?", [])
+    assert closed.user == (
+        "Answer the question with a short phrase.\n\nQuestion: What is the capital of France?\n"
+        "Answer:"
+    )
+    assert closed.closed_book and closed.passages == ()
+    assert get_task("qa").prompt("Who?", []).user == "Question: Who?\nAnswer:"
+    assert not p.closed_book
+
+
+def test_repetition_puts_every_passage_twice_with_its_spans():
+    for mode in ("passages", "prompt"):
+        task = get_task(f"qa-extractive:repeat-{mode}")
+        once = get_task("qa-extractive").prompt("Which capital?", DOCS)
+        p = task.prompt("Which capital?", DOCS)
+        texts = [p.user[a:b] for a, b in p.passages]
+        assert texts == [*once.passage_texts(), *once.passage_texts()]
+        assert p.no_query.passage_texts() == once.no_query.passage_texts() * 2
+        if mode == "prompt":
+            assert p.user == once.user + REPEAT_SEPARATOR + once.user
+        else:
+            context = "".join(get_task("qa-extractive").passage_texts(DOCS))
+            assert context + REPEAT_SEPARATOR + context in p.user
+            assert p.user.count("Question: Which capital?") == 1
+        assert task.llama_index_template().count("{context_str}") == 2
+        assert task.fingerprint() != get_task("qa-extractive").fingerprint()
+
+
+@pytest.mark.parametrize("name", ["attention-sort", "calibrated-attention", "pine", "set-based"])
+def test_a_closed_book_prompt_reads_as_the_model_does_under_every_passage_method(name, tmp_path):
+    # the closed-book reference point of a passage method is the model without passages: each
+    # method's answer, first-token log-probabilities and log-likelihood equal vanilla's, alone
+    # and batched with a prompt that has passages
+    from ragfix.backends import load_backend
+
+    folder = str(tiny_folder(tmp_path / "tiny"))
+    task = get_task("qa-extractive")
+    closed = task.prompt("What is the capital of France?", [])
+    other = task.prompt("What is the capital of France?", DOCS)
+    vanilla = load_backend("vanilla", model=folder, device="cpu")
+    method = load_backend(name, model=folder, device="cpu")
+    want = vanilla.generate([closed], max_new_tokens=6, first_logprobs=True)[0]
+    alone = method.generate([closed], max_new_tokens=6, first_logprobs=True)[0]
+    batched = method.generate([other, closed], max_new_tokens=6, first_logprobs=True)[1]
+    for got in (alone, batched):
+        assert got.token_ids == want.token_ids
+        assert (got.first_logprobs - want.first_logprobs).abs().max() < 1e-5
+    ll = method.loglikelihood([(closed, " Paris")])[0]
+    assert ll == pytest.approx(vanilla.loglikelihood([(closed, " Paris")])[0], abs=1e-4)
+
+
+SQUAD = "squad_dev_multidoc.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def squad_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("squad") / "run"
+    args = [
+        "eval", str(data_file(SQUAD)), "--records", "0:2", "--num-docs", "2",
+        "--positions", "0,1", "--task", "qa-extractive", "--device", "cpu", "--out", str(out),
+    ]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return out, args, res.output
+
+
+def _records(out):
+    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_a_qa_sweep_reports_closed_book_and_oracle_before_its_curve(squad_run):
+    out, _, output = squad_run
+    recs = _records(out)
+    refs = [r for r in recs if r["reference"]]
+    assert sorted((r["reference"], r["num_docs"]) for r in refs) == sorted(
+        [(CLOSED_BOOK, 0), (ORACLE, 1)] * 2
+    )
+    assert {r["position"] for r in refs} == {REFERENCE_POSITION}
+    for r in refs:  # what the model read: no passage, or the gold passage alone
+        gold = r["prompt"]["passages"]
+        assert len(gold) == (r["reference"] == ORACLE)
+        assert "Question: " in r["prompt"]["text"]
+    summary = json.loads((out / "summary.json").read_text())
+    curve = summary["curves"]["vanilla"]
+    assert [p["n"] for p in curve["positions"]] == [2, 2] and summary["cells"] == 4
+    for name in (CLOSED_BOOK, ORACLE):
+        ok = sum(r["correct"] for r in refs if r["reference"] == name)
+        low, high = wilson_interval(ok, 2)
+        want = {"n": 2, "correct": ok, "accuracy": ok / 2, "low": low, "high": high}
+        assert summary["references"]["vanilla"][name] == want
+    assert summary["config"]["task"] == "qa-extractive"
+    assert summary["config"]["task_form"] == get_task("qa-extractive").fingerprint()
+    text = " ".join(output.split())
+    assert text.index("closed-book") < text.index("prompt position")
+    # a report reads the curve without the reference cells
+    run = load_run(out)
+    assert {pos for _, pos in run.curves["vanilla"]} == {0, 1}
+
+
+def test_a_sweep_never_resumes_under_an_edited_task_and_resumes_an_older_folder(
+    squad_run, tmp_path
+):
+    out, args, _ = squad_run
+    config = json.loads((out / "config.json").read_text())
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / "results.jsonl").write_text((out / "results.jsonl").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "task_form": "0123456789abcdef"}))
+    res = runner.invoke(app, [*args[:-1], str(edited)])
+    assert res.exit_code != 0 and "task_form" in res.output
+    # a qa folder written before task_form was recorded stands for today's qa prompt
+    old = tmp_path / "old"
+    res = runner.invoke(app, [*args[:-1], str(old), "--task", "qa", "--no-references",
+                              "--records", "0:1"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    stored = json.loads((old / "config.json").read_text())
+    assert stored.pop("task_form") == LEGACY_TASK_FORMS["qa"]
+    (old / "config.json").write_text(json.dumps(stored))
+    res = runner.invoke(app, [*args[:-1], str(old), "--task", "qa", "--no-references",
+                              "--records", "0:1"])  # fmt: skip
+    assert res.exit_code == 0 and "resuming: 2 of 2" in res.output, res.output
+
+
+def test_a_task_of_the_other_format_and_repetition_with_orders_are_refused(tmp_path):
+    squad = str(data_file(SQUAD))
+    res = runner.invoke(app, ["eval", squad, "--task", "kv", "--out", str(tmp_path / "a")])
+    assert res.exit_code == 2 and "--task kv reads kv records" in res.output
+    assert "qa-extractive-2shot" in res.output
+    res = runner.invoke(
+        app, ["eval", squad, "--repeat", "prompt", "--orders", "2", "--out", str(tmp_path / "b")]
+    )
+    assert res.exit_code == 2 and "--repeat and --orders do not combine" in res.output
+    res = runner.invoke(app, ["eval", squad, "--repeat", "twice", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "unknown repetition 'twice'" in res.output
+    assert not any(tmp_path.iterdir())
