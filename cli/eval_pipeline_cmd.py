@@ -23,9 +23,11 @@ from ragfix.cli.common import (
     LogPromptsOpt,
     ModelOpt,
     PositionsOpt,
+    RepeatOpt,
     RestartOpt,
     RunFolderOpt,
     SkipInvalidOpt,
+    TaskOpt,
     TrainWindowOpt,
     backend_options,
     console,
@@ -165,6 +167,8 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
         log_prompts: LogPromptsOpt = True,
+        task: TaskOpt = None,
+        repeat: RepeatOpt = "none",
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
@@ -217,6 +221,8 @@ def register(app: typer.Typer) -> None:
                 writer_options=writer,
                 embedder=embedder,
                 orders=None if orders is None else orders.model_dump(),
+                task=task or "qa",
+                repeat=repeat,
                 **({} if chunk_size is None else {"chunk_size": chunk_size}),
             )
             print_pipeline_run(summary, out, console)

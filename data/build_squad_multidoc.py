@@ -12,6 +12,11 @@ Records ``0:800`` are the tune range and ``800:1400`` the test range; each carri
 ``split`` (``tune`` or ``test``). The shuffle is ``random.Random(0)`` over the questions sorted by
 ``squad_id``, so a contiguous record range is a random sample of its split's questions.
 
+The test split's questions are also written as a pipeline question file,
+``squad_dev_multidoc_test_questions.jsonl`` beside the output (``id`` = the SQuAD id,
+``question``, ``answers``, ``gold_doc_id`` = the gold paragraph's id among the output's ``ctxs``,
+which ``ragfix eval-pipeline --corpus`` reads as its documents).
+
 Usage: ``python data/build_squad_multidoc.py SOURCE.jsonl.gz data/squad_dev_multidoc.jsonl.gz``
 """
 
@@ -19,6 +24,7 @@ import gzip
 import json
 import random
 import sys
+from pathlib import Path
 
 SIZES = {"tune": 800, "test": 600}
 
@@ -36,6 +42,18 @@ def main(source: str, target: str) -> None:
         out += [{**r, "split": split} for r in block[: SIZES[split]]]
     with gzip.GzipFile(target, "wb", mtime=0) as f:
         f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode())
+    questions = [
+        {
+            "id": r["squad_id"],
+            "question": r["question"],
+            "answers": r["answers"],
+            "gold_doc_id": r["ctxs"][0]["id"],
+        }
+        for r in out
+        if r["split"] == "test"
+    ]
+    path = Path(target).with_name("squad_dev_multidoc_test_questions.jsonl")
+    path.write_text("".join(json.dumps(q, ensure_ascii=False) + "\n" for q in questions))
 
 
 if __name__ == "__main__":

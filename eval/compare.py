@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragfix.connectors.records import parse_records
@@ -32,7 +32,7 @@ from ragfix.eval.merit import (
     significance,
 )
 from ragfix.eval.plot import plot_curves
-from ragfix.eval.sweep import open_store, summary_counts
+from ragfix.eval.sweep import ORACLE, open_store, reference_cells, reference_points, summary_counts
 from ragfix.eval.sweep_summary import (
     RESULTS_FILE,
     SUMMARY_FILE,
@@ -44,7 +44,7 @@ from ragfix.eval.sweep_summary import (
     unscored_lines,
 )
 from ragfix.io import CONFIG_FILE, atomic_write_json
-from ragfix.metrics import continues_context
+from ragfix.metrics import continues_context, mcnemar_exact
 from ragfix.models.resolve import DEFAULT_EMBEDDER
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed
 
@@ -95,6 +95,9 @@ class Run:
             (:func:`ragfix.metrics.continues_context`), over the same cells.
         records: every cell the run reported (overflowed ones included), as stored, in the
             summary's order (what ``ragfix report --html`` lists).
+        references: ``{curve label: {reference: {sample_id: correct}}}``: the run's scored
+            reference cells (closed-book, oracle; :mod:`ragfix.eval.sweep`), empty for a run
+            without them.
     """
 
     name: str
@@ -104,6 +107,7 @@ class Run:
     curves: dict[str, Cells]
     continued: dict[str, int]
     records: list[dict]
+    references: dict[str, dict[str, dict[str, bool]]] = field(default_factory=dict)
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -151,12 +155,14 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
             f"(first: {missing[0]}): rerun its `ragfix eval` command",
         )
     reported = [stored[i] for i in ids]
-    records, _ = summary_counts(reported)
+    records, counts = summary_counts(reported)
     curves = cells_by_curve(records)
     continued = dict.fromkeys(curves, 0)
     for r in records:
         continued[curve_label(r)] += continues_context(r.get("answer", ""))
-    run = Run(name or folder.name, folder, config, summary, curves, continued, reported)
+    left_out = set(counts["left_out"])
+    references = reference_cells([r for r in reported if r["sample_id"] not in left_out])
+    run = Run(name or folder.name, folder, config, summary, curves, continued, reported, references)
     if not run.curves:
         why = "; ".join(unscored_lines(summary)[1:])
         raise DataError(
@@ -352,13 +358,19 @@ def compare_loaded(
             why = "; ".join(_differences(first, run))
             notes.append(f"{run.name} not paired with {first.name}: {why}")
         groups.append([run])
-    paired = []
+    paired, ceilings = [], []
     for group in groups:
         base_run = group[0]
         base_curve = _baseline_curve(base_run)
         base_cells = base_run.curves[base_curve]
         base = _label(base_run, base_curve)
+        oracle = base_run.references.get(base_curve, {}).get(ORACLE)
         for run in group:
+            if oracle:
+                ceilings += [
+                    {"oracle": base, "curve": _label(run, curve), **_to_ceiling(oracle, cells)}
+                    for curve, cells in run.curves.items()
+                ]
             for curve, cells in run.curves.items():
                 other = _label(run, curve)
                 if other == base:
@@ -396,13 +408,42 @@ def compare_loaded(
                 },
                 "continued": r.continued,
                 **_retrieval_weighted(r, resamples, seed),
+                **({"references": reference_points(r.references)} if r.references else {}),
                 **({"written_questions": w} if (w := r.summary.get("written_questions")) else {}),
             }
             for r in runs
         ],
         "groups": [[r.name for r in g] for g in groups],
         "paired": paired,
+        **({"ceilings": ceilings} if ceilings else {}),
         "notes": notes,
+    }
+
+
+def _to_ceiling(oracle: dict[str, bool], cells: Cells) -> dict:
+    """A curve's worst position against an oracle, paired by sample: ``worst_position``, the
+    samples both have (``n``), the oracle's and the position's accuracy on them, their
+    ``difference`` (position - oracle), the discordant counts (``oracle_only``,
+    ``position_only``) and the exact McNemar ``p``."""
+    by_pos: dict[int, dict[str, bool]] = {}
+    for (sample, pos), ok in cells.items():
+        by_pos.setdefault(pos, {})[sample] = ok
+    worst = min(sorted(by_pos), key=lambda p: sum(by_pos[p].values()) / len(by_pos[p]))
+    common = sorted(set(oracle) & set(by_pos[worst]))
+    at = [by_pos[worst][s] for s in common]
+    ref = [oracle[s] for s in common]
+    oracle_only = sum(o and not a for o, a in zip(ref, at, strict=True))
+    position_only = sum(a and not o for o, a in zip(ref, at, strict=True))
+    n = len(common)
+    return {
+        "worst_position": worst,
+        "n": n,
+        "oracle_accuracy": sum(ref) / n if n else 0.0,
+        "accuracy": sum(at) / n if n else 0.0,
+        "difference": (sum(at) - sum(ref)) / n if n else 0.0,
+        "oracle_only": oracle_only,
+        "position_only": position_only,
+        "p": mcnemar_exact(oracle_only, position_only),
     }
 
 
@@ -442,15 +483,18 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
     one-run comparison (:func:`ragfix.eval.results.load_result`).
 
     Args:
-        kind: ``curve`` (per-position table of every curve), ``merit`` (figures of merit of every
-            curve), ``paired`` (per-position differences and McNemar p of every pair, then the
-            notes on runs not paired), ``comparison`` (all three).
+        kind: ``curve`` (per-position table of every curve), ``references`` (each curve's
+            closed-book and oracle, and its worst position against the baseline's oracle: runs
+            made with reference points), ``merit`` (figures of merit of every curve, after the
+            references table when the runs have reference points), ``paired`` (per-position
+            differences and McNemar p of every pair, then the notes on runs not paired),
+            ``comparison`` (all three).
 
     Raises:
-        DataError: ``merit`` or ``paired`` asked of a ``summary.json`` (they need the cells: use
-            ``ragfix report RUN --json FILE``).
+        DataError: ``references``, ``merit`` or ``paired`` asked of a ``summary.json`` (they
+            need the cells: use ``ragfix report RUN --json FILE``).
     """
-    if kind in ("merit", "paired") and comparison.get("kind") != COMPARISON_KIND:
+    if kind in ("references", "merit", "paired") and comparison.get("kind") != COMPARISON_KIND:
         raise DataError(
             comparison.get("source"),
             None,
@@ -465,6 +509,10 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
                 tables.append(
                     curve_table(f"{run['name']}:{c}" if several else c, curve, run["x_axis"])
                 )
+    if kind in ("references", "merit", "comparison") and any(
+        run.get("references") for run in comparison["runs"]
+    ):
+        tables.append(_references_table(comparison))
     if kind in ("merit", "comparison"):
         tables.append(_merit_table(comparison))
         if any(run.get("retrieval_weighted") for run in comparison["runs"]):
@@ -474,6 +522,43 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
         if comparison["notes"]:
             tables.append(TableSpec("not paired", lines=list(comparison["notes"])))
     return tables
+
+
+def _references_table(comparison: dict) -> TableSpec:
+    """Per curve: its own closed-book and oracle accuracy, then its worst position against the
+    oracle of its group's baseline (the model's ceiling), paired by sample with McNemar's p."""
+    from ragfix.eval.sweep import REFERENCES
+
+    ceilings = {c["curve"]: c for c in comparison.get("ceilings", [])}
+    rows = []
+    for run in comparison["runs"]:
+        for c in run["curves"]:
+            label = f"{run['name']}:{c}"
+            refs = run.get("references", {}).get(c, {})
+            row = [label]
+            for name in REFERENCES:
+                v = refs.get(name)
+                row.append("-" if v is None else f"{fmt_num(v['accuracy'])} {fmt_ci(v)}")
+            ceiling = ceilings.get(label)
+            if ceiling is None:
+                row += ["-", "-", "-"]
+            else:
+                row += [
+                    f"{fmt_num(ceiling['accuracy'])} @ {ceiling['worst_position']}",
+                    f"{fmt_signed(ceiling['difference'])} (n {ceiling['n']})",
+                    f"{ceiling['p']:.3g} (-{ceiling['oracle_only']} / +{ceiling['position_only']})",
+                ]
+            rows.append(row)
+    bases = sorted({c["oracle"] for c in comparison.get("ceilings", [])})
+    lines = [
+        "closed-book: the question alone; oracle: the gold passage alone (each curve's own, 95% "
+        "Wilson intervals). The worst position is set against the oracle of "
+        + (", ".join(bases) if bases else "the baseline")
+        + " on the same samples: its difference and exact McNemar p (the cells right only "
+        "under the oracle / only at the worst position)."
+    ]
+    headers = ["curve", *REFERENCES, "worst @ pos", "worst - oracle", "McNemar p"]
+    return TableSpec("reference points and the ceiling", headers, rows, lines)
 
 
 def _merit_table(comparison: dict) -> TableSpec:

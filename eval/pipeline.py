@@ -80,13 +80,14 @@ from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import retrieval_weighted_merit
 from ragfix.eval.progress import RunTally
 from ragfix.eval.run import RunConfig, RunFolder, RunKind, Store, input_fingerprints, run
-from ragfix.eval.sweep import parse_positions, summary_counts, sweep_folder
+from ragfix.eval.sweep import LEGACY_TASK_FORMS, parse_positions, summary_counts, sweep_folder
 from ragfix.eval.sweep_summary import build_summary, cells_by_curve, natural_ranks, write_summary
 from ragfix.integrations import require_extra
 from ragfix.integrations.engine import PipelineEngines
 from ragfix.io import read_run_config
 from ragfix.models import DEFAULT_EMBEDDER, check_hub_model
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
+from ragfix.tasks import get_task, repeated
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
 ATTENTION_LAYERS = CorrectionSettings.model_fields["attention_layers"].default
@@ -120,6 +121,10 @@ class PipelineConfig(RunConfig):
         needles: the needle settings (``--needles``, ``--needle-seed``), or ``None``.
         questions_from: the question-writing settings (``--questions-from``), or ``None``.
         task: ``qa-pipeline``.
+        qa_task: the QA task whose prompt, answer budget and scorer the pipeline's LLM reads
+            (:mod:`ragfix.tasks`: ``qa``, ``qa-extractive``, ``qa-extractive-2shot`` or a
+            repeated variant ``NAME:repeat-MODE``); ``qa_task_form`` its fingerprint
+            (:meth:`~ragfix.tasks.Task.fingerprint`): a rerun under an edited task is refused.
         num_docs: ``top_k``, the chunks the retriever returns.
         model, backend, backend_options: as in :class:`~ragfix.eval.sweep.SweepConfig`.
         retriever: ``faiss`` or ``bm25``.
@@ -141,12 +146,16 @@ class PipelineConfig(RunConfig):
         "needles": None,
         "questions_from": None,
         "embedder": DEFAULT_EMBEDDER,
+        "qa_task": "qa",
+        "qa_task_form": LEGACY_TASK_FORMS["qa"],
     }
     corpus: str
     questions: str | None
     needles: NeedleSettings | None = None
     questions_from: QuestionsFrom | None = None
     task: Literal["qa-pipeline"] = "qa-pipeline"
+    qa_task: str = "qa"
+    qa_task_form: str = LEGACY_TASK_FORMS["qa"]
     num_docs: int = Field(ge=1)
     model: str
     backend: str
@@ -197,6 +206,8 @@ def run_pipeline_sweep(
     writer_options: dict | None = None,
     embedder: str | None = None,
     orders: dict | None = None,
+    task: str = "qa",
+    repeat: str = "none",
 ) -> dict:
     """Run the position sweep through a LlamaIndex, LangChain or Haystack pipeline; returns the
     summary dict.
@@ -252,6 +263,12 @@ def run_pipeline_sweep(
             order's answer kept in the records (``extra["votes"]``); validated before anything
             is loaded, part of the cell ids (as ``backend_options["orders"]``) and of the
             backend's identity, so a run folder is never resumed onto other orders.
+        task: the QA task every framework's pipeline renders and scores (``qa``,
+            ``qa-extractive``, ``qa-extractive-2shot``, a repeated variant ``NAME:repeat-MODE``:
+            :func:`ragfix.tasks.get_task`); recorded with its fingerprint.
+        repeat: read the chunks (``passages``) or the whole prompt (``prompt``) twice
+            (:func:`ragfix.tasks.repeated`: the task becomes ``TASK:repeat-MODE``); not with
+            ``orders``.
 
     Raises:
         ConfigError, DataError, CorpusError, NeedleError, ProfileError, ModelNotFoundError: bad
@@ -298,6 +315,14 @@ def run_pipeline_sweep(
             raise ConfigError("strategy bias-profile needs --profile (a sweep's summary.json)")
         accuracies = load_profile(profile, model, top_k)
     ranks = parse_positions(positions, top_k)
+    qa_task = repeated(get_task(task), repeat)
+    if qa_task.data_format != "qa":
+        raise ConfigError(f"--task {task} is not a QA task; a pipeline answers questions")
+    if repeat != "none" and orders is not None:
+        raise ConfigError(
+            "--repeat and --orders do not combine: order marginalization would reorder the two "
+            "copies of the passages apart"
+        )
     if embedder is not None and not Path(embedder).is_dir():
         check_hub_model(embedder)
     written = Path(out) / WRITTEN_QUESTIONS if questions_from is not None else None
@@ -328,6 +353,8 @@ def run_pipeline_sweep(
         questions=None if asked is None else str(Path(asked).resolve()),
         needles=needles,
         questions_from=questions_from,
+        qa_task=qa_task.name,
+        qa_task_form=qa_task.fingerprint(),
         num_docs=top_k,
         model=model,
         backend=backend,
@@ -486,7 +513,12 @@ class PipelineRun(RunKind):
     def compute(self, todo: list[tuple], store: Store, batch_size: int) -> None:
         c = self.config
         engines = ENGINES[c.framework](
-            self.backend, self.strategies, self.accuracies, c.num_docs, self.attention_rounds
+            self.backend,
+            self.strategies,
+            self.accuracies,
+            c.num_docs,
+            self.attention_rounds,
+            c.qa_task,
         )
         planned = engines.plan(todo, self.retrieved, {n.node_id: n for n in self.cor.nodes})
         for cands, (q, r, s, cell) in planned:

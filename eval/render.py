@@ -11,7 +11,8 @@ results/NAME.json``). In the Markdown, a table is a block between two markers::
 ``PATH`` is the result file, relative to the Markdown file's folder (``results/kv8.json`` in the
 README, ``../results/kv8.json`` in ``docs/``). ``KIND`` is a table kind of
 :func:`ragfix.eval.results.result_tables`: ``curve`` (per-position accuracy with Wilson
-intervals; a ``summary.json`` or a comparison), ``merit`` (mean, worst position and gap with 95%
+intervals; a ``summary.json`` or a comparison), ``references`` (closed-book and oracle, and the
+worst position against the oracle), ``merit`` (mean, worst position and gap with 95%
 intervals), ``paired`` (per-position differences, McNemar p, the notes on runs not paired) or
 ``comparison`` (all three); ``merit`` and ``paired`` need a comparison file. ``benchmark`` renders
 a benchmark's file (:func:`ragfix.eval.results.write_benchmark`), ``ppl`` a perplexity result

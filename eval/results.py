@@ -25,7 +25,16 @@ BENCHMARK_KIND = "ragfix-benchmark"
 
 #: table kinds of a comparison (``ragfix report`` prints ``comparison``: all of them), of a
 #: benchmark, of a perplexity result and of a judge run
-TABLE_KINDS = ("curve", "merit", "paired", "comparison", "benchmark", "ppl", "judge")
+TABLE_KINDS = (
+    "curve",
+    "references",
+    "merit",
+    "paired",
+    "comparison",
+    "benchmark",
+    "ppl",
+    "judge",
+)
 
 
 #: table kinds that render one kind of result file only, and the only kind for that file:
@@ -66,16 +75,18 @@ def result_tables(result: dict, kind: str = "comparison") -> list[TableSpec]:
     """The tables of a result file (:func:`load_result`) of table kind ``kind``.
 
     Args:
-        kind: ``curve``, ``merit``, ``paired`` or ``comparison`` for a comparison or a
-            ``summary.json`` (:func:`ragfix.eval.compare.comparison_tables`); ``benchmark`` for a
-            benchmark's file (:func:`write_benchmark`: all its tables), ``ppl`` for a perplexity
-            result (:func:`ragfix.eval.ppl_tables.ppl_tables`), ``judge`` for a judge run's
-            ``summary.json`` (:func:`ragfix.judge.report.judge_tables`).
+        kind: ``curve``, ``references``, ``merit``, ``paired`` or ``comparison`` for a
+            comparison or a ``summary.json`` (:func:`ragfix.eval.compare.comparison_tables`);
+            ``benchmark`` for a benchmark's file (:func:`write_benchmark`: all its tables),
+            ``ppl`` for a perplexity result (:func:`ragfix.eval.ppl_tables.ppl_tables`),
+            ``judge`` for a judge run's ``summary.json``
+            (:func:`ragfix.judge.report.judge_tables`).
 
     Raises:
         RagfixError: an unknown table kind.
-        DataError: ``merit`` or ``paired`` asked of a ``summary.json``; ``benchmark``, ``ppl`` or
-            ``judge`` asked of another file, or another kind asked of their files.
+        DataError: ``references``, ``merit`` or ``paired`` asked of a ``summary.json``;
+            ``benchmark``, ``ppl`` or ``judge`` asked of another file, or another kind asked of
+            their files.
     """
     if kind not in TABLE_KINDS:
         raise RagfixError(f"unknown table kind {kind!r} (one of: {', '.join(TABLE_KINDS)})")

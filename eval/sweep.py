@@ -443,10 +443,10 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
         without an unscored cell; ``extra`` = ``{"cells": curve records, "scored_cells":
         len(scored), "excluded_samples": samples left out, "flags": {flag: {position or
         reference: cells}}, "empty_answer_reasons": {the server's reason: cells}, "cell_ids":
-        the ids of all records, "references": reference_points of the scored reference
-        cells}`` (positions as strings, sorted; ``references`` only when the run has reference
-        cells). ``cell_ids`` tells a report which of a folder's cells the run reported
-        (:func:`ragfix.eval.compare.load_run`).
+        the ids of all records, "left_out": the ids of the samples left out, "references":
+        reference_points of the scored reference cells}`` (positions as strings, sorted;
+        ``references`` only when the run has reference cells). ``cell_ids`` tells a report
+        which of a folder's cells the run reported (:func:`ragfix.eval.compare.load_run`).
     """
     left_out = {r["sample_id"] for r in records if UNSCORED.intersection(r.get("flags", ()))}
     counts: dict[str, dict[int | str, int]] = {}
@@ -477,36 +477,40 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
         },
         "empty_answer_reasons": dict(sorted(reasons.items())),
         "cell_ids": [r["cell_id"] for r in records],
-        **({"references": reference_points(refs)} if refs else {}),
+        "left_out": sorted(left_out),
+        **({"references": reference_points(reference_cells(refs))} if refs else {}),
     }
 
 
-def reference_points(records: list[dict]) -> dict[str, dict[str, dict]]:
+def reference_cells(records: list[dict]) -> dict[str, dict[str, dict[str, bool]]]:
+    """``{curve label: {reference: {sample_id: correct}}}`` of the reference cells among
+    ``records`` (``reference`` set; others ignored), references in the order of
+    :data:`REFERENCES`."""
+    out: dict[str, dict[str, dict[str, bool]]] = {}
+    for r in records:
+        if r.get("reference"):
+            by_ref = out.setdefault(curve_label(r), {})
+            by_ref.setdefault(r["reference"], {})[r["sample_id"]] = bool(r["correct"])
+    return {
+        label: {name: by_ref[name] for name in REFERENCES if name in by_ref}
+        for label, by_ref in sorted(out.items())
+    }
+
+
+def reference_points(cells: dict[str, dict[str, dict[str, bool]]]) -> dict[str, dict[str, dict]]:
     """The accuracy of each reference point, per curve: ``{curve label: {reference: {"n",
-    "correct", "accuracy", "low", "high"}}}`` (``low``, ``high``: its 95% Wilson interval),
-    references in the order of :data:`REFERENCES`.
+    "correct", "accuracy", "low", "high"}}}`` (``low``, ``high``: its 95% Wilson interval).
 
     Args:
-        records: reference cells (``reference`` set), as stored.
+        cells: :func:`reference_cells`.
     """
-    tally: dict[str, dict[str, list[int]]] = {}
-    for r in records:
-        n_ok = tally.setdefault(curve_label(r), {}).setdefault(r["reference"], [0, 0])
-        n_ok[0] += 1
-        n_ok[1] += bool(r["correct"])
     out: dict[str, dict[str, dict]] = {}
-    for label, by_ref in sorted(tally.items()):
+    for label, by_ref in cells.items():
         out[label] = {}
-        for name in (n for n in REFERENCES if n in by_ref):
-            n, ok = by_ref[name]
+        for name, by_sample in by_ref.items():
+            n, ok = len(by_sample), sum(by_sample.values())
             low, high = wilson_interval(ok, n)
-            out[label][name] = {
-                "n": n,
-                "correct": ok,
-                "accuracy": ok / n,
-                "low": low,
-                "high": high,
-            }
+            out[label][name] = {"n": n, "correct": ok, "accuracy": ok / n, "low": low, "high": high}
     return out
 
 

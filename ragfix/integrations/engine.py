@@ -75,7 +75,7 @@ def node_parts(node) -> tuple[str, str, str, float | None]:
 
 class PipelineEngines:
     """One pipeline per strategy in a framework, over a backend and a retriever that returns the
-    cell's candidates (the ``qa`` task's prompt, all kept chunks in one prompt); :meth:`run`
+    cell's candidates (the ``task``'s prompt, all kept chunks in one prompt); :meth:`run`
     answers one cell and builds its record. Subclasses build the framework's pipelines
     (:meth:`_build`), run the correction alone (:meth:`_order`) and query a pipeline
     (:meth:`_query`); ``self.llms[s]`` is strategy ``s``'s LLM component (``calls``,
@@ -91,6 +91,9 @@ class PipelineEngines:
         accuracies: the bias profile's accuracy per position (``bias-profile``), or ``None``.
         top_k: the chunks of each cell (the retriever's top-k).
         attention_rounds: rounds of the attention strategies.
+        task: the QA task whose prompt every framework's pipeline renders, whose answer budget
+            and stop rule its LLM component follows and whose scorer scores the answer
+            (:mod:`ragfix.tasks`: ``qa``, ``qa-extractive``, a repeated variant).
 
     A cell is ``(question, rank, strategy, cell id)``; the question has ``id``, ``question``,
     ``answers`` and ``gold_node_id`` (:class:`~ragfix.connectors.corpus.PipelineQuestion`).
@@ -98,10 +101,22 @@ class PipelineEngines:
 
     framework = ""
 
-    def __init__(self, backend, strategies, accuracies, top_k: int, attention_rounds: int):
-        self.backend, self.top_k = backend, top_k
+    def __init__(
+        self,
+        backend,
+        strategies,
+        accuracies,
+        top_k: int,
+        attention_rounds: int,
+        task: str = "qa",
+    ):
+        self.backend, self.top_k, self.task = backend, top_k, get_task(task)
         self.fit: dict[str, Fit] = {}  # cell id -> the backend's verdict on its prompt
-        self.answer = {"max_new_tokens": 32, "stop_at_newline": True, "prefix_reuse": True}
+        self.answer = {
+            "max_new_tokens": self.task.max_new_tokens,
+            "stop_at_newline": self.task.stop_at_newline,
+            "prefix_reuse": True,
+        }
         self.llms: dict = {}
         self.posts: dict = {}
         for s in strategies:
@@ -198,7 +213,7 @@ class PipelineEngines:
             prefill_tokens=gen.prefill_tokens,
             new_tokens=gen.new_tokens,
             answer=answer,
-            correct=not UNSCORED.intersection(flags) and get_task("qa").score(answer, q.answers),
+            correct=not UNSCORED.intersection(flags) and self.task.score(answer, q.answers),
             seconds=round(secs, 4),
             flags=flags,
             question=q.question,
@@ -219,12 +234,12 @@ class PipelineEngines:
         )
 
     def fits(self, question: str, cands: list) -> Fit:
-        """The backend's verdict (:meth:`~ragfix.backends.Backend.fit`) on the ``qa`` prompt
+        """The backend's verdict (:meth:`~ragfix.backends.Backend.fit`) on the task's prompt
         with every candidate chunk (as every framework renders them, in candidate order, their
         spans known: a backend over several orders of them judges the longest) and the answer
         budget."""
         chunks = [node_text(n) for n in cands]
-        user = get_task("qa").user_turn(question, join_chunks(chunks))
+        user = self.task.user_turn(question, join_chunks(chunks))
         spans = tuple(span for span in find_passages(user, chunks) if span is not None)
         prompt = TaskPrompt(user=user, max_new_tokens=self.answer["max_new_tokens"], passages=spans)
         return self.backend.fit(prompt)

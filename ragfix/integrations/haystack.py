@@ -392,7 +392,7 @@ class HaystackEngines(PipelineEngines):
         )
         pipe = Pipeline()
         pipe.add_component("ranker", self.posts[s])
-        pipe.add_component("prompt", qa_prompt_builder())
+        pipe.add_component("prompt", qa_prompt_builder(self.task.name))
         pipe.add_component("llm", self.llms[s])
         pipe.connect("ranker.context", "prompt.context")
         pipe.connect("prompt.prompt", "llm.messages")

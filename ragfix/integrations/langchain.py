@@ -393,7 +393,7 @@ class LangChainEngines(PipelineEngines):
                 "context": itemgetter("docs") | RunnableLambda(format_documents),
                 "question": itemgetter("question"),
             }
-            | qa_prompt()
+            | qa_prompt(self.task.name)
             | chat
             | StrOutputParser()
         )

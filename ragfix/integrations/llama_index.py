@@ -54,7 +54,7 @@ class LlamaIndexEngines(PipelineEngines):
         synth = get_response_synthesizer(
             llm=llm,
             response_mode="compact",
-            text_qa_template=text_qa_template("qa"),
+            text_qa_template=text_qa_template(self.task.name),
             prompt_helper=helper,
         )
         self.engines[s] = RetrieverQueryEngine(
