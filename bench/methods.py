@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-from ragfix.eval.sweep import parse_positions
 from ragfix.tables import TableSpec
 
 #: the default ``--data``, relative to the working directory (the repository root)
@@ -131,6 +130,8 @@ def bench_methods(
     progress: Callable[[str], object] = lambda _: None,
     orders: int | None = None,
     aggregates: list[str] | None = None,
+    task: str | None = None,
+    repeats: list[str] | None = None,
 ) -> tuple[TableSpec, dict]:
     """Prefill seconds, generation seconds and prefill peak MiB of ``backends`` (default
     :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
@@ -144,7 +145,10 @@ def bench_methods(
     order's (the wrapper reads scores from the
     wrapped backend), its generation answers all K orders in one batch without prefix reuse
     (an upper bound on what a sweep, which reuses shared prefixes, pays), the scoring of a
-    scoring aggregator's candidates included.
+    scoring aggregator's candidates included. ``task`` reads the records as that task
+    (:func:`ragfix.tasks.get_task`; default ``qa`` or ``kv`` as the file); each mode of
+    ``repeats`` (``passages``, ``prompt``) adds a row of vanilla reading that task's repeated
+    prompts (:func:`ragfix.tasks.repeated`), named ``vanilla --repeat MODE``.
 
     Returns:
         ``(table, details)``: one row per (number of passages, backend), in that order;
@@ -157,8 +161,8 @@ def bench_methods(
 
     Raises:
         ConfigError: an unknown backend, one that needs an adapter, ``limit`` below 1,
-            ``orders`` below 2 or ``aggregates`` without ``orders`` (before anything is read or
-            loaded).
+            ``orders`` below 2, ``aggregates`` without ``orders``, an unknown task or
+            repetition, or a task of the other data format (before the model is loaded).
         pydantic.ValidationError: a backend whose options have no defaults, or an unknown
             aggregator (likewise).
         DataError: a missing or malformed data file, or too few passages for ``num_docs``.
@@ -166,10 +170,10 @@ def bench_methods(
     """
     from ragfix.backends import load_backend
     from ragfix.bundled import resolve_data
-    from ragfix.connectors.litm import load_samples
+    from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.errors import ConfigError
     from ragfix.models.device import resolve_device
-    from ragfix.tasks import task_prompt
+    from ragfix.tasks import get_task, repeated
 
     names = check_backends(list(backends or BACKENDS), model)
     if limit < 1:
@@ -192,11 +196,18 @@ def bench_methods(
         ]
     counts = list(num_docs or NUM_DOCS)
     path = resolve_data(data)
+    base = get_task(task or detect_format(path))
+    if base.data_format != detect_format(path):
+        raise ConfigError(f"--task {base.name} does not read the records of {path}")
+    tasks = {name: base for name in names}
+    for mode in repeats or []:
+        tasks[f"vanilla --repeat {mode}"] = repeated(base, mode)
+    samples = {n: load_samples(path, n, limit) for n in counts}
     prompts = {
-        n: [
-            task_prompt(s, s.passages_with_gold_at(parse_positions("middle", n)[0]))
-            for s in load_samples(path, n, limit)
-        ]
+        n: {
+            name: [t.prompt(s.question, s.passages_with_gold_at((n - 1) // 2)) for s in samples[n]]
+            for name, t in tasks.items()
+        }
         for n in counts
     }
     loaded = {}
@@ -205,12 +216,19 @@ def bench_methods(
         loaded[name] = load_backend(name, model=model, device=device)
     for label, options in marginal:  # over the vanilla already loaded: its weights, loaded once
         loaded[label] = marginalize_orders(loaded["vanilla"], options)
+        tasks[label] = base
         names = [*names, label]
+        for n in counts:
+            prompts[n][label] = prompts[n]["vanilla"]
+    for label in tasks:  # a repeated prompt is read by the vanilla backend
+        if label not in loaded:
+            loaded[label] = loaded["vanilla"]
+            names = [*names, label]
     dev = resolve_device(device)
-    first_prompts = prompts[counts[0]]
-    first = first_prompts[0]
+    first_prompts = prompts[counts[0]]["vanilla"]
     for name, b in loaded.items():
         progress(f"warm-up: {name}")
+        first = prompts[counts[0]][name][0]
         b.next_token_logprobs([first])
         b.generate([first], max_new_tokens=NEW_TOKENS)
 
@@ -218,11 +236,11 @@ def bench_methods(
     rows = []
     for n in counts:
         cells = {name: {k: [] for k in keys} for name in names}
-        for i, prompt in enumerate(prompts[n]):
+        for i in range(len(samples[n])):
             for name, b in loaded.items():
-                for k, v in _measure_prompt(b, prompt, dev).items():
+                for k, v in _measure_prompt(b, prompts[n][name][i], dev).items():
                     cells[name][k].append(v)
-            progress(f"{n} passages: prompt {i + 1}/{len(prompts[n])} done")
+            progress(f"{n} passages: prompt {i + 1}/{len(samples[n])} done")
         for name in names:
             c = cells[name]
             mibs = c["prefill_mib"]
@@ -244,7 +262,7 @@ def bench_methods(
             r["peak_x"] = _ratio(r["peak_mib"], base["peak_mib"])
 
     table = TableSpec(
-        f"methods vs vanilla · {model} · {path.name} · gold at the middle · {dev} "
+        f"methods vs vanilla · {model} · {path.name} ({base.name}) · gold at the middle · {dev} "
         f"· {torch.get_num_threads()} threads",
         ["backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s"]
         + ["×vanilla", "peak MiB", "×vanilla"],
@@ -272,6 +290,7 @@ def bench_methods(
     details = {
         "projection": LLAMA3_8B,
         "data": str(path),
+        "task": base.name,
         "model": model,
         "device": str(dev),
         "threads": torch.get_num_threads(),

@@ -205,6 +205,17 @@ def methods_cmd(
             "default aggregator)"
         ),
     ] = None,
+    task: Annotated[
+        str | None,
+        typer.Option(help="the task the records are read as (default: qa or kv as the file)"),
+    ] = None,
+    repeat: Annotated[
+        str | None,
+        typer.Option(
+            help="also vanilla reading the passages or the whole prompt twice: passages, "
+            "prompt (comma separated)"
+        ),
+    ] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Prefill time, 8-token generation time and prefill peak memory of each backend against
@@ -226,6 +237,8 @@ def methods_cmd(
             [a.strip() for a in orders_aggregate.split(",") if a.strip()]
             if orders_aggregate
             else None,
+            task,
+            [m.strip() for m in repeat.split(",") if m.strip()] if repeat else None,
         )
     show_tables(table, details, json_out, keep_all=True)
 

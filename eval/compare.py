@@ -3,7 +3,7 @@
 Every curve gets its figures of merit (mean, worst position, best-worst gap, with 95% intervals;
 :mod:`ragfix.eval.merit`). Runs are *paired* (the difference per position, the exact McNemar
 p-value, paired bootstrap intervals) only when their ``config.json`` agree on every field of
-:data:`CELL_FIELDS` (data, task, number of passages, record range and prompt layout), so that a
+:data:`CELL_FIELDS` (data, number of passages, record range and prompt layout), so that a
 cell key (sample, position) means the same prompt in both; runs that differ only in model,
 backend or adapter are paired. Other runs are drawn side by side (one plot panel per group of
 comparable runs) with a one-line note naming the differing fields (``num_docs 4 vs 8``). A run
@@ -53,14 +53,15 @@ COMPARISON_KIND = "ragfix-comparison"
 
 
 #: ``config.json`` fields that decide what a cell (sample, position) is: the data and the
-#: content of every input file (``inputs``), the task, the passages per prompt, the record range
-#: and the prompt layout (distractors; a pipeline's corpus, its questions, needles or written
-#: questions, retriever, chunking, embedder and framework). Runs are paired only when they agree
-#: on all of them (a field absent from both agrees).
+#: content of every input file (``inputs``), the passages per prompt, the record range and the
+#: prompt layout (distractors; a pipeline's corpus, its questions, needles or written questions,
+#: retriever, chunking, embedder and framework). Runs are paired only when they agree on all of
+#: them (a field absent from both agrees). The task form (``task``: ``qa``, ``qa-extractive``, a
+#: repeated variant) is not among them: it is a treatment of the same cells, as a backend is
+#: (the same data file read as another format cannot pair: its samples differ).
 CELL_FIELDS = (
     "data",
     "inputs",
-    "task",
     "num_docs",
     "records",
     "distractor_pool",

@@ -38,7 +38,13 @@ from ragfix.eval.judge_run import JUDGMENTS_FILE
 from ragfix.eval.judge_run import PLOT_FILE as JUDGE_PLOT
 from ragfix.eval.plot import curve_figure
 from ragfix.eval.sweep import Cell, SweepConfig, plan_cells, stored_prompt, summary_counts
-from ragfix.eval.sweep_summary import SUMMARY_FILE, curve_label, flags_table, read_summary
+from ragfix.eval.sweep_summary import (
+    SUMMARY_FILE,
+    curve_label,
+    flags_table,
+    on_curves,
+    read_summary,
+)
 from ragfix.io import atomic_write_text
 from ragfix.judge.report import JUDGE_KIND, judge_tables
 from ragfix.prompts import NO_CHAT_TEMPLATE
@@ -299,16 +305,18 @@ def _sweep_group(
     tables label them), one row per (sample, position) with each column's cell, and the
     baseline curve's worst position (shown first). ``rebuilt``: each run's
     :func:`rebuild_prompts` by name (a rebuilt cell's sample also gives its row the question and
-    gold answers its record may lack)."""
+    gold answers its record may lack). A sweep's reference cells (closed-book, oracle) are in
+    the tables, not among the rows: they have no position."""
     columns: list[str] = []
     rows: dict[tuple[str, int], dict] = {}
     for run in group:
         scored_ids = {r["cell_id"] for r in summary_counts(run.records)[0]}
         prompts = rebuilt[run.name]
-        labels = sorted({curve_label(r) for r in run.records})
+        records = on_curves(run.records)
+        labels = sorted({curve_label(r) for r in records})
         for label in labels:
             columns.append(f"{run.name}:{label}")
-        for r in run.records:
+        for r in records:
             key = (r["sample_id"], int(r["position"]))
             row = rows.setdefault(
                 key, {"key": key[0], "pos": key[1], "q": None, "gold": None, "cells": {}}

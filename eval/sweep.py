@@ -56,7 +56,13 @@ from ragfix.backends.base import Backend, Fit, Prompt
 from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError, Interrupted
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
-from ragfix.eval.sweep_summary import PLOT_FILE, RESULTS_FILE, SUMMARY_FILE, curve_label
+from ragfix.eval.sweep_summary import (
+    PLOT_FILE,
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    curve_label,
+    on_curves,
+)
 from ragfix.io import JsonlStore
 from ragfix.metrics import cell_flags, wilson_interval
 from ragfix.tasks import get_task, score_answer
@@ -460,7 +466,7 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
         for r in records
         if EMPTY_ANSWER in r.get("flags", ())
     )
-    curve = [r for r in records if not r.get("reference")]
+    curve = on_curves(records)
     scored = [r for r in curve if r["sample_id"] not in left_out]
     refs = [r for r in records if r.get("reference") and r["sample_id"] not in left_out]
 

@@ -32,11 +32,18 @@ PLOT_FILE = "curve.png"
 
 def curves_from_records(records: list[dict]) -> dict[str, CurveSummary]:
     """One :class:`CurveSummary` per ``backend`` / ``strategy`` label (``"vanilla"``, or
-    ``"vanilla/lost-in-the-middle"`` when a reorder strategy is set)."""
+    ``"vanilla/lost-in-the-middle"`` when a reorder strategy is set); a sweep's reference
+    cells (``reference`` set) are no part of any curve."""
     groups: dict[str, list[tuple[int, bool]]] = {}
-    for r in records:
+    for r in on_curves(records):
         groups.setdefault(curve_label(r), []).append((int(r["position"]), bool(r["correct"])))
     return {label: position_curve(pairs) for label, pairs in sorted(groups.items())}
+
+
+def on_curves(records: list[dict]) -> list[dict]:
+    """The records that belong to a position curve: all but a sweep's reference points
+    (``reference`` set: closed-book, oracle)."""
+    return [r for r in records if not r.get("reference")]
 
 
 def through_pipeline(record: dict) -> bool:
@@ -55,9 +62,10 @@ def curve_label(record: dict) -> str:
 
 
 def cells_by_curve(records: list[dict]) -> dict[str, dict[tuple[str, int], bool]]:
-    """``{curve label: {(sample_id, position): correct}}``, for paired comparisons."""
+    """``{curve label: {(sample_id, position): correct}}``, for paired comparisons (reference
+    cells left out)."""
     out: dict[str, dict[tuple[str, int], bool]] = {}
-    for r in records:
+    for r in on_curves(records):
         out.setdefault(curve_label(r), {})[(r["sample_id"], int(r["position"]))] = bool(
             r["correct"]
         )

@@ -60,9 +60,11 @@ def finished_run(tmp_path_factory):
 
 def test_cli_sweep_writes_results_summary_and_plot(finished_run):
     out, output = finished_run
-    recs = _lines(out)
-    assert len(recs) == 9 and len({r["cell_id"] for r in recs}) == 9
-    assert sorted({r["position"] for r in recs}) == [0, 1, 2]
+    every = _lines(out)
+    assert len(every) == 15 and len({r["cell_id"] for r in every}) == 15
+    recs = [r for r in every if r["reference"] is None]  # QA: closed-book and oracle besides
+    assert len(recs) == 9 and sorted({r["position"] for r in recs}) == [0, 1, 2]
+    assert sorted(r["reference"] for r in every if r["reference"]) == ["closed-book", "oracle"] * 3
     for r in recs:
         assert {"sample_id", "position", "prompt_tokens", "answer", "correct", "seconds"} <= set(r)
         assert r["prompt_tokens"] > 300 and r["prefill_tokens"] <= r["prompt_tokens"]
@@ -85,14 +87,14 @@ def test_rerun_skips_finished_cells_and_resumes_after_a_crash(finished_run, tmp_
     (crashed / "results.jsonl").write_text("\n".join(lines[:6]) + "\n" + lines[6][:40])
     res = _eval(crashed)
     assert res.exit_code == 0, res.output
-    assert "resuming: 6 of 9 cells already done" in res.output
+    assert "resuming: 6 of 15 cells already done" in res.output
     recs = open_store(crashed).load()
-    assert len(recs) == 9
+    assert len(recs) == 15
     summary = json.loads((crashed / "summary.json").read_text())
     assert summary["curves"] == json.loads(before)["curves"]
     # a rerun of a finished run computes nothing and loads no model
     res = _eval(out)
-    assert "resuming: 9 of 9" in res.output and len(_lines(out)) == 9
+    assert "resuming: 15 of 15" in res.output and len(_lines(out)) == 15
 
 
 def test_report_compares_runs_cell_by_cell(finished_run, tmp_path):
@@ -100,7 +102,8 @@ def test_report_compares_runs_cell_by_cell(finished_run, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     recs = _lines(out)
-    flipped = {recs[0]["cell_id"], recs[4]["cell_id"]}
+    curve = [r for r in recs if r["reference"] is None]
+    flipped = {curve[0]["cell_id"], curve[4]["cell_id"]}
     for r in recs:  # a second system that differs from the first on two cells
         r["correct"] = not r["correct"] if r["cell_id"] in flipped else r["correct"]
         r["backend"] = "other"
