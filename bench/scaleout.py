@@ -85,6 +85,7 @@ def bench_processes(
         out = root / name.replace(" ", "-")
         cmd = [sys.executable, "-m", "ragfix.cli", "--threads", str(threads), "eval", data]
         cmd += ["--num-docs", str(num_docs), "--positions", "all", "--limit", str(limit)]
+        cmd += ["--no-references"]  # the curve's cells: what the settings are compared on
         cmd += ["--model", model, "--device", "cpu", "--workers", str(procs), "--out", str(out)]
         t = time.perf_counter()
         subprocess.run([*cmd, *MODE_FLAGS[mode]], check=True, capture_output=True, text=True)

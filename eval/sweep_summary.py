@@ -234,13 +234,20 @@ def unscored_lines(summary: dict) -> list[str]:
 
 
 def flags_table(summary: dict) -> TableSpec | None:
-    """The flagged cells per position of a ``summary.json`` (one column per flag) with
+    """The flagged cells per position of a ``summary.json`` (one column per flag; a sweep's
+    reference points, ``closed-book`` and ``oracle``, after the positions) with
     :func:`unscored_lines` under it; None when no cell is flagged."""
+    from ragfix.eval.sweep import REFERENCES
+
     flags = summary.get("flags") or {}
     if not flags:
         return None
-    positions = sorted({int(p) for per in flags.values() for p in per})
-    rows = [[str(p), *(str(per.get(str(p), 0)) for per in flags.values())] for p in positions]
+    keys = {p for per in flags.values() for p in per}
+    positions = [
+        *map(str, sorted(int(p) for p in keys if p not in REFERENCES)),
+        *(r for r in REFERENCES if r in keys),
+    ]
+    rows = [[p, *(str(per.get(p, 0)) for per in flags.values())] for p in positions]
     x_axis = summary.get("x_axis", "position")
     return TableSpec(
         f"flagged cells per {x_axis}", ["position", *flags], rows, unscored_lines(summary)

@@ -133,7 +133,9 @@ class Task:
             ``kv``: key-value records), :func:`ragfix.connectors.litm.detect_format`.
         demonstrations: solved examples put between the instruction and the context, each in
             the task's own format (``{context}`` then ``{question}`` and its answer).
-        closed_book_template: the user turn without passages, with the field ``{question}``;
+        closed_book_template: the user turn without passages, with the fields ``{question}``
+            and, optionally, ``{demonstrations}`` (each demonstration's question and answer,
+            without its passages: a task that shows examples shows them closed-book too);
             ``None``: the template with an empty context.
         repeat: a prompt-level correction that any backend can read, remote ones too:
             ``passages`` puts the context twice, one copy after the other (JRT-Prompt, Arora
@@ -208,7 +210,12 @@ class Task:
         :attr:`repeat` says."""
         question = self.render_question(question)
         if not isinstance(passages, str) and not passages and self.closed_book_template:
-            return self._repeated(self.closed_book_template.format(question=question))
+            demos = "".join(
+                f"Question: {self.render_question(d.question)}\nAnswer: {d.answer}\n\n"
+                for d in self.demonstrations
+            )
+            closed = self.closed_book_template.format(question=question, demonstrations=demos)
+            return self._repeated(closed)
         context = passages if isinstance(passages, str) else "".join(self.passage_texts(passages))
         return self._filled(context, question)
 
@@ -415,7 +422,8 @@ QA_EXTRACTIVE = register_task(
         instruction=EXTRACTIVE_INSTRUCTION,
         template="{instruction}\n\n{context}\n\nQuestion: {question}\nAnswer:",
         render_passage=render_document,
-        closed_book_template="Answer the question with a short phrase.\n\n" + CLOSED_BOOK_TEMPLATE,
+        closed_book_template="Answer the question with a short phrase.\n\n{demonstrations}"
+        + CLOSED_BOOK_TEMPLATE,
     )
 )
 QA_EXTRACTIVE_2SHOT = register_task(

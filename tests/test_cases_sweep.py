@@ -65,7 +65,8 @@ def test_case12_overflow_is_flagged_before_the_model_runs_and_counted(tiny_2048,
     args += ["--positions", "0,14,29", "--device", "cpu", "--out", str(out)]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    recs = _records(out)
+    every = _records(out)
+    recs = [r for r in every if r["reference"] is None]
     over = [r for r in recs if "overflow" in r["flags"]]
     fit = [r for r in recs if "overflow" not in r["flags"]]
     assert sorted(r["position"] for r in over) == [0, 14, 29]
@@ -78,6 +79,11 @@ def test_case12_overflow_is_flagged_before_the_model_runs_and_counted(tiny_2048,
     assert all(r["prefill_tokens"] > 0 and r["prompt_tokens"] + 32 <= 2048 for r in fit)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["flags"]["overflow"] == {"0": 1, "14": 1, "29": 1}
+    # its reference points fit and ran, and the sample is left out of them too
+    refs = [r for r in every if r["reference"] and r["sample_id"] in {o["sample_id"] for o in over}]
+    assert len(refs) == 2 and all(r["new_tokens"] > 0 for r in refs)
+    n = summary["curves"]["vanilla"]["positions"][0]["n"]
+    assert summary["references"]["vanilla"]["oracle"]["n"] == n
     assert summary["cells"] == 6 and summary["scored_cells"] == 3
     assert summary["excluded_samples"] == 1
     curve = summary["curves"]["vanilla"]
@@ -106,6 +112,7 @@ def test_case12_a_backend_that_cuts_by_design_runs_and_flags_the_cell(tmp_path):
         limit=1,
         device="cpu",
         on_record=recs.append,
+        references=False,
     )
     [r] = recs
     assert r.flags == ["cut_to_window"] and r.prompt_tokens > 256 and r.prefill_tokens == 224
@@ -166,7 +173,9 @@ def test_case09_sweep_counts_degenerate_gold_cells_in_summary_and_table(tmp_path
     data.write_text(case_file("09_subspan_em_degenerate_gold.jsonl").read_text())
     out = tmp_path / "run"
     res = runner.invoke(
-        app, ["eval", str(data), "--num-docs", "1", "--device", "cpu", "--out", str(out)]
+        app,
+        ["eval", str(data), "--num-docs", "1", "--no-references", "--device", "cpu"]
+        + ["--out", str(out)],
     )
     assert res.exit_code == 0, res.output
     recs = _records(out)

@@ -112,7 +112,7 @@ def test_eval_on_a_missing_file_is_one_line_naming_it(tmp_path):
 def test_a_failed_first_run_does_not_block_the_corrected_rerun(tmp_path):
     out = tmp_path / "run"
     args = ["eval", str(NQ), "--num-docs", "3", "--positions", "first", "--limit", "1"]
-    args += ["--device", "cpu", "--out", str(out)]
+    args += ["--no-references", "--device", "cpu", "--out", str(out)]
     res = runner.invoke(app, [*args, "--adapter", str(tmp_path / "no-adapter")])
     assert res.exit_code == 2 and "not an adapter folder" in res.output
     assert not (out / "config.json").exists()
@@ -140,9 +140,12 @@ def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
         assert summary == json.loads((out / "summary.json").read_text())
         runs[reuse] = {r["cell_id"]: r for r in _records(out)}
     on, off = runs[True], runs[False]
-    assert len(on) == 3 and set(on) == set(off)  # same cells, same ids
+    assert len(on) == 5 and set(on) == set(off)  # same cells, same ids (2 reference points)
     assert {k: r["answer"] for k, r in on.items()} == {k: r["answer"] for k, r in off.items()}
-    assert [r.position for r in seen[True]] == [2, 1, 0]  # last position first, then reuse
+    # last position first, then reuse; the reference points (position -1) after them
+    assert [(r.position, r.reference) for r in seen[True]] == [
+        (2, None), (1, None), (0, None), (-1, "closed-book"), (-1, "oracle")
+    ]  # fmt: skip
     assert sum(r["prefill_tokens"] for r in on.values()) < sum(
         r["prefill_tokens"] for r in off.values()
     )
@@ -162,6 +165,7 @@ def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(t
 
     out = tmp_path / "run"
     args = ["eval", str(NQ), "--num-docs", "3", "--positions", "first", "--device", "cpu"]
+    args += ["--no-references"]
     res = runner.invoke(app, [*args, "--records", "1:3", "--limit", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
     [rec] = _records(out)

@@ -47,11 +47,16 @@ def test_the_extractive_forms_render_passages_demonstrations_and_closed_book():
         p.user[p.passages[0][0] :]
         == plain.prompt("What is the capital of France?", DOCS).user[len(plain.instruction) + 2 :]
     )
-    # no passages: the closed-book form, which knows it has none
+    # no passages: the closed-book form, which knows it has none, the examples without theirs
     closed = shot.prompt("What is the capital of France?", [])
     assert closed.user == (
-        "Answer the question with a short phrase.\n\nQuestion: What is the capital of France?\n"
-        "Answer:"
+        "Answer the question with a short phrase.\n\n"
+        "Question: What disease did Tesla catch?\nAnswer: cholera\n\n"
+        "Question: Who is the commissioner of the NFL?\nAnswer: Roger Goodell\n\n"
+        "Question: What is the capital of France?\nAnswer:"
+    )
+    assert plain.prompt("Why?", []).user == (
+        "Answer the question with a short phrase.\n\nQuestion: Why?\nAnswer:"
     )
     assert closed.closed_book and closed.passages == ()
     assert get_task("qa").prompt("Who?", []).user == "Question: Who?\nAnswer:"
@@ -183,3 +188,27 @@ def test_a_task_of_the_other_format_and_repetition_with_orders_are_refused(tmp_p
     res = runner.invoke(app, ["eval", squad, "--repeat", "twice", "--out", str(tmp_path / "c")])
     assert res.exit_code == 2 and "unknown repetition 'twice'" in res.output
     assert not any(tmp_path.iterdir())
+
+
+def test_the_flags_table_lists_reference_points_after_the_positions():
+    from ragfix.eval.sweep_summary import flags_table
+
+    spec = flags_table({"flags": {"degenerate_gold": {"10": 1, "2": 3, "oracle": 1}}})
+    assert spec.rows == [["2", "3"], ["10", "1"], ["oracle", "1"]]
+
+
+def test_the_html_report_of_a_run_with_reference_points_lists_its_positions_only(squad_run):
+    import re
+
+    from ragfix.eval.compare import compare_loaded, load_runs
+    from ragfix.eval.html_report import render_report
+
+    out, _, _ = squad_run
+    runs = load_runs([out])
+    comparison = compare_loaded(runs)
+    page = render_report(runs, comparison, [])
+    found = re.search(r'<script type="application/json" id="cells">(.*?)</script>', page, re.S)
+    payload = json.loads(found.group(1))
+    rows = payload["groups"][0]["rows"]
+    assert sorted({r["pos"] for r in rows}) == [0, 1] and len(rows) == 4
+    assert "reference points and the ceiling" in page

@@ -51,7 +51,7 @@ def smol_run(tmp_path_factory):
     """The real embedded SmolLM2 on two samples of the bundled NQ sample, three documents,
     the gold one at every position."""
     out = tmp_path_factory.mktemp("smol") / "smol"
-    run_sweep(NQ, out, num_docs=3, limit=2, workers=1, device="cpu")
+    run_sweep(NQ, out, num_docs=3, limit=2, workers=1, device="cpu", references=False)
     return out
 
 

@@ -74,13 +74,15 @@ def test_torchrun_two_processes_equals_single_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     one, two = _records(single), _records(dist)
-    assert set(one) == set(two) and len(two) == 6
+    assert set(one) == set(two) and len(two) == 12  # 3 samples x (2 positions + 2 references)
     assert {k: r["answer"] for k, r in one.items()} == {k: r["answer"] for k, r in two.items()}
     ranks = [r["extra"]["rank"] for r in two.values()]
     assert sorted(set(ranks)) == [0, 1]  # both ranks worked, each cell once (keys unique)
     s1 = json.loads((single / "summary.json").read_text())["curves"]
     s2 = json.loads((dist / "summary.json").read_text())["curves"]
     assert s1 == s2
+    refs = [json.loads((f / "summary.json").read_text())["references"] for f in (single, dist)]
+    assert refs[0] == refs[1] and refs[0]["vanilla"]["oracle"]["n"] == 3
 
     # rank 1 "died": drop its cells; a rerun (any number of processes) redoes exactly those
     lost = [k for k, r in two.items() if r["extra"]["rank"] == 1]
@@ -88,7 +90,7 @@ def test_torchrun_two_processes_equals_single_process(tmp_path):
     (dist / "results.jsonl").write_text("\n".join(kept) + "\n")
     res = CliRunner().invoke(app, [*ARGS, "--out", str(dist)])
     assert res.exit_code == 0, res.output
-    assert f"resuming: {6 - len(lost)} of 6 cells already done" in res.output
+    assert f"resuming: {12 - len(lost)} of 12 cells already done" in res.output
     assert set(_records(dist)) == set(one)
 
 
@@ -100,7 +102,7 @@ def test_worker_processes_equal_single_process(tmp_path):
     assert res.exit_code == 0, res.output
     assert "2 worker processes, 1 torch thread(s) each" in res.output
     one, two = _records(single), _records(workers)
-    assert len(two) == 6 and not list(workers.glob("results.rank*"))
+    assert len(two) == 12 and not list(workers.glob("results.rank*"))
     assert {k: r["answer"] for k, r in one.items()} == {k: r["answer"] for k, r in two.items()}
     assert sorted({r["extra"]["rank"] for r in two.values()}) == [0, 1]
     s1 = json.loads((single / "summary.json").read_text())["curves"]
