@@ -484,7 +484,8 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
     one-run comparison (:func:`ragfix.eval.results.load_result`).
 
     Args:
-        kind: ``curve`` (per-position table of every curve), ``references`` (each curve's
+        kind: ``curve`` (per-position table of every curve, after the references table when
+            the runs have reference points), ``references`` (each curve's
             closed-book and oracle, and its worst position against the baseline's oracle: runs
             made with reference points), ``merit`` (figures of merit of every curve, after the
             references table when the runs have reference points), ``paired`` (per-position
@@ -510,7 +511,7 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
                 tables.append(
                     curve_table(f"{run['name']}:{c}" if several else c, curve, run["x_axis"])
                 )
-    if kind in ("references", "merit", "comparison") and any(
+    if kind in ("curve", "references", "merit", "comparison") and any(
         run.get("references") for run in comparison["runs"]
     ):
         tables.append(_references_table(comparison))
@@ -541,7 +542,9 @@ def _references_table(comparison: dict) -> TableSpec:
                 v = refs.get(name)
                 row.append("-" if v is None else f"{fmt_num(v['accuracy'])} {fmt_ci(v)}")
             ceiling = ceilings.get(label)
-            if ceiling is None:
+            if not ceilings:
+                pass
+            elif ceiling is None:
                 row += ["-", "-", "-"]
             else:
                 row += [
@@ -550,16 +553,20 @@ def _references_table(comparison: dict) -> TableSpec:
                     f"{ceiling['p']:.3g} (-{ceiling['oracle_only']} / +{ceiling['position_only']})",
                 ]
             rows.append(row)
-    bases = sorted({c["oracle"] for c in comparison.get("ceilings", [])})
-    lines = [
+    line = (
         "closed-book: the question alone; oracle: the gold passage alone (each curve's own, 95% "
-        "Wilson intervals). The worst position is set against the oracle of "
-        + (", ".join(bases) if bases else "the baseline")
-        + " on the same samples: its difference and exact McNemar p (the cells right only "
-        "under the oracle / only at the worst position)."
-    ]
-    headers = ["curve", *REFERENCES, "worst @ pos", "worst - oracle", "McNemar p"]
-    return TableSpec("reference points and the ceiling", headers, rows, lines)
+        "Wilson intervals)."
+    )
+    headers = ["curve", *REFERENCES]
+    if ceilings:
+        bases = sorted({c["oracle"] for c in comparison["ceilings"]})
+        line += (
+            f" The worst position is set against the oracle of {', '.join(bases)} on the same "
+            "samples: its difference and exact McNemar p (the cells right only under the oracle "
+            "/ only at the worst position)."
+        )
+        headers += ["worst @ pos", "worst - oracle", "McNemar p"]
+    return TableSpec("reference points and the ceiling", headers, rows, [line])
 
 
 def _merit_table(comparison: dict) -> TableSpec:

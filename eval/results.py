@@ -111,7 +111,7 @@ def result_tables(result: dict, kind: str = "comparison") -> list[TableSpec]:
 def load_result(path: str | Path) -> dict:
     """A result file as a comparison: a comparison, benchmark, perplexity or judge JSON as it is
     (its ``kind`` field says which), or a run's ``summary.json`` wrapped as a one-run comparison
-    (curves without bootstrap intervals, nothing paired).
+    (curves without bootstrap intervals, its reference points, nothing paired).
 
     Raises:
         DataError: missing, unreadable, or none of these files.
@@ -134,5 +134,6 @@ def load_result(path: str | Path) -> dict:
         "config": data.get("config", {}),
         "x_axis": data.get("x_axis", "prompt position"),
         "curves": data["curves"],
+        **({"references": data["references"]} if data.get("references") else {}),
     }
     return {"kind": "summary", "source": str(path), "runs": [run], "paired": [], "notes": []}

@@ -212,3 +212,22 @@ def test_the_html_report_of_a_run_with_reference_points_lists_its_positions_only
     rows = payload["groups"][0]["rows"]
     assert sorted({r["pos"] for r in rows}) == [0, 1] and len(rows) == 4
     assert "reference points and the ceiling" in page
+
+
+def test_bench_methods_measures_a_repeated_prompt_against_the_task_it_repeats(smol):
+    from ragfix.bench.methods import bench_methods
+    from ragfix.connectors.litm import load_samples
+
+    path = data_file(SQUAD)
+    _, details = bench_methods(
+        ["vanilla"], [2], limit=1, model="smollm2", device="cpu", data=path,
+        task="qa-extractive", repeats=["prompt"],
+    )  # fmt: skip
+    once, twice = details["measurements"]
+    assert (once["backend"], twice["backend"]) == ("vanilla", "vanilla --repeat prompt")
+    assert details["task"] == "qa-extractive" and once["prefill_x"] == 1.0
+    [sample] = load_samples(path, 2, limit=1)
+    for row, name in ((once, "qa-extractive"), (twice, "qa-extractive:repeat-prompt")):
+        prompt = get_task(name).prompt(sample.question, sample.passages_with_gold_at(0))
+        assert row["prompt_tokens"] == [len(smol.encode(prompt))]
+    assert twice["prompt_tokens"][0] > 1.9 * once["prompt_tokens"][0]
