@@ -231,3 +231,38 @@ def test_bench_methods_measures_a_repeated_prompt_against_the_task_it_repeats(sm
         prompt = get_task(name).prompt(sample.question, sample.passages_with_gold_at(0))
         assert row["prompt_tokens"] == [len(smol.encode(prompt))]
     assert twice["prompt_tokens"][0] > 1.9 * once["prompt_tokens"][0]
+
+
+@pytest.mark.parametrize("mode", ["passages", "prompt"])
+def test_a_repeated_prompt_is_answered_as_transformers_answers_the_text_built_by_hand(
+    mode, tmp_path
+):
+    # the independent computation: the repeated user turn written out by hand, put in the chat
+    # template by the tokenizer and decoded greedily by transformers' own generate
+    import torch
+
+    from ragfix.backends import load_backend
+
+    folder = str(tiny_folder(tmp_path / "tiny"))
+    backend = load_backend("vanilla", model=folder, device="cpu")
+    once = get_task("qa-extractive").prompt("Which capital?", DOCS)
+    context = "\n".join(once.passage_texts())
+    head = once.user[: once.passages[0][0]]
+    tail = once.user[once.passages[-1][1] :]
+    if mode == "passages":
+        text = head + context + "\n\n" + context + tail
+    else:
+        text = once.user + "\n\n" + once.user
+    ids = backend.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    want = backend.model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :]
+    [got] = backend.generate(
+        [get_task(f"qa-extractive:repeat-{mode}").prompt("Which capital?", DOCS)],
+        max_new_tokens=5,
+        stop_at_newline=False,
+    )
+    assert (
+        got.prompt_tokens == ids.shape[1] and got.token_ids == want.tolist()[: len(got.token_ids)]
+    )
