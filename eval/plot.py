@@ -25,8 +25,10 @@ def curve_figure(
     fmt: str = "png",
 ) -> bytes:
     """Accuracy against gold position with the 95% interval band, one line per curve of every
-    run, as the bytes of a ``fmt`` file (``png``, ``svg``). Runs whose cells differ (another
-    number of passages, other data) go to separate panels side by side.
+    run, as the bytes of a ``fmt`` file (``png``, ``svg``); a curve with reference points
+    (``references`` of its summary) gets its oracle, the gold passage alone, as a dashed
+    line of its colour. Runs whose cells differ (another number of passages, other data) go
+    to separate panels side by side.
 
     Args:
         runs: ``(run label, summary dict)`` pairs.
@@ -61,6 +63,15 @@ def curve_figure(
                     color=line.get_color(),
                     alpha=0.15,
                 )
+                oracle = (summary.get("references") or {}).get(label, {}).get("oracle")
+                if oracle is not None:
+                    ax.axhline(
+                        oracle["accuracy"],
+                        color=line.get_color(),
+                        linestyle="--",
+                        linewidth=1,
+                        label=f"{name}: oracle (gold alone)",
+                    )
         first = summaries[group[0]]
         ax.set_xlabel(f"gold passage {first.get('x_axis', 'position')} (0 = first)")
         ax.set_ylabel("accuracy (95% Wilson band)")
