@@ -168,12 +168,13 @@ def bench_methods(
         DataError: a missing or malformed data file, or too few passages for ``num_docs``.
         ModelNotFoundError: the model cannot be found.
     """
-    from ragfix.backends import load_backend
+    from ragfix.backends import backend_class, load_backend
     from ragfix.bundled import resolve_data
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.errors import ConfigError
+    from ragfix.eval.sweep import parse_positions
     from ragfix.models.device import resolve_device
-    from ragfix.tasks import get_task, repeated
+    from ragfix.tasks import repeated, resolve_task
 
     names = check_backends(list(backends or BACKENDS), model)
     if limit < 1:
@@ -196,16 +197,18 @@ def bench_methods(
         ]
     counts = list(num_docs or NUM_DOCS)
     path = resolve_data(data)
-    base = get_task(task or detect_format(path))
-    if base.data_format != detect_format(path):
-        raise ConfigError(f"--task {base.name} does not read the records of {path}")
+    reads = bool(marginal) or any(backend_class(n, model).needs_passage_spans for n in names)
+    base = resolve_task(task, "none", detect_format(path), reads_passages=reads)
     tasks = {name: base for name in names}
     for mode in repeats or []:
         tasks[f"vanilla --repeat {mode}"] = repeated(base, mode)
     samples = {n: load_samples(path, n, limit) for n in counts}
     prompts = {
         n: {
-            name: [t.prompt(s.question, s.passages_with_gold_at((n - 1) // 2)) for s in samples[n]]
+            name: [
+                t.prompt(s.question, s.passages_with_gold_at(parse_positions("middle", n)[0]))
+                for s in samples[n]
+            ]
             for name, t in tasks.items()
         }
         for n in counts

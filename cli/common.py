@@ -169,14 +169,24 @@ TaskOpt = Annotated[
     typer.Option(
         help="the task the records are read as: QA files qa (Lost in the Middle's prompt, the "
         "default), qa-extractive (short extractive answers), qa-extractive-2shot (the same with "
-        "two demonstrations); KV files kv"
+        "two demonstrations); KV files kv (--repeat reads it twice)"
+    ),
+]
+QaTaskOpt = Annotated[
+    str,
+    typer.Option(
+        "--task",
+        help="the QA task every pipeline renders and scores: qa (Lost in the Middle's prompt), "
+        "qa-extractive (short extractive answers), qa-extractive-2shot (the same with two "
+        "demonstrations)",
     ),
 ]
 RepeatOpt = Annotated[
     str,
     typer.Option(
         help="read the passages (passages: JRT-Prompt) or the whole prompt (prompt) twice, a "
-        "prompt-level correction any backend reads, remote ones too: none | passages | prompt"
+        "prompt-level correction for the plain model, an adapter or a served model: none | "
+        "passages | prompt"
     ),
 ]
 ReferencesOpt = Annotated[

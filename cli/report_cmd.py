@@ -43,8 +43,9 @@ def register(app: typer.Typer) -> None:
         fairness, agreement); for several judge runs, one table of their one-pass verdicts
         against the two-pass swap aggregate (--json writes it as a result file).
 
-        Curves of runs with the same cells (same data, task, number of passages, record range
-        and prompt layout; the model, backend or adapter may differ) are compared with the first
+        Curves of runs with the same cells (same data, number of passages, record range and
+        prompt layout; the model, backend, adapter or task form may differ) are compared with the
+        first
         one: the difference per position, the exact McNemar p-value, and paired bootstrap
         intervals of the mean and gap differences. Other runs are drawn side by side with a note
         naming the differing settings; a run that tuned on the compared records is not paired.

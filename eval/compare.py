@@ -4,8 +4,9 @@ Every curve gets its figures of merit (mean, worst position, best-worst gap, wit
 :mod:`ragfix.eval.merit`). Runs are *paired* (the difference per position, the exact McNemar
 p-value, paired bootstrap intervals) only when their ``config.json`` agree on every field of
 :data:`CELL_FIELDS` (data, number of passages, record range and prompt layout), so that a
-cell key (sample, position) means the same prompt in both; runs that differ only in model,
-backend or adapter are paired. Other runs are drawn side by side (one plot panel per group of
+cell key (sample, position) means the same sample with the gold passage at the same position;
+runs that differ only in model, backend, adapter or task form (``--task``, ``--repeat``) are
+paired. Other runs are drawn side by side (one plot panel per group of
 comparable runs) with a one-line note naming the differing fields (``num_docs 4 vs 8``). A run
 that tuned on the records it is compared on (``tuned_on`` in its ``config.json``) is never paired
 either.
@@ -32,7 +33,13 @@ from ragfix.eval.merit import (
     significance,
 )
 from ragfix.eval.plot import plot_curves
-from ragfix.eval.sweep import ORACLE, open_store, reference_cells, reference_points, summary_counts
+from ragfix.eval.sweep import (
+    ORACLE,
+    open_store,
+    reference_cells,
+    reference_points,
+    split_scored,
+)
 from ragfix.eval.sweep_summary import (
     RESULTS_FILE,
     SUMMARY_FILE,
@@ -41,6 +48,7 @@ from ragfix.eval.sweep_summary import (
     curve_table,
     natural_ranks,
     read_summary,
+    references_table,
     unscored_lines,
 )
 from ragfix.io import CONFIG_FILE, atomic_write_json
@@ -91,7 +99,7 @@ class Run:
         config: its ``config.json`` (``{}`` when it has none).
         summary: its ``summary.json``.
         curves: ``{curve label: {(sample_id, position): correct}}``, of the scored cells only
-            (:func:`ragfix.eval.sweep.summary_counts`: no sample with an unscored cell).
+            (:func:`ragfix.eval.sweep.split_scored`: no sample with an unscored cell).
         continued: ``{curve label: answers that continue the context}``
             (:func:`ragfix.metrics.continues_context`), over the same cells.
         records: every cell the run reported (overflowed ones included), as stored, in the
@@ -156,13 +164,12 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
             f"(first: {missing[0]}): rerun its `ragfix eval` command",
         )
     reported = [stored[i] for i in ids]
-    records, counts = summary_counts(reported)
+    records, ref_records, _ = split_scored(reported)
     curves = cells_by_curve(records)
     continued = dict.fromkeys(curves, 0)
     for r in records:
         continued[curve_label(r)] += continues_context(r.get("answer", ""))
-    left_out = set(counts["left_out"])
-    references = reference_cells([r for r in reported if r["sample_id"] not in left_out])
+    references = reference_cells(ref_records)
     run = Run(name or folder.name, folder, config, summary, curves, continued, reported, references)
     if not run.curves:
         why = "; ".join(unscored_lines(summary)[1:])
@@ -325,7 +332,10 @@ def compare_loaded(
     has the same cells); in each group every curve is paired with the baseline curve of the
     group's first run (its first curve; a reorder run's ``/none`` curve), unless one of the two
     runs tuned on the compared records (:func:`tuned_conflict`) or they share no
-    cell. Every curve not paired gets a one-line note saying why.
+    cell. Every curve not paired gets a one-line note saying why. Where the baseline run has
+    reference points, every curve of a run of the same model (and not tuned on the records)
+    gets its worst position set against the baseline's oracle (``ceilings``,
+    :func:`_to_ceiling`): what the model reads at best, the target of a correction.
 
     Args:
         runs: the runs (:func:`load_runs`); the first one's first curve is the baseline (its
@@ -336,9 +346,11 @@ def compare_loaded(
 
     Returns:
         The comparison (the JSON ``ragfix report --json`` writes): ``kind``, ``bootstrap``,
-        ``alpha``, ``runs`` (name, path, config, x axis and every curve's
-        :class:`~ragfix.eval.merit.CurveMerit`), ``groups`` (run names), ``paired`` (``baseline``
-        and ``other`` labels plus a :class:`~ragfix.eval.merit.PairedMerit`) and ``notes``.
+        ``alpha``, ``runs`` (name, path, config, x axis, every curve's
+        :class:`~ragfix.eval.merit.CurveMerit` and, for a run with reference points, its
+        ``references``), ``groups`` (run names), ``paired`` (``baseline`` and ``other`` labels
+        plus a :class:`~ragfix.eval.merit.PairedMerit`), ``ceilings`` (``oracle`` and
+        ``curve`` labels plus :func:`_to_ceiling`; only when there are any) and ``notes``.
 
     Raises:
         DataError: a malformed ``tuned_on`` in a run's configuration.
@@ -367,11 +379,12 @@ def compare_loaded(
         base = _label(base_run, base_curve)
         oracle = base_run.references.get(base_curve, {}).get(ORACLE)
         for run in group:
-            if oracle:
-                ceilings += [
-                    {"oracle": base, "curve": _label(run, curve), **_to_ceiling(oracle, cells)}
-                    for curve, cells in run.curves.items()
-                ]
+            same_model = run.config.get("model") == base_run.config.get("model")
+            tuned = tuned_conflict(run, base_run) or tuned_conflict(base_run, run)
+            for curve, cells in run.curves.items() if oracle and same_model and not tuned else ():
+                ceiling = _to_ceiling(oracle, cells)
+                if ceiling is not None:
+                    ceilings.append({"oracle": base, "curve": _label(run, curve), **ceiling})
             for curve, cells in run.curves.items():
                 other = _label(run, curve)
                 if other == base:
@@ -421,30 +434,36 @@ def compare_loaded(
     }
 
 
-def _to_ceiling(oracle: dict[str, bool], cells: Cells) -> dict:
-    """A curve's worst position against an oracle, paired by sample: ``worst_position``, the
-    samples both have (``n``), the oracle's and the position's accuracy on them, their
-    ``difference`` (position - oracle), the discordant counts (``oracle_only``,
-    ``position_only``) and the exact McNemar ``p``."""
+def _to_ceiling(oracle: dict[str, bool], cells: Cells) -> dict | None:
+    """A curve's worst position against an oracle, paired by sample, or ``None`` when they
+    share no sample: ``worst_position`` (the lowest accuracy, the first of equals),
+    ``positions`` (how many it was picked from), the samples both have (``n``), the oracle's
+    and the position's accuracy on them, their ``difference`` (position - oracle), the
+    discordant counts (``oracle_only``, ``position_only``), the exact McNemar ``p_raw`` and
+    ``p``, its Bonferroni adjustment for the worst of ``positions`` (at most 1)."""
     by_pos: dict[int, dict[str, bool]] = {}
     for (sample, pos), ok in cells.items():
         by_pos.setdefault(pos, {})[sample] = ok
     worst = min(sorted(by_pos), key=lambda p: sum(by_pos[p].values()) / len(by_pos[p]))
     common = sorted(set(oracle) & set(by_pos[worst]))
+    if not common:
+        return None
     at = [by_pos[worst][s] for s in common]
     ref = [oracle[s] for s in common]
     oracle_only = sum(o and not a for o, a in zip(ref, at, strict=True))
     position_only = sum(a and not o for o, a in zip(ref, at, strict=True))
-    n = len(common)
+    n, raw = len(common), mcnemar_exact(oracle_only, position_only)
     return {
         "worst_position": worst,
+        "positions": len(by_pos),
         "n": n,
-        "oracle_accuracy": sum(ref) / n if n else 0.0,
-        "accuracy": sum(at) / n if n else 0.0,
-        "difference": (sum(at) - sum(ref)) / n if n else 0.0,
+        "oracle_accuracy": sum(ref) / n,
+        "accuracy": sum(at) / n,
+        "difference": (sum(at) - sum(ref)) / n,
         "oracle_only": oracle_only,
         "position_only": position_only,
-        "p": mcnemar_exact(oracle_only, position_only),
+        "p_raw": raw,
+        "p": min(1.0, raw * len(by_pos)),
     }
 
 
@@ -490,7 +509,7 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
             made with reference points), ``merit`` (figures of merit of every curve, after the
             references table when the runs have reference points), ``paired`` (per-position
             differences and McNemar p of every pair, then the notes on runs not paired),
-            ``comparison`` (all three).
+            ``comparison`` (all of them).
 
     Raises:
         DataError: ``references``, ``merit`` or ``paired`` asked of a ``summary.json`` (they
@@ -504,6 +523,10 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
             f"{kind} tables need a comparison file (`ragfix report RUN... --json FILE`)",
         )
     tables: list[TableSpec] = []
+    if kind in ("curve", "references", "merit", "comparison") and any(
+        run.get("references") for run in comparison["runs"]
+    ):
+        tables.append(_references_table(comparison))
     if kind in ("curve", "comparison"):
         for run in comparison["runs"]:
             several = len(comparison["runs"]) > 1 or comparison.get("kind") == COMPARISON_KIND
@@ -511,10 +534,6 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
                 tables.append(
                     curve_table(f"{run['name']}:{c}" if several else c, curve, run["x_axis"])
                 )
-    if kind in ("curve", "references", "merit", "comparison") and any(
-        run.get("references") for run in comparison["runs"]
-    ):
-        tables.append(_references_table(comparison))
     if kind in ("merit", "comparison"):
         tables.append(_merit_table(comparison))
         if any(run.get("retrieval_weighted") for run in comparison["runs"]):
@@ -527,46 +546,15 @@ def comparison_tables(comparison: dict, kind: str = "comparison") -> list[TableS
 
 
 def _references_table(comparison: dict) -> TableSpec:
-    """Per curve: its own closed-book and oracle accuracy, then its worst position against the
-    oracle of its group's baseline (the model's ceiling), paired by sample with McNemar's p."""
-    from ragfix.eval.sweep import REFERENCES
-
+    """:func:`~ragfix.eval.sweep_summary.references_table` of every curve of the comparison,
+    with its ceiling where it has one."""
+    references = {
+        f"{run['name']}:{c}": run.get("references", {}).get(c, {})
+        for run in comparison["runs"]
+        for c in run["curves"]
+    }
     ceilings = {c["curve"]: c for c in comparison.get("ceilings", [])}
-    rows = []
-    for run in comparison["runs"]:
-        for c in run["curves"]:
-            label = f"{run['name']}:{c}"
-            refs = run.get("references", {}).get(c, {})
-            row = [label]
-            for name in REFERENCES:
-                v = refs.get(name)
-                row.append("-" if v is None else f"{fmt_num(v['accuracy'])} {fmt_ci(v)}")
-            ceiling = ceilings.get(label)
-            if not ceilings:
-                pass
-            elif ceiling is None:
-                row += ["-", "-", "-"]
-            else:
-                row += [
-                    f"{fmt_num(ceiling['accuracy'])} @ {ceiling['worst_position']}",
-                    f"{fmt_signed(ceiling['difference'])} (n {ceiling['n']})",
-                    f"{ceiling['p']:.3g} (-{ceiling['oracle_only']} / +{ceiling['position_only']})",
-                ]
-            rows.append(row)
-    line = (
-        "closed-book: the question alone; oracle: the gold passage alone (each curve's own, 95% "
-        "Wilson intervals)."
-    )
-    headers = ["curve", *REFERENCES]
-    if ceilings:
-        bases = sorted({c["oracle"] for c in comparison["ceilings"]})
-        line += (
-            f" The worst position is set against the oracle of {', '.join(bases)} on the same "
-            "samples: its difference and exact McNemar p (the cells right only under the oracle "
-            "/ only at the worst position)."
-        )
-        headers += ["worst @ pos", "worst - oracle", "McNemar p"]
-    return TableSpec("reference points and the ceiling", headers, rows, [line])
+    return references_table(references, ceilings)
 
 
 def _merit_table(comparison: dict) -> TableSpec:

@@ -213,7 +213,7 @@ def rebuild_prompts(run: Run) -> RebuiltPrompts | None:
         )
     except DataError as e:
         return cannot(str(e))
-    positions = sorted({int(r["position"]) for r in run.records})
+    positions = sorted({int(r["position"]) for r in on_curves(run.records)})
     cells = {c.cell_id: c for c in plan_cells(cfg, samples, positions)}
     return RebuiltPrompts(cells, f"rebuilt from {Path(cfg.data).name}, fingerprint checked")
 

@@ -87,7 +87,7 @@ from ragfix.integrations.engine import PipelineEngines
 from ragfix.io import read_run_config
 from ragfix.models import DEFAULT_EMBEDDER, check_hub_model
 from ragfix.reorder import ATTENTION_STRATEGIES, check_strategy, load_profile
-from ragfix.tasks import get_task, repeated
+from ragfix.tasks import resolve_task
 
 #: the layers the attention strategies average in a pipeline sweep (the correction default)
 ATTENTION_LAYERS = CorrectionSettings.model_fields["attention_layers"].default
@@ -267,8 +267,9 @@ def run_pipeline_sweep(
             ``qa-extractive``, ``qa-extractive-2shot``, a repeated variant ``NAME:repeat-MODE``:
             :func:`ragfix.tasks.get_task`); recorded with its fingerprint.
         repeat: read the chunks (``passages``) or the whole prompt (``prompt``) twice
-            (:func:`ragfix.tasks.repeated`: the task becomes ``TASK:repeat-MODE``); not with
-            ``orders``.
+            (:func:`ragfix.tasks.resolve_task`: the task becomes ``TASK:repeat-MODE``); not with
+            ``orders``. The attention strategies sort the chunks on the task's prompt read once
+            (:attr:`ragfix.tasks.Task.once`); the LLM reads them twice.
 
     Raises:
         ConfigError, DataError, CorpusError, NeedleError, ProfileError, ModelNotFoundError: bad
@@ -315,14 +316,7 @@ def run_pipeline_sweep(
             raise ConfigError("strategy bias-profile needs --profile (a sweep's summary.json)")
         accuracies = load_profile(profile, model, top_k)
     ranks = parse_positions(positions, top_k)
-    qa_task = repeated(get_task(task), repeat)
-    if qa_task.data_format != "qa":
-        raise ConfigError(f"--task {task} is not a QA task; a pipeline answers questions")
-    if repeat != "none" and orders is not None:
-        raise ConfigError(
-            "--repeat and --orders do not combine: order marginalization would reorder the two "
-            "copies of the passages apart"
-        )
+    qa_task = resolve_task(task, repeat, "qa", reads_passages=orders is not None)
     if embedder is not None and not Path(embedder).is_dir():
         check_hub_model(embedder)
     written = Path(out) / WRITTEN_QUESTIONS if questions_from is not None else None

@@ -14,11 +14,12 @@ README, ``../results/kv8.json`` in ``docs/``). ``KIND`` is a table kind of
 intervals; a ``summary.json`` or a comparison), ``references`` (closed-book and oracle, and the
 worst position against the oracle), ``merit`` (mean, worst position and gap with 95%
 intervals), ``paired`` (per-position differences, McNemar p, the notes on runs not paired) or
-``comparison`` (all three); ``merit`` and ``paired`` need a comparison file. ``benchmark`` renders
-a benchmark's file (:func:`ragfix.eval.results.write_benchmark`), ``ppl`` a perplexity result
-(``ragfix eval-ppl``'s ``ppl.json``) and ``judge`` a judge run's ``summary.json`` (``ragfix
-judge``, also ``--from-judgments``: :func:`ragfix.judge.report.judge_tables`), each only its own
-kind of file. Markers inside fenced code blocks are left alone.
+``comparison`` (all of them); ``references``, ``merit`` and ``paired`` need a comparison file.
+``benchmark`` renders a benchmark's file (:func:`ragfix.eval.results.write_benchmark`), ``ppl`` a
+perplexity result (``ragfix eval-ppl``'s ``ppl.json``) and ``judge`` a judge run's
+``summary.json`` (``ragfix judge``, also ``--from-judgments``:
+:func:`ragfix.judge.report.judge_tables`), each only its own kind of file. Markers inside fenced
+code blocks are left alone.
 
 Commands::
 

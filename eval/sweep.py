@@ -1,6 +1,7 @@
 """The position sweep: every sample with its gold passage at every requested position.
 
-A cell is (sample, gold position, backend, options); its id is a hash of those, so a rerun with
+A cell is (sample, gold position or reference point, task, backend, options); its id is a hash
+of those, so a rerun with
 the same ``--out`` skips finished cells (resume after Ctrl-C or a crash) and shards written by
 several processes merge by cell id. Results are appended one JSON line per cell, fsynced.
 
@@ -57,15 +58,19 @@ from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError, Interrupted
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
 from ragfix.eval.sweep_summary import (
+    CLOSED_BOOK,
+    ORACLE,
     PLOT_FILE,
+    REFERENCES,
     RESULTS_FILE,
     SUMMARY_FILE,
     curve_label,
+    flag_order,
     on_curves,
 )
 from ragfix.io import JsonlStore
 from ragfix.metrics import cell_flags, wilson_interval
-from ragfix.tasks import get_task, score_answer
+from ragfix.tasks import score_answer, task_prompt
 from ragfix.types import (
     EMPTY_ANSWER,
     OVERFLOW,
@@ -78,12 +83,6 @@ from ragfix.types import (
     generation_extra,
 )
 
-#: the reference point without passages: the task's closed-book prompt
-CLOSED_BOOK = "closed-book"
-#: the reference point with the gold passage alone
-ORACLE = "oracle"
-#: the reference points of a sweep, in the order they are reported
-REFERENCES = (CLOSED_BOOK, ORACLE)
 #: the ``position`` of a reference cell (it places no gold passage among distractors)
 REFERENCE_POSITION = -1
 
@@ -256,7 +255,7 @@ def plan_cells(
 
 
 def _prompt(cell: Cell):
-    return get_task(cell.sample.task).prompt(cell.sample.question, cell.passages())
+    return task_prompt(cell.sample, cell.passages())
 
 
 def stored_prompt(
@@ -432,32 +431,51 @@ def _checked(cell: Cell, backend: Backend, gen: Generation, fit: Fit) -> SweepRe
     return _record(cell, backend, gen, flags)
 
 
-def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
-    """The records that count towards accuracy, and the flag counts for ``summary.json``.
+def split_scored(records: list[dict]) -> tuple[list[dict], list[dict], set[str]]:
+    """The scored curve records, the scored reference records and the samples left out of the
+    curve.
 
-    A sample with a cell that is not scored (an :data:`~ragfix.types.UNSCORED` flag:
-    ``overflow``, ``prompt_cut``, ``empty_answer``) at any position or reference point is left
-    out at every position and reference point, so each position's accuracy is over the same
-    samples; its cells are counted, not scored. Reference cells (``reference`` set) never count
-    towards a curve: they are summarised apart (:func:`reference_points`).
+    A sample with a curve cell that is not scored (an :data:`~ragfix.types.UNSCORED` flag:
+    ``overflow``, ``prompt_cut``, ``empty_answer``) is left out at every position and at its
+    reference points, so each position's accuracy is over the same samples, and the reference
+    points over those samples; a sample whose reference cell is not scored is left out of both
+    reference points only (whether a run has reference points never changes its curve).
+    Reference cells (``reference`` set) never count towards a curve.
+
+    Returns:
+        ``(scored, references, left_out)``: the scored curve records, the scored reference
+        records, the ids of the samples left out of the curve.
+    """
+    curve = on_curves(records)
+    left_out = {r["sample_id"] for r in curve if UNSCORED.intersection(r.get("flags", ()))}
+    refs = [r for r in records if r.get("reference")]
+    no_refs = left_out | {r["sample_id"] for r in refs if UNSCORED.intersection(r["flags"])}
+    scored = [r for r in curve if r["sample_id"] not in left_out]
+    return scored, [r for r in refs if r["sample_id"] not in no_refs], left_out
+
+
+def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
+    """The records that count towards accuracy (:func:`split_scored`), and the counts for
+    ``summary.json``.
 
     Args:
         records: the run's records (dicts as stored).
 
     Returns:
-        ``(scored, extra)``: ``scored`` the curve records (no reference cell) of samples
-        without an unscored cell; ``extra`` = ``{"cells": curve records, "scored_cells":
-        len(scored), "excluded_samples": samples left out, "flags": {flag: {position or
-        reference: cells}}, "empty_answer_reasons": {the server's reason: cells}, "cell_ids":
-        the ids of all records, "left_out": the ids of the samples left out, "references":
-        reference_points of the scored reference cells}`` (positions as strings, sorted;
-        ``references`` only when the run has reference cells). ``cell_ids`` tells a report
-        which of a folder's cells the run reported (:func:`ragfix.eval.compare.load_run`).
+        ``(scored, extra)``: ``scored`` the scored curve records; ``extra`` = ``{"cells":
+        curve records, "scored_cells": len(scored), "excluded_samples": samples left out of
+        the curve, "flags": {flag: {position or reference point: cells}},
+        "empty_answer_reasons": {the server's reason: cells}, "cell_ids": the ids of all
+        records, "references": reference_points of the scored reference cells}`` (positions as
+        strings, then the reference points, :func:`~ragfix.eval.sweep_summary.flag_order`;
+        ``references`` only when the run has scored reference cells). ``cell_ids`` tells a
+        report which of a folder's cells the run reported
+        (:func:`ragfix.eval.compare.load_run`).
     """
-    left_out = {r["sample_id"] for r in records if UNSCORED.intersection(r.get("flags", ()))}
-    counts: dict[str, dict[int | str, int]] = {}
+    scored, refs, left_out = split_scored(records)
+    counts: dict[str, dict[str, int]] = {}
     for r in records:
-        where = r.get("reference") or int(r["position"])
+        where = r.get("reference") or str(int(r["position"]))
         for f in r.get("flags", ()):
             per = counts.setdefault(f, {})
             per[where] = per.get(where, 0) + 1
@@ -466,24 +484,15 @@ def summary_counts(records: list[dict]) -> tuple[list[dict], dict]:
         for r in records
         if EMPTY_ANSWER in r.get("flags", ())
     )
-    curve = on_curves(records)
-    scored = [r for r in curve if r["sample_id"] not in left_out]
-    refs = [r for r in records if r.get("reference") and r["sample_id"] not in left_out]
-
-    def order(item: tuple[int | str, int]) -> tuple:
-        return (1, REFERENCES.index(item[0])) if isinstance(item[0], str) else (0, item[0])
-
     return scored, {
-        "cells": len(curve),
+        "cells": len(on_curves(records)),
         "scored_cells": len(scored),
         "excluded_samples": len(left_out),
         "flags": {
-            f: {str(p): n for p, n in sorted(per.items(), key=order)}
-            for f, per in sorted(counts.items())
+            f: {p: per[p] for p in sorted(per, key=flag_order)} for f, per in sorted(counts.items())
         },
         "empty_answer_reasons": dict(sorted(reasons.items())),
         "cell_ids": [r["cell_id"] for r in records],
-        "left_out": sorted(left_out),
         **({"references": reference_points(reference_cells(refs))} if refs else {}),
     }
 

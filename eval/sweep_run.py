@@ -48,7 +48,7 @@ from ragfix.eval.sweep import (
 )
 from ragfix.eval.sweep_summary import write_report
 from ragfix.io import atomic_write_text
-from ragfix.tasks import get_task, repeated, task_names
+from ragfix.tasks import get_task, resolve_task
 from ragfix.types import SweepRecord
 
 #: where a failed worker's traceback is written, in the run folder
@@ -405,11 +405,13 @@ def run_sweep(
         task: the task the records are read as (:func:`ragfix.tasks.task_names`; one of the
             data file's format: ``qa``, ``qa-extractive``, ``qa-extractive-2shot`` for QA
             records), part of the configuration with its fingerprint; ``None``: ``qa`` or
-            ``kv`` as the file's format.
+            ``kv`` as the file's format (:func:`ragfix.tasks.resolve_task`).
         repeat: read the passages (``passages``) or the whole prompt (``prompt``) twice, a
-            prompt-level correction any backend reads (:attr:`ragfix.tasks.Task.repeat`): the
-            task becomes ``TASK:repeat-MODE``; ``none``: once. Not with ``orders`` (the two
-            copies would be reordered apart).
+            prompt-level correction for the plain model, an adapter or a served model
+            (:attr:`ragfix.tasks.Task.repeat`): the
+            task becomes ``TASK:repeat-MODE``; ``none``: once. Not with ``orders`` nor a backend
+            that reads the passages where the prompt says they are (they would take the two
+            copies for more passages).
         references: also run each sample's reference points, closed-book and oracle
             (:data:`~ragfix.eval.sweep.REFERENCES`), summarised apart from the curve
             (``summary.json``'s ``references``); ``None``: for QA tasks, not for KV.
@@ -444,14 +446,15 @@ def run_sweep(
         console: where progress and notes go (``None``: quiet).
 
     Returns:
-        the summary (as written to ``summary.json``, with ``flags``: ``{flag: {position:
-        cells}}``, ``cells``, ``scored_cells``, ``excluded_samples``); ``{}`` on ranks other
-        than 0.
+        the summary (as written to ``summary.json``, with ``flags``: ``{flag: {position or
+        reference point: cells}}``, ``cells`` and ``scored_cells`` (the curve's),
+        ``excluded_samples``, ``references``: closed-book and oracle per curve when they ran);
+        ``{}`` on ranks other than 0.
 
     Raises:
         DataError: a missing file, a malformed record, no record in ``records``.
-        ConfigError: unknown backend or task, a task of the other data format, bad positions or
-            record range, ``limit``,
+        ConfigError: unknown backend or task, a task of the other data format, a repeated task
+            with ``orders`` or a passage method, bad positions or record range, ``limit``,
             ``batch_size`` or ``workers`` < 1, more than one worker off the CPU, a missing
             adapter for an adapter backend, an answer budget that fills the model's window.
         ConfigMismatchError: ``out`` holds results of other settings, weights (the backend's
@@ -464,7 +467,7 @@ def run_sweep(
         ModelNotFoundError: the model cannot be found.
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
-    from ragfix.backends import result_options, validate_backend
+    from ragfix.backends import backend_class, result_options, validate_backend
     from ragfix.backends.orders import OrderOptions
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models.resolve import resolve_model
@@ -489,18 +492,8 @@ def run_sweep(
         device=str(state.device) if state is not None else device,
         dtype=dtype,
     )
-    data_format = detect_format(path)
-    the_task = repeated(get_task(task or data_format), repeat)
-    if repeat != "none" and orders is not None:
-        raise ConfigError(
-            "--repeat and --orders do not combine: order marginalization would reorder the two "
-            "copies of the passages apart"
-        )
-    if the_task.data_format != data_format:
-        raise ConfigError(
-            f"--task {the_task.name} reads {the_task.data_format} records and {path} holds "
-            f"{data_format} records; its tasks: {', '.join(task_names(data_format))}"
-        )
+    reads = orders is not None or backend_class(backend, model).needs_passage_spans
+    the_task = resolve_task(task, repeat, detect_format(path), reads_passages=reads)
     config = SweepConfig(
         data=str(path.resolve()),
         task=the_task.name,

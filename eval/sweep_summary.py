@@ -18,7 +18,7 @@ from ragfix.errors import DataError
 from ragfix.eval.plot import plot_curves
 from ragfix.io import atomic_write_json
 from ragfix.metrics import CurveSummary, position_curve
-from ragfix.tables import TableSpec, fmt_ci, fmt_num, print_tables
+from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed, print_tables
 from ragfix.types import EMPTY_ANSWER, UNSCORED_MEANING
 
 RESULTS_FILE = "results.jsonl"
@@ -28,6 +28,19 @@ SUMMARY_FILE = "summary.json"
 
 
 PLOT_FILE = "curve.png"
+
+#: the reference point without passages: the task's closed-book prompt
+CLOSED_BOOK = "closed-book"
+#: the reference point with the gold passage alone
+ORACLE = "oracle"
+#: the reference points of a sweep, in the order they are reported
+REFERENCES = (CLOSED_BOOK, ORACLE)
+
+
+def flag_order(key: str) -> tuple[int, int]:
+    """Sort key of a ``summary.json`` flags entry: the positions (``"0"``, ``"10"``) in
+    numeric order, then the reference points in the order of :data:`REFERENCES`."""
+    return (1, REFERENCES.index(key)) if key in REFERENCES else (0, int(key))
 
 
 def curves_from_records(records: list[dict]) -> dict[str, CurveSummary]:
@@ -177,25 +190,50 @@ def print_summary(summary: dict, console: Console | None = None, title: str = ""
     print_tables(summary_tables(summary, title), console)
 
 
-def references_table(references: dict[str, dict[str, dict]]) -> TableSpec:
-    """The reference points of a run (``summary.json``'s ``references``, per curve): samples,
-    closed-book and oracle accuracy with their 95% Wilson intervals."""
-    from ragfix.eval.sweep import REFERENCES
-
+def references_table(
+    references: dict[str, dict[str, dict]], ceilings: dict[str, dict] | None = None
+) -> TableSpec:
+    """The reference points of curves: per curve label, its samples, closed-book and oracle
+    accuracy with their 95% Wilson intervals (``summary.json``'s ``references``, or a
+    comparison's runs'); with ``ceilings`` (a comparison's, by curve label), each curve's worst
+    position against the oracle it was set against (:func:`ragfix.eval.compare.compare_loaded`):
+    its accuracy, the difference on the samples both have and the exact McNemar p, adjusted
+    for having picked the worst of the curve's positions (Bonferroni). A curve without a
+    reference point or a ceiling shows ``-``."""
     rows = []
     for label, by_ref in references.items():
-        n = max(v["n"] for v in by_ref.values())
-        cells = []
+        n = max((v["n"] for v in by_ref.values()), default=0)
+        row = [label, str(n) if by_ref else "-"]
         for name in REFERENCES:
             v = by_ref.get(name)
-            cells += ["-", "-"] if v is None else [fmt_num(v["accuracy"]), fmt_ci(v)]
-        rows.append([label, str(n), *cells])
-    return TableSpec(
-        "reference points: no passage (closed-book), the gold passage alone (oracle)",
-        ["curve", "samples", "closed-book", "95% CI", "oracle", "95% CI"],
-        rows,
-        ["the curve below reads the gold passage among distractors; the oracle is its ceiling"],
+            row.append("-" if v is None else f"{fmt_num(v['accuracy'])} {fmt_ci(v)}")
+        if ceilings:
+            c = ceilings.get(label)
+            row += (
+                ["-", "-", "-"]
+                if c is None
+                else [
+                    f"{fmt_num(c['accuracy'])} @ {c['worst_position']}",
+                    f"{fmt_signed(c['difference'])} (n {c['n']})",
+                    f"{c['p']:.3g} (-{c['oracle_only']} / +{c['position_only']})",
+                ]
+            )
+        rows.append(row)
+    line = (
+        "closed-book: the question alone; oracle: the gold passage alone (each curve's own, 95% "
+        "Wilson intervals)."
     )
+    headers = ["curve", "samples", *REFERENCES]
+    if ceilings:
+        bases = sorted({c["oracle"] for c in ceilings.values()})
+        line += (
+            f" The worst position of each curve of the same model is set against the oracle of "
+            f"{', '.join(bases)} on the samples both have: the difference and the exact McNemar "
+            "p (cells right only under the oracle / only at the worst position), multiplied by "
+            "the number of positions the worst was picked from (Bonferroni)."
+        )
+        headers += ["worst @ pos", "worst - oracle", "McNemar p (adj.)"]
+    return TableSpec("reference points and the ceiling", headers, rows, [line])
 
 
 def summary_tables(summary: dict, title: str = "") -> list[TableSpec]:
@@ -237,16 +275,10 @@ def flags_table(summary: dict) -> TableSpec | None:
     """The flagged cells per position of a ``summary.json`` (one column per flag; a sweep's
     reference points, ``closed-book`` and ``oracle``, after the positions) with
     :func:`unscored_lines` under it; None when no cell is flagged."""
-    from ragfix.eval.sweep import REFERENCES
-
     flags = summary.get("flags") or {}
     if not flags:
         return None
-    keys = {p for per in flags.values() for p in per}
-    positions = [
-        *map(str, sorted(int(p) for p in keys if p not in REFERENCES)),
-        *(r for r in REFERENCES if r in keys),
-    ]
+    positions = sorted({p for per in flags.values() for p in per}, key=flag_order)
     rows = [[p, *(str(per.get(p, 0)) for per in flags.values())] for p in positions]
     x_axis = summary.get("x_axis", "position")
     return TableSpec(

@@ -41,6 +41,7 @@ from ragfix.reorder import (
     load_profile,
     static_order,
 )
+from ragfix.tasks import get_task
 from ragfix.types import Passage
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ class CorrectionFields(BaseModel):
         attention_rounds: sorting rounds of the attention strategies.
         attention_layers: the layers whose attention they average: ``upper`` (the upper half)
             or ``all`` (:class:`~ragfix.backends.attention_sort.AttentionSortOptions`).
+        attention_task: the QA task whose prompt the attention strategies read the passages
+            in (:mod:`ragfix.tasks`; the one the LLM answers with, read once: ``qa``,
+            ``qa-extractive``, ``qa-extractive-2shot``).
     """
 
     strategy: str = Field(default="lost-in-the-middle", description=", ".join(STRATEGIES))
@@ -81,11 +85,20 @@ class CorrectionFields(BaseModel):
     over_budget: Literal["error", "warn"] = Field(default="error")
     attention_rounds: int = Field(default=1, ge=1)
     attention_layers: Literal["upper", "all"] = Field(default="upper")
+    attention_task: str = Field(default="qa")
 
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, v: str) -> str:
         return check_strategy(v)
+
+    @field_validator("attention_task")
+    @classmethod
+    def _a_qa_task_read_once(cls, v: str) -> str:
+        task = get_task(v)
+        if task.data_format != "qa" or task.repeat != "none":
+            raise ValueError(f"{v!r} is not a QA task read once (qa, qa-extractive, ...)")
+        return v
 
     def correction_settings(self) -> dict:
         """The correction settings alone (the fields of this mixin), as a dict."""
@@ -237,6 +250,7 @@ class Correction:
                 query or "",
                 passages,
                 s.attention_rounds,
+                task=s.attention_task,
                 layers=s.attention_layers,
                 calibrate=s.strategy == "attention-sort-calibrated",
             )

@@ -137,7 +137,9 @@ class Task:
             and, optionally, ``{demonstrations}`` (each demonstration's question and answer,
             without its passages: a task that shows examples shows them closed-book too);
             ``None``: the template with an empty context.
-        repeat: a prompt-level correction that any backend can read, remote ones too:
+        repeat: a prompt-level correction for a backend that reads the prompt as text (the
+            plain model, an adapter, a remote one; :func:`resolve_task` refuses the methods
+            that read the passages where the prompt says they are):
             ``passages`` puts the context twice, one copy after the other (JRT-Prompt, Arora
             et al., "Just read twice", arXiv 2407.05483), ``prompt`` the whole user turn twice
             (Leviathan et al., "Prompt repetition improves non-reasoning LLMs", arXiv
@@ -175,11 +177,17 @@ class Task:
             )
         return "\n\n".join(parts)
 
+    @property
+    def once(self) -> Task:
+        """The task without repetition: itself, or the registered task it repeats."""
+        return self if self.repeat == "none" else get_task(self.name.partition(REPEAT_SUFFIX)[0])
+
     def fingerprint(self) -> str:
-        """16 hex digits identifying what the task renders and how it scores: its chat and
-        completion prompts for a fixed probe (two passages, and none), its answer budget, stop
-        rule and scorer. Recorded in a run's configuration (an edited template, instruction or
-        demonstration changes it)."""
+        """16 hex digits identifying what the task renders: its chat and completion prompts for
+        a fixed probe (two passages, and none), its answer budget and stop rule, the name of
+        its scorer and its repetition. Recorded in a run's configuration (an edited template,
+        instruction or demonstration changes it; an edited scorer body does not: a scorer is
+        changed by registering a new one under a new name)."""
         probe = [Passage(title="T0", text="a b"), Passage(title="T1", text="c d")]
         parts = [
             self.name,
@@ -325,6 +333,42 @@ def repeated(task: Task, mode: str) -> Task:
     if task.repeat != "none":
         raise ConfigError(f"task {task.name!r} is already repeated")
     return register_task(replace(task, name=f"{task.name}{REPEAT_SUFFIX}{mode}", repeat=mode))
+
+
+def resolve_task(
+    name: str | None, repeat: str, data_format: str, *, reads_passages: bool = False
+) -> Task:
+    """The task a run reads its records as: ``name`` (default: the data format's own task,
+    ``qa`` or ``kv``), repeated as ``repeat`` says (:func:`repeated`).
+
+    Args:
+        name: a task name, a repeated variant ``NAME:repeat-MODE`` included, or ``None``.
+        repeat: ``none``, ``passages`` or ``prompt``.
+        data_format: the records' format (``qa``, ``kv``).
+        reads_passages: the run's backend reads the passages where the prompt says they are
+            (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`: ``pine``,
+            ``set-based``, ``attention-sort``, ``calibrated-attention``, order
+            marginalization): a repeated prompt is refused, since such a backend would take the
+            two copies for twice as many passages and set, sort or reorder them apart.
+
+    Raises:
+        ConfigError: an unknown task or repetition, a task of another data format, or a
+            repeated task with ``reads_passages``.
+    """
+    task = repeated(get_task(name or data_format), repeat)
+    if task.data_format != data_format:
+        raise ConfigError(
+            f"--task {task.name} reads {task.data_format} records and the data holds "
+            f"{data_format} records; its tasks: {', '.join(task_names(data_format))}"
+        )
+    if task.repeat != "none" and reads_passages:
+        raise ConfigError(
+            f"task {task.name} reads its passages twice; a backend that acts on the passages "
+            "where the prompt says they are (pine, set-based, attention-sort, "
+            "calibrated-attention, --orders) would take the two copies for more passages: use "
+            "--repeat with vanilla, an adapter or a served model"
+        )
+    return task
 
 
 def get_task(name: str) -> Task:
@@ -487,6 +531,7 @@ __all__ = [
     "register_task",
     "render_chunk",
     "repeated",
+    "resolve_task",
     "render_document",
     "render_kv_pair",
     "score_answer",

@@ -176,15 +176,27 @@ def test_a_sweep_never_resumes_under_an_edited_task_and_resumes_an_older_folder(
     assert res.exit_code == 0 and "resuming: 2 of 2" in res.output, res.output
 
 
-def test_a_task_of_the_other_format_and_repetition_with_orders_are_refused(tmp_path):
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--repeat", "prompt", "--orders", "2"],
+        ["--task", "qa:repeat-passages", "--orders", "2"],  # a repeated task named outright
+        ["--repeat", "passages", "--backend", "pine"],
+        ["--repeat", "prompt", "--backend", "attention-sort"],
+    ],
+)
+def test_repetition_with_a_method_that_reads_the_passages_is_refused(args, tmp_path):
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["eval", str(data_file(SQUAD)), *args, "--out", str(out)])
+    assert res.exit_code == 2 and "would take the two copies for more passages" in res.output
+    assert not out.exists()
+
+
+def test_a_task_of_the_other_format_and_an_unknown_repetition_are_refused(tmp_path):
     squad = str(data_file(SQUAD))
     res = runner.invoke(app, ["eval", squad, "--task", "kv", "--out", str(tmp_path / "a")])
     assert res.exit_code == 2 and "--task kv reads kv records" in res.output
     assert "qa-extractive-2shot" in res.output
-    res = runner.invoke(
-        app, ["eval", squad, "--repeat", "prompt", "--orders", "2", "--out", str(tmp_path / "b")]
-    )
-    assert res.exit_code == 2 and "--repeat and --orders do not combine" in res.output
     res = runner.invoke(app, ["eval", squad, "--repeat", "twice", "--out", str(tmp_path / "c")])
     assert res.exit_code == 2 and "unknown repetition 'twice'" in res.output
     assert not any(tmp_path.iterdir())

@@ -128,6 +128,7 @@ class PipelineEngines:
                     "num_docs": top_k if s == "bias-profile" else None,
                     "dedup_threshold": None,  # every strategy reads the same k chunks
                     "attention_rounds": attention_rounds,
+                    "attention_task": self.task.once.name,
                 },
             )
 

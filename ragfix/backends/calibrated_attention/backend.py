@@ -342,7 +342,7 @@ class CalibratedAttentionBackend(LayoutBackend):
         """
         free = self._content_free(prompt)
         if free.closed_book:
-            heads = self.model.config.num_attention_heads
+            heads = self.model.config.get_text_config().num_attention_heads
             return {layer: torch.zeros(heads, 0, device=self.device) for layer in self.layers}
         key = chat_text(self.tokenizer, free)
         if key not in self._biases:
