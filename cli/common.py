@@ -164,6 +164,14 @@ RestartOpt = Annotated[
 ]
 RunFolderOpt = Annotated[Path, typer.Option("--out", "-o", help="run folder (resumable)")]
 PositionsOpt = Annotated[str, typer.Option(help="all | first,middle,last | 0,4,9")]
+RanksOpt = Annotated[
+    str,
+    typer.Option(
+        "--positions",
+        help="gold retrieval ranks: all | first,middle,last | 0,4,9 | natural (each question "
+        "only where the retriever ranked its gold chunk: the end-to-end accuracy)",
+    ),
+]
 TaskOpt = Annotated[
     str | None,
     typer.Option(

@@ -22,8 +22,8 @@ from ragfix.cli.common import (
     LimitOpt,
     LogPromptsOpt,
     ModelOpt,
-    PositionsOpt,
     QaTaskOpt,
+    RanksOpt,
     RepeatOpt,
     RestartOpt,
     RunFolderOpt,
@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         num_docs: Annotated[
             int, typer.Option(help="chunks the retriever returns (the documents in the prompt)")
         ] = 10,
-        positions: PositionsOpt = "all",
+        positions: RanksOpt = "all",
         limit: LimitOpt = None,
         strategy: Annotated[str, typer.Option(help="reorder strategies, comma separated")] = "none",
         profile: Annotated[

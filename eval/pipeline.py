@@ -226,7 +226,12 @@ def run_pipeline_sweep(
         out: run folder (``results.jsonl``, ``summary.json``, ``curve.png``); resumable.
         strategies: reorder strategies to compare (see :mod:`ragfix.reorder`).
         top_k: chunks the retriever returns (the number of documents in the prompt).
-        positions: gold retrieval ranks to test (0-based; ``all``, ``first,middle,last``, ``0,4``).
+        positions: gold retrieval ranks to test (0-based; ``all``, ``first,middle,last``, ``0,4``),
+            or ``natural``: each question only at the rank the retriever itself gave its gold
+            chunk (the questions whose gold chunk it did not retrieve are left out, counted in
+            the summary's ``gold_added``): the pipeline as a user runs it, whose accuracy over
+            the questions is the ``retrieval_weighted`` figure, at one cell per question and
+            strategy. Its cells are those of the same ranks in a sweep over every rank.
         limit: use the first ``limit`` usable questions.
         model, backend, adapter, backend_options, device, dtype: the model backend (see
             :func:`ragfix.backends.load_backend`); the options (but a remote model's call
@@ -315,7 +320,7 @@ def run_pipeline_sweep(
         if profile is None:
             raise ConfigError("strategy bias-profile needs --profile (a sweep's summary.json)")
         accuracies = load_profile(profile, model, top_k)
-    ranks = parse_positions(positions, top_k)
+    ranks = None if positions.strip() == "natural" else parse_positions(positions, top_k)
     qa_task = resolve_task(task, repeat, "qa", reads_passages=orders is not None)
     if embedder is not None and not Path(embedder).is_dir():
         check_hub_model(embedder)
@@ -425,7 +430,7 @@ class PipelineRun(RunKind):
     limit: int | None
     skip_invalid: bool
     strategies: list[str]
-    ranks: list[int]
+    ranks: list[int] | None
     accuracies: list[float] | None
     attention_rounds: int
     written: Path | None
@@ -497,11 +502,16 @@ class PipelineRun(RunKind):
                 }
             return pipeline_cell_id(self.run_folder.config, q.id, r, s, extra)
 
-        cells = [
-            (q, r, s, cid(q, r, s)) for q in self.qs for r in self.ranks for s in self.strategies
-        ]
         top_k = self.config.num_docs
         self.retrieved = {q.id: _retrieve(self.base, q, top_k, self.needle_ids) for q in self.qs}
+
+        def ranks(q) -> list[int]:  # natural: the retriever's own rank, none when it missed
+            natural = self.retrieved[q.id][1]
+            return self.ranks if self.ranks is not None else [] if natural is None else [natural]
+
+        cells = [
+            (q, r, s, cid(q, r, s)) for q in self.qs for r in ranks(q) for s in self.strategies
+        ]
         return [(c[3], c) for c in cells]
 
     def compute(self, todo: list[tuple], store: Store, batch_size: int) -> None:
@@ -536,6 +546,7 @@ class PipelineRun(RunKind):
             "retriever": c.retriever,
             "framework": c.framework,
             "gold_added": sum(1 for q in qs if retrieved[q.id][1] is None),
+            "ranks": "natural" if self.ranks is None else self.ranks,
             "natural_rank_counts": {str(k): v for k, v in sorted(natural.items(), key=str)},
             "question_source": "needles"
             if c.needles

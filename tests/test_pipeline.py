@@ -202,3 +202,29 @@ def test_orders_through_the_pipeline_keep_every_vote_and_never_resume_onto_other
     )
     assert res.exit_code != 0
     assert "--orders-aggregate is a setting of --orders K: give --orders too" in res.output
+
+
+def test_natural_ranks_run_each_question_where_its_retriever_put_it_under_the_task(
+    small_corpus, tmp_path, smol
+):
+    from ragfix.tasks import get_task
+
+    corpus, questions = small_corpus
+    kw = dict(corpus=corpus, questions=questions, strategies=["none", "reverse"], top_k=3)
+    out = tmp_path / "natural"
+    summary = run_pipeline_sweep(
+        out=out, positions="natural", device="cpu", task="qa-extractive", **kw
+    )
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    # the question whose gold chunk the retriever missed is left out; the other runs once per
+    # strategy, at its natural rank, in the task's prompt
+    assert {r["sample_id"] for r in recs} == {"nq-0200"} and len(recs) == 2
+    assert all(r["position"] == r["extra"]["natural_rank"] for r in recs)
+    assert summary["ranks"] == "natural" and summary["gold_added"] == 1
+    head = get_task("qa-extractive").instruction
+    assert all(head in r["prompt"]["text"] for r in recs)
+    for r in recs:  # one question: the end-to-end accuracy is its cell's
+        assert summary["retrieval_weighted"][f"vanilla/{r['strategy']}"] == float(r["correct"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["qa_task"] == "qa-extractive"
+    assert config["qa_task_form"] == get_task("qa-extractive").fingerprint()
