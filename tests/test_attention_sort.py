@@ -97,9 +97,17 @@ def test_passage_attention_equals_a_by_hand_computation(smol, arch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert bool((got > 0).all()) and bool((got.sum(-1) < 1).all())
     # calibrated, upper layers: the reading minus the content-free query's, layers 1..2
+    # (the content-free query reads the passages' KV cache the query's read prefilled: one
+    # prefill of the passages, then each query's readers)
+    lengths = []
+    forward = model.forward
+    model.forward = lambda *a, **kw: lengths.append(kw["input_ids"].shape[1]) or forward(*a, **kw)
     cal = passage_scores(backend, prompt, AttentionSortOptions(calibrate=True))
+    del model.forward
     free = _by_hand(model, smol.tokenizer, prompt.no_query)
     torch.testing.assert_close(cal, (want - free)[1:].mean(0), atol=1e-5, rtol=1e-4)
+    ids = smol.tokenizer(backend.format_prompt(prompt), add_special_tokens=False)["input_ids"]
+    assert len(lengths) == 3 and lengths[0] + lengths[1] == len(ids)
 
 
 def test_the_gold_pair_goes_last_on_real_kv(smol):

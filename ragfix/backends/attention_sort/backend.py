@@ -51,12 +51,21 @@ SORTS = "sorts a prompt's passages"
 
 
 @torch.no_grad()
-def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
+def passage_attention(
+    backend: HFBackend, prompt: TaskPrompt, shared: dict | None = None
+) -> torch.Tensor:
     """Per layer, the attention each passage of ``prompt`` receives from the readers.
 
     The readers are the tokens after the last passage (a token belongs to the piece of text its
     first character is in). The text before them is prefilled with the model's own attention
     kernel; the readers run with eager attention to read their weights.
+
+    Args:
+        shared: a dict the calls of one sort share (empty at first): a call whose tokens before
+            the readers are those of the call before reads that call's prefilled KV cache,
+            cropped back to them, instead of prefilling them again (the query and the
+            content-free query of one prompt: the same passages, other readers); ``None``:
+            every call prefills its own.
 
     Returns:
         float32 ``[layers, n]`` on the CPU: the attention probability the readers pay each
@@ -81,8 +90,14 @@ def passage_attention(backend: HFBackend, prompt: TaskPrompt) -> torch.Tensor:
     if first == len(ids) or first == 0:
         raise RagfixError("attention-sort needs text after the passages (the question) to read")
     model, dev = backend.model, backend.device
-    cache = full_cache()  # every key of every layer: a sliding layer's weights cover them all
-    model(input_ids=torch.tensor([ids[:first]], device=dev), cache=cache, logits_to_keep=1)
+    if shared and shared["ids"] == ids[:first]:
+        cache = shared["cache"]
+        cache.crop(first - cache.get_seq_length())  # the readers of the call before go
+    else:
+        cache = full_cache()  # every key of every layer: a sliding layer's weights cover them all
+        model(input_ids=torch.tensor([ids[:first]], device=dev), cache=cache, logits_to_keep=1)
+        if shared is not None:
+            shared.update(ids=ids[:first], cache=cache)
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -114,20 +129,23 @@ def combine_scores(
 def passage_scores(backend: HFBackend, prompt: TaskPrompt, options: AttentionSortOptions):
     """One score per passage of ``prompt`` under ``options`` (higher = more attended,
     :func:`combine_scores` of the :func:`passage_attention` of ``prompt`` and, with
-    ``calibrate``, of :attr:`TaskPrompt.no_query`).
+    ``calibrate``, of :attr:`TaskPrompt.no_query`, which reads the passages' KV cache the
+    first read prefilled).
 
     Raises:
         RagfixError: as :func:`passage_attention`; ``calibrate`` on a prompt without
             :attr:`TaskPrompt.no_query`.
     """
-    att, free = passage_attention(backend, prompt), None
-    if options.calibrate:
-        if prompt.no_query is None:
-            raise RagfixError(
-                "attention-sort calibrate=true needs the prompt's content-free query form "
-                "(TaskPrompt.no_query, built by the task prompts of ragfix.tasks)"
-            )
-        free = passage_attention(backend, prompt.no_query)
+    if not options.calibrate:
+        return combine_scores(passage_attention(backend, prompt), None, options)
+    if prompt.no_query is None:
+        raise RagfixError(
+            "attention-sort calibrate=true needs the prompt's content-free query form "
+            "(TaskPrompt.no_query, built by the task prompts of ragfix.tasks)"
+        )
+    shared: dict = {}
+    att = passage_attention(backend, prompt, shared)
+    free = passage_attention(backend, prompt.no_query, shared)
     return combine_scores(att, free, options)
 
 

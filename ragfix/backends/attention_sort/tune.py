@@ -55,8 +55,9 @@ def tune_attention_sort(
     for s in samples:
         for k, pos in enumerate(positions):
             prompt = task_prompt(s, s.passages_with_gold_at(pos))
-            att = passage_attention(backend, prompt)
-            att_free = passage_attention(backend, prompt.no_query)
+            shared: dict = {}  # the content-free read reuses the passages' KV cache
+            att = passage_attention(backend, prompt, shared)
+            att_free = passage_attention(backend, prompt.no_query, shared)
             tops = {
                 n: int(combine_scores(att, att_free, v).argmax())
                 for n, v in zip(names, VARIANTS, strict=True)
