@@ -198,10 +198,10 @@ def bench_methods(
     counts = list(num_docs or NUM_DOCS)
     path = resolve_data(data)
     reads = bool(marginal) or any(backend_class(n, model).needs_passage_spans for n in names)
-    base = resolve_task(task, "none", detect_format(path), reads_passages=reads)
-    tasks = {name: base for name in names}
+    task_read = resolve_task(task, "none", detect_format(path), reads_passages=reads)
+    tasks = {name: task_read for name in names}
     for mode in repeats or []:
-        tasks[f"vanilla --repeat {mode}"] = repeated(base, mode)
+        tasks[f"vanilla --repeat {mode}"] = repeated(task_read, mode)
     samples = {n: load_samples(path, n, limit) for n in counts}
     prompts = {
         n: {
@@ -219,7 +219,7 @@ def bench_methods(
         loaded[name] = load_backend(name, model=model, device=device)
     for label, options in marginal:  # over the vanilla already loaded: its weights, loaded once
         loaded[label] = marginalize_orders(loaded["vanilla"], options)
-        tasks[label] = base
+        tasks[label] = task_read
         names = [*names, label]
         for n in counts:
             prompts[n][label] = prompts[n]["vanilla"]
@@ -265,7 +265,7 @@ def bench_methods(
             r["peak_x"] = _ratio(r["peak_mib"], base["peak_mib"])
 
     table = TableSpec(
-        f"methods vs vanilla · {model} · {path.name} ({base.name}) · gold at the middle · {dev} "
+        f"methods vs vanilla · {model} · {path.name} ({task_read.name}) · gold at the middle · {dev} "
         f"· {torch.get_num_threads()} threads",
         ["backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s"]
         + ["×vanilla", "peak MiB", "×vanilla"],
@@ -293,7 +293,7 @@ def bench_methods(
     details = {
         "projection": LLAMA3_8B,
         "data": str(path),
-        "task": base.name,
+        "task": task_read.name,
         "model": model,
         "device": str(dev),
         "threads": torch.get_num_threads(),
