@@ -265,8 +265,8 @@ def bench_methods(
             r["peak_x"] = _ratio(r["peak_mib"], base["peak_mib"])
 
     table = TableSpec(
-        f"methods vs vanilla · {model} · {path.name} ({task_read.name}) · gold at the middle · {dev} "
-        f"· {torch.get_num_threads()} threads",
+        f"methods vs vanilla · {model} · {path.name} ({task_read.name}) · gold at the middle "
+        f"· {dev} · {torch.get_num_threads()} threads",
         ["backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s"]
         + ["×vanilla", "peak MiB", "×vanilla"],
         [

@@ -1,11 +1,11 @@
 """Every backend on every model family (Llama, Mistral with a sliding window, Qwen2, Qwen3, Gemma 3
-with local and global layers, Phi-3 with fused q/k/v), as tiny random-config models in fp32 and
-bf16 with sdpa and eager attention (vanilla's bf16 paths under sdpa): vanilla's batched, prefix-reusing and trie paths and its
-step decoder (rows joining a running batch) equal plain transformers; every method at a neutral
-setting (one passage, factor 1, a prompt inside the window) equals the plain model on the tokens
-it reads; pine and set-based keep their order invariance; set-based equals an independent
-computation; each refusal is one line, from the config, before any weights are loaded; the
-committed capability table is what the backends say now.
+with local and global layers, Phi-3 with fused q/k/v), as tiny random-config models in fp32 and bf16
+with sdpa and eager attention (vanilla's bf16 paths under sdpa): vanilla's batched, prefix-reusing
+and trie paths and its step decoder (rows joining a running batch) equal plain transformers; every
+method at a neutral setting (one passage, factor 1, a prompt inside the window) equals the plain
+model on the tokens it reads; pine and set-based keep their order invariance; set-based equals an
+independent computation; each refusal is one line, from the config, before any weights are loaded;
+the committed capability table is what the backends say now.
 
 ``RAGFIX_TEST_DEVICE=cuda`` runs the same tests on a GPU (``ragfix bench gpu``)."""
 

@@ -64,7 +64,8 @@ def test_cli_sweep_writes_results_summary_and_plot(finished_run):
     assert len(every) == 15 and len({r["cell_id"] for r in every}) == 15
     recs = [r for r in every if r["reference"] is None]  # QA: closed-book and oracle besides
     assert len(recs) == 9 and sorted({r["position"] for r in recs}) == [0, 1, 2]
-    assert sorted(r["reference"] for r in every if r["reference"]) == ["closed-book"] * 3 + ["oracle"] * 3
+    refs = sorted(r["reference"] for r in every if r["reference"])
+    assert refs == ["closed-book"] * 3 + ["oracle"] * 3
     for r in recs:
         assert {"sample_id", "position", "prompt_tokens", "answer", "correct", "seconds"} <= set(r)
         assert r["prompt_tokens"] > 300 and r["prefill_tokens"] <= r["prompt_tokens"]
