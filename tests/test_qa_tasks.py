@@ -278,3 +278,23 @@ def test_a_repeated_prompt_is_answered_as_transformers_answers_the_text_built_by
     assert (
         got.prompt_tokens == ids.shape[1] and got.token_ids == want.tolist()[: len(got.token_ids)]
     )
+
+
+def test_the_ceiling_is_the_worst_position_against_the_oracle_by_hand():
+    from scipy.stats import binomtest
+
+    from ragfix.eval.compare import _to_ceiling
+
+    samples = [f"s{i}" for i in range(8)]
+    oracle = dict.fromkeys(samples, True)
+    cells = {(s, 0): s == "s0" for s in samples}  # right once: the worst position
+    cells |= {(s, 1): True for s in samples} | {(s, 2): s != "s7" for s in samples}
+    c = _to_ceiling(oracle, cells)
+    raw = binomtest(0, 7, 0.5).pvalue  # exact McNemar: 7 cells right only under the oracle
+    assert (c["worst_position"], c["positions"], c["n"]) == (0, 3, 8)
+    assert (c["oracle_only"], c["position_only"]) == (7, 0)
+    assert c["accuracy"] == 1 / 8 and c["oracle_accuracy"] == 1.0 and c["difference"] == -7 / 8
+    assert c["p_raw"] == pytest.approx(raw) and c["p"] == pytest.approx(3 * raw)  # Bonferroni
+    # paired on the samples both have; none in common: no ceiling
+    assert _to_ceiling({"s0": False, "s1": True}, cells)["n"] == 2
+    assert _to_ceiling({"other": True}, cells) is None
