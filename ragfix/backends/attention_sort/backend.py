@@ -126,18 +126,17 @@ def combine_scores(
     return x[first:].mean(dim=0)
 
 
-def passage_scores(backend: HFBackend, prompt: TaskPrompt, options: AttentionSortOptions):
-    """One score per passage of ``prompt`` under ``options`` (higher = more attended,
-    :func:`combine_scores` of the :func:`passage_attention` of ``prompt`` and, with
-    ``calibrate``, of :attr:`TaskPrompt.no_query`, which reads the passages' KV cache the
-    first read prefilled).
+def calibrated_attention(
+    backend: HFBackend, prompt: TaskPrompt
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The :func:`passage_attention` of ``prompt`` and of its content-free-query form
+    (:attr:`TaskPrompt.no_query`), over one prefill of the passages: the second read takes the
+    KV cache the first prefilled. Two ``[layers, n]`` tensors.
 
     Raises:
-        RagfixError: as :func:`passage_attention`; ``calibrate`` on a prompt without
+        RagfixError: as :func:`passage_attention`; a prompt without
             :attr:`TaskPrompt.no_query`.
     """
-    if not options.calibrate:
-        return combine_scores(passage_attention(backend, prompt), None, options)
     if prompt.no_query is None:
         raise RagfixError(
             "attention-sort calibrate=true needs the prompt's content-free query form "
@@ -145,8 +144,20 @@ def passage_scores(backend: HFBackend, prompt: TaskPrompt, options: AttentionSor
         )
     shared: dict = {}
     att = passage_attention(backend, prompt, shared)
-    free = passage_attention(backend, prompt.no_query, shared)
-    return combine_scores(att, free, options)
+    return att, passage_attention(backend, prompt.no_query, shared)
+
+
+def passage_scores(backend: HFBackend, prompt: TaskPrompt, options: AttentionSortOptions):
+    """One score per passage of ``prompt`` under ``options`` (higher = more attended,
+    :func:`combine_scores` of the :func:`passage_attention` of ``prompt`` or, with
+    ``calibrate``, of :func:`calibrated_attention`).
+
+    Raises:
+        RagfixError: as :func:`passage_attention` and :func:`calibrated_attention`.
+    """
+    if not options.calibrate:
+        return combine_scores(passage_attention(backend, prompt), None, options)
+    return combine_scores(*calibrated_attention(backend, prompt), options)
 
 
 def sort_passages(
@@ -257,6 +268,7 @@ class AttentionSortBackend(HFBackend):
 
 __all__ = [
     "AttentionSortBackend",
+    "calibrated_attention",
     "combine_scores",
     "passage_attention",
     "passage_scores",

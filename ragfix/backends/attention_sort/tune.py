@@ -2,7 +2,7 @@
 
 For every cell of a tune range (a sample with its gold passage at a position), the prompt and
 its content-free-query form (:attr:`~ragfix.prompts.TaskPrompt.no_query`) are read once each
-(:func:`~ragfix.backends.attention_sort.passage_attention`), and every variant of
+(:func:`~ragfix.backends.attention_sort.backend.calibrated_attention`), and every variant of
 :class:`~ragfix.backends.attention_sort.AttentionSortOptions` (``layers`` x ``calibrate``, one
 round) is scored from the same two readings: a hit is a cell where the variant's most attended
 passage is the gold passage, so one sort round puts the gold passage last. The variant with the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ragfix.backends.attention_sort.backend import combine_scores, passage_attention
+from ragfix.backends.attention_sort.backend import calibrated_attention, combine_scores
 from ragfix.backends.attention_sort.options import AttentionSortOptions
 from ragfix.backends.hf import HFBackend
 from ragfix.tables import TableSpec, tune_rows
@@ -55,9 +55,7 @@ def tune_attention_sort(
     for s in samples:
         for k, pos in enumerate(positions):
             prompt = task_prompt(s, s.passages_with_gold_at(pos))
-            shared: dict = {}  # the content-free read reuses the passages' KV cache
-            att = passage_attention(backend, prompt, shared)
-            att_free = passage_attention(backend, prompt.no_query, shared)
+            att, att_free = calibrated_attention(backend, prompt)
             tops = {
                 n: int(combine_scores(att, att_free, v).argmax())
                 for n, v in zip(names, VARIANTS, strict=True)
