@@ -55,6 +55,7 @@ from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.metrics import continues_context, mcnemar_exact
 from ragfix.models.resolve import DEFAULT_EMBEDDER
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed
+from ragfix.tasks import REPEAT_SUFFIX, task_names
 
 #: the ``kind`` of a comparison file written by ``ragfix report --json``
 COMPARISON_KIND = "ragfix-comparison"
@@ -102,6 +103,9 @@ class Run:
             (:func:`ragfix.eval.sweep.split_scored`: no sample with an unscored cell).
         continued: ``{curve label: answers that continue the context}``
             (:func:`ragfix.metrics.continues_context`), over the same cells.
+        blank: ``{curve label: answers with no text but whitespace}`` (scored wrong: a model
+            that answers nothing, or a prompt form that makes it stop at once), over the same
+            cells.
         records: every cell the run reported (overflowed ones included), as stored, in the
             summary's order (what ``ragfix report --html`` lists).
         references: ``{curve label: {reference: {sample_id: correct}}}``: the run's scored
@@ -115,6 +119,7 @@ class Run:
     summary: dict
     curves: dict[str, Cells]
     continued: dict[str, int]
+    blank: dict[str, int]
     records: list[dict]
     references: dict[str, dict[str, dict[str, bool]]] = field(default_factory=dict)
 
@@ -166,11 +171,14 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     reported = [stored[i] for i in ids]
     records, ref_records, _ = split_scored(reported)
     curves = cells_by_curve(records)
-    continued = dict.fromkeys(curves, 0)
+    continued, blank = dict.fromkeys(curves, 0), dict.fromkeys(curves, 0)
     for r in records:
         continued[curve_label(r)] += continues_context(r.get("answer", ""))
+        blank[curve_label(r)] += not r.get("answer", "").strip()
     references = reference_cells(ref_records)
-    run = Run(name or folder.name, folder, config, summary, curves, continued, reported, references)
+    run = Run(
+        name or folder.name, folder, config, summary, curves, continued, blank, reported, references
+    )
     if not run.curves:
         why = "; ".join(unscored_lines(summary)[1:])
         raise DataError(
@@ -421,6 +429,7 @@ def compare_loaded(
                     for c, cells in r.curves.items()
                 },
                 "continued": r.continued,
+                "blank": r.blank,
                 **_retrieval_weighted(r, resamples, seed),
                 **({"references": reference_points(r.references)} if r.references else {}),
                 **({"written_questions": w} if (w := r.summary.get("written_questions")) else {}),
@@ -599,11 +608,24 @@ def _merit_table(comparison: dict) -> TableSpec:
         if "continued" in run  # comparison files written before the count existed lack it
         for c, m in run["curves"].items()
     ]
-    if any(run.get("config", {}).get("task") == "qa" for run in comparison["runs"]) and counts:
+    qa = task_names("qa")  # a repeated variant (NAME:repeat-MODE) reads its task's records
+    tasks = {
+        str(run.get("config", {}).get("task")).partition(REPEAT_SUFFIX)[0]
+        for run in comparison["runs"]
+    }
+    if counts and tasks.intersection(qa):
         lines.append(
             "Answers that continue the document list instead of answering "
             f"(`Document [...`): {'; '.join(counts)}."
         )
+    blank = [
+        f"{run['name']}:{c} {run['blank'][c]} of {m['cells']}"
+        for run in comparison["runs"]
+        if any(run.get("blank", {}).values())  # files written before the count lack it
+        for c, m in run["curves"].items()
+    ]
+    if blank:
+        lines.append(f"Blank answers (no text; scored wrong): {'; '.join(blank)}.")
     for run in comparison["runs"]:
         w = run.get("written_questions")
         if w:

@@ -347,8 +347,9 @@ def _sweep_group(
 def reads_chat(config: dict) -> bool:
     """Whether the run of ``config`` (a ``config.json``) read its task prompts in a chat
     template: not when its identity records :data:`~ragfix.prompts.NO_CHAT_TEMPLATE` (a base
-    model, which read their completion form)."""
-    return (config.get("identity") or {}).get("chat_template") != NO_CHAT_TEMPLATE
+    model, which read their completion form, or a folder's older record of it)."""
+    template = str((config.get("identity") or {}).get("chat_template"))
+    return not template.startswith(NO_CHAT_TEMPLATE.partition(":")[0] + ":")
 
 
 def _order(name: str, order: dict, prompt, chat: bool, strings: _Strings) -> dict:

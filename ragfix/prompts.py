@@ -54,8 +54,10 @@ def find_passages(text: str, chunks: Sequence[str]) -> list[tuple[int, int] | No
 
 
 #: what a run's identity records as the chat template of a model without one (a base model),
-#: which reads a task prompt in its completion form (:meth:`TaskPrompt.answer_prefix`)
-NO_CHAT_TEMPLATE = "none: the task's completion form"
+#: which reads a task prompt in its completion form (:meth:`TaskPrompt.answer_prefix`) after
+#: the tokenizer's BOS (:func:`ragfix.backends.hf.chat_text`); a folder written when that form
+#: had no BOS records ``"none: the task's completion form"`` and is not resumed
+NO_CHAT_TEMPLATE = "none: the task's completion form after the tokenizer's BOS"
 
 
 @dataclass(frozen=True)

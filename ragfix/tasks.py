@@ -143,7 +143,8 @@ class Task:
             ``passages`` puts the context twice, one copy after the other (JRT-Prompt, Arora
             et al., "Just read twice", arXiv 2407.05483), ``prompt`` the whole user turn twice
             (Leviathan et al., "Prompt repetition improves non-reasoning LLMs", arXiv
-            2512.14982), each joined by :data:`REPEAT_SEPARATOR`; so every passage is read once
+            2512.14982; the first copy ends before the answer cue, :meth:`_repeated`), each
+            joined by :data:`REPEAT_SEPARATOR`; so every passage is read once
             more after all the others (``passages``) or after the question too (``prompt``), at
             about twice the prefill. The prompt's spans are those of both copies, in order.
             :func:`get_task` builds the variant ``NAME:repeat-MODE`` of a registered task.
@@ -223,7 +224,7 @@ class Task:
                 for d in self.demonstrations
             )
             closed = self.closed_book_template.format(question=question, demonstrations=demos)
-            return self._repeated(closed)
+            return self._repeated(closed, self.closed_book_template)
         context = passages if isinstance(passages, str) else "".join(self.passage_texts(passages))
         return self._filled(context, question)
 
@@ -233,10 +234,19 @@ class Task:
         if self.repeat == "passages" and context:
             context = context + REPEAT_SEPARATOR + context
         user = self.template.format(instruction=self.head, context=context, question=question)
-        return self._repeated(user)
+        return self._repeated(user, self.template)
 
-    def _repeated(self, user: str) -> str:
-        return user + REPEAT_SEPARATOR + user if self.repeat == "prompt" else user
+    def _repeated(self, user: str, template: str) -> str:
+        """``user`` (filled from ``template``) as :attr:`repeat` says: for ``prompt``, a first
+        copy without the answer cue (what ``template`` puts after ``{question}``, such as
+        ``\nAnswer:``), the separator, then ``user`` whole: the cue is read once, where the
+        answer follows it. A base model that continues the document would otherwise learn from
+        the first copy that the cue is followed by the separator (Gemma 3 270M answered every
+        question with an empty line)."""
+        if self.repeat != "prompt":
+            return user
+        cue = template.rpartition("{question}")[2].format()
+        return user.removesuffix(cue) + REPEAT_SEPARATOR + user
 
     def prompt(self, question: str, passages: Sequence[Passage] | str) -> TaskPrompt:
         """The :class:`TaskPrompt` of ``question`` with ``passages`` in the given order; given
@@ -268,10 +278,11 @@ class Task:
                 text = self.render_passage(i + 1, p)
                 out.append((start, start + len(text)))
                 start += len(text) + len(self.separator)
-            if self.repeat != "none":  # the second copy's spans, the same distance on
-                context = len("".join(self.passage_texts(passages)))
-                single = (len(user) - len(REPEAT_SEPARATOR)) // 2
-                shift = (context if self.repeat == "passages" else single) + len(REPEAT_SEPARATOR)
+            if self.repeat == "passages":  # the second copy's spans, one context further on
+                shift = len("".join(self.passage_texts(passages))) + len(REPEAT_SEPARATOR)
+                out += [(a + shift, b + shift) for a, b in out]
+            elif self.repeat == "prompt":  # the second copy's: the whole turn, at the end
+                shift = len(user) - len(self.once.user_turn(question, passages))
                 out += [(a + shift, b + shift) for a, b in out]
             spans = tuple(out)
         return TaskPrompt(

@@ -287,5 +287,11 @@ def test_gemma3_270m_is_checked_from_its_gguf_and_reads_the_completion_form():
     sample = load_samples(data_file("litm_kv_retrieval_140_keys.jsonl.gz"), 8, 3)[2]
     prompt = task_prompt(sample, sample.passages_with_gold_at(0))
     assert backend.format_prompt(prompt).endswith('\nCorresponding value: "')
+    # the tokens are those Hugging Face's own call gives the text: Gemma's BOS first (a text
+    # without it is answered as if by another model); a string too, its BOS never doubled
+    text = prompt.user + prompt.answer_prefix(chat=False)
+    assert backend.encode(prompt) == backend.tokenizer(text)["input_ids"]
+    assert backend.encode(prompt)[0] == backend.tokenizer.bos_token_id
+    assert backend.format_prompt("Paris") == backend.format_prompt("<bos>Paris") == "<bos>Paris"
     [answer] = backend.generate([prompt])
     assert answer.text.startswith(sample.answers[0]) and score_answer(sample, answer.text)

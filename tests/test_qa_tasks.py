@@ -71,8 +71,9 @@ def test_repetition_puts_every_passage_twice_with_its_spans():
         texts = [p.user[a:b] for a, b in p.passages]
         assert texts == [*once.passage_texts(), *once.passage_texts()]
         assert p.no_query.passage_texts() == once.no_query.passage_texts() * 2
-        if mode == "prompt":
-            assert p.user == once.user + REPEAT_SEPARATOR + once.user
+        if mode == "prompt":  # the first copy without the answer cue: the cue read once
+            first = once.user.removesuffix("\nAnswer:")
+            assert p.user == first + REPEAT_SEPARATOR + once.user and p.user.count("Answer:") == 1
         else:
             context = "".join(get_task("qa-extractive").passage_texts(DOCS))
             assert context + REPEAT_SEPARATOR + context in p.user
@@ -264,7 +265,7 @@ def test_a_repeated_prompt_is_answered_as_transformers_answers_the_text_built_by
     if mode == "passages":
         text = head + context + "\n\n" + context + tail
     else:
-        text = once.user + "\n\n" + once.user
+        text = once.user.removesuffix("\nAnswer:") + "\n\n" + once.user
     ids = backend.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
     )
@@ -278,6 +279,30 @@ def test_a_repeated_prompt_is_answered_as_transformers_answers_the_text_built_by
     assert (
         got.prompt_tokens == ids.shape[1] and got.token_ids == want.tolist()[: len(got.token_ids)]
     )
+
+
+def test_a_base_model_answers_a_repeated_prompt_in_the_completion_form():
+    # Gemma 3 270M (base, no chat template) reads the task's completion form: the repeated turn
+    # by hand, decoded greedily by transformers. With the answer cue in both copies it answers
+    # the first cue's pattern (a blank line) and so nothing; with the cue once it answers.
+    from ragfix.backends import load_backend
+    from ragfix.connectors.litm import load_samples
+
+    backend = load_backend("vanilla", model="gemma3-270m")
+    sample = load_samples(data_file("squad_dev_multidoc.jsonl.gz"), 3, 1, records="800:801")[0]
+    task = get_task("qa-extractive-2shot")
+    once = task.prompt(sample.question, sample.passages_with_gold_at(2)).user
+
+    def greedy(text: str) -> str:
+        ids = backend.tokenizer(text, return_tensors="pt").input_ids
+        out = backend.model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
+        return backend.tokenizer.decode(out, skip_special_tokens=True)
+
+    assert greedy(once + "\n\n" + once).startswith("\n")  # the cue twice: a blank answer
+    want = greedy(once.removesuffix("\nAnswer:") + "\n\n" + once).split("\n")[0]
+    repeated = get_task("qa-extractive-2shot:repeat-prompt")
+    [got] = backend.generate([repeated.prompt(sample.question, sample.passages_with_gold_at(2))])
+    assert want.strip() and got.text == want.strip(), (got.text, want)
 
 
 def test_the_ceiling_is_the_worst_position_against_the_oracle_by_hand():

@@ -468,3 +468,25 @@ def test_the_reasoning_rule_every_backend_applies(text, answer, unfinished):
 
     got, flags = final_answer(text, stop_at_newline=True)
     assert got == answer and (REASONING_UNFINISHED in flags) is unfinished
+
+
+def test_a_completions_prompt_leaves_the_bos_to_the_server():
+    """A base model's completion form, as a remote backend scores it through the completions
+    endpoint (``format_prompt(context) + continuation``), is sent without the BOS that a local
+    backend reads first: vLLM and llama.cpp put their own before a completions prompt, and sent
+    as text it would be read twice."""
+    from fake_openai import FakeOpenAI
+
+    from ragfix.backends import load_backend
+    from ragfix.backends.hf import chat_text
+    from ragfix.tasks import get_task
+    from ragfix.types import Passage
+
+    prompt = get_task("qa").prompt("Who?", [Passage(title="T", text="Ann wrote it.")])
+    with FakeOpenAI("ok") as fake:
+        remote = load_backend(
+            "vanilla", model="openai:fake", api_base=fake.url, tokenizer="gemma3-270m"
+        )
+    sent = remote.format_prompt(prompt)
+    assert sent == prompt.user + prompt.answer_prefix(chat=False) and "<bos>" not in sent
+    assert chat_text(remote.tokenizer, prompt) == "<bos>" + sent  # what a local backend reads

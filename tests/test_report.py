@@ -208,8 +208,25 @@ def test_answers_that_continue_the_document_list_are_counted(tmp_path):
         "Answers that continue the document list instead of answering (`Document [...`): "
         "base:vanilla 10 of 30; cs:channel-scaled 1 of 30."
     )
-    kv = compare_runs([_run(tmp_path / "kv", BASE_COUNTS)])  # KV: no such line
-    assert "continue" not in comparison_tables(kv, "merit")[0].lines[-1]
+    kv = compare_runs([_run(tmp_path / "kv", BASE_COUNTS, answer=copies_at_middle)])
+    assert not any("continue" in line for line in comparison_tables(kv, "merit")[0].lines)
+
+
+def test_blank_answers_are_counted_and_every_qa_task_counts_continued_ones(tmp_path):
+    def blank_at_end(sid, pos):  # 10 blank answers at position 2, one continues the list
+        return " \n" if pos == 2 else "Document [1](Title: X)" if (sid, pos) == ("s1", 0) else "a"
+
+    run = _run(
+        tmp_path / "rep", BASE_COUNTS, answer=blank_at_end, task="qa-extractive:repeat-prompt"
+    )
+    cmp = compare_runs([run, _run(tmp_path / "kv", BASE_COUNTS, "pine", lambda s, p: "v")])
+    assert [r["blank"] for r in cmp["runs"]] == [{"vanilla": 10}, {"pine": 0}]
+    (merit,) = comparison_tables(cmp, "merit")
+    assert merit.lines[-2:] == [
+        "Answers that continue the document list instead of answering (`Document [...`): "
+        "rep:vanilla 1 of 30; kv:pine 0 of 30.",
+        "Blank answers (no text; scored wrong): rep:vanilla 10 of 30.",
+    ]
 
 
 def test_overflow_samples_are_left_out_of_the_comparison(tmp_path):

@@ -368,6 +368,8 @@ def test_a_base_models_record_keeps_the_completion_prefix_it_read(tmp_path, mode
     config = json.loads((out / "config.json").read_text())
     assert config["identity"]["chat_template"] == NO_CHAT_TEMPLATE and not reads_chat(config)
     assert reads_chat({"identity": {"chat_template": "0123456789ab"}})
+    # a folder written when the completion form had no BOS: its own record, read the same way
+    assert not reads_chat({"identity": {"chat_template": "none: the task's completion form"}})
 
 
 # ------------------------------------------------------------------ judge

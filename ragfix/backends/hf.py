@@ -42,15 +42,33 @@ from ragfix.prompts import NO_CHAT_TEMPLATE
 from ragfix.types import Generation
 
 
-def chat_text(tokenizer, prompt: Prompt) -> str:
+def bos_text(tokenizer) -> str:
+    """The BOS token as text when ``tokenizer`` puts it before every text it encodes (its
+    post-processor does: Gemma, Llama 2, Mistral), else ``""``. That is what Hugging Face's
+    ``tokenizer(text)``, vLLM's completions endpoint and llama.cpp put first of a plain text; a
+    chat template writes its own (Gemma 3's ``{{ bos_token }}``)."""
+    bos = tokenizer.bos_token_id
+    first = tokenizer("a")["input_ids"][:1]
+    return tokenizer.bos_token if bos is not None and first == [bos] else ""
+
+
+def chat_text(tokenizer, prompt: Prompt, bos: bool = True) -> str:
     """The text a model with ``tokenizer`` reads for ``prompt``: a :class:`TaskPrompt`'s user turn
     in the tokenizer's chat template, assistant turn opened and prefilled with its
     ``assistant_prefix``; without a chat template (a base model), the task's completion form
-    ``user`` and :meth:`~ragfix.prompts.TaskPrompt.answer_prefix`; a string as it is."""
+    ``user`` and :meth:`~ragfix.prompts.TaskPrompt.answer_prefix`; a string as it is. A text
+    that is not a chat template's (a string, a completion form) starts with the tokenizer's
+    BOS (:func:`bos_text`) unless it does already, or ``bos`` is false (a server's completions
+    endpoint, which puts its own first). Gemma answers without it as if from another model."""
     if isinstance(prompt, str):
-        return prompt
-    if not tokenizer.chat_template:
-        return prompt.user + prompt.answer_prefix(chat=False)
+        text = prompt
+    elif not tokenizer.chat_template:
+        text = prompt.user + prompt.answer_prefix(chat=False)
+    else:
+        text = None
+    if text is not None:
+        first = bos_text(tokenizer) if bos else ""
+        return text if text.startswith(first) else first + text
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt.user}],
         add_generation_prompt=True,
@@ -286,8 +304,9 @@ class HFBackend(Backend):
 
     # ------------------------------------------------------------------ text and tokens
     def format_prompt(self, prompt: Prompt) -> str:
-        """A :class:`TaskPrompt`'s user turn in the model's chat template (plain ``user + "\\n"``
-        for a model without one), assistant turn opened and prefilled; a string as it is."""
+        """:func:`chat_text`: a :class:`TaskPrompt`'s user turn in the model's chat template,
+        assistant turn opened and prefilled (its task's completion form for a model without
+        one); a string as it is; either of the last two after the tokenizer's BOS."""
         return chat_text(self.tokenizer, prompt)
 
     def tokenize(self, text: str) -> list[int]:

@@ -359,7 +359,7 @@ class RemoteBackend(Backend):
             return prompt
         if self.tokenizer is None:
             raise self._needs_tokenizer("formatting a prompt")
-        return chat_text(self.tokenizer, prompt)
+        return chat_text(self.tokenizer, prompt, bos=False)  # the server puts its own BOS
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens).
