@@ -39,6 +39,7 @@ MODES = {
     "othermodel": 'the right answer, from "other-model" (a gateway that routed elsewhere)',
     "dated": 'the right answer, from "fake-2024-08-06" (a dated snapshot of the model asked for)',
     "surrogate": "the right answer with a lone UTF-16 surrogate (\\ud800) in its JSON",
+    "noecho": "log-probabilities of the generated token only, echo ignored (llama.cpp's server)",
 }
 
 
@@ -202,6 +203,9 @@ class FakeOpenAI:
         out["model"] = {"othermodel": "other-model", "dated": "fake-2024-08-06"}.get(mode, "fake")
         choice = {"index": 0, "finish_reason": finish, "logprobs": None}
         choice.update({"message": message} if chat else {"text": message["content"]})
+        if mode == "noecho" and not chat:
+            lp = {"tokens": [answer], "token_logprobs": [-0.5], "top_logprobs": None}
+            choice["logprobs"] = {**lp, "text_offset": [len(str(body.get("prompt")))]}
         out["choices"] = {"nullchoices": None, "emptychoices": []}.get(mode, [choice])
         n = self.prompt_tokens(body)
         out["usage"] = {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}

@@ -490,3 +490,24 @@ def test_a_completions_prompt_leaves_the_bos_to_the_server():
     sent = remote.format_prompt(prompt)
     assert sent == prompt.user + prompt.answer_prefix(chat=False) and "<bos>" not in sent
     assert chat_text(remote.tokenizer, prompt) == "<bos>" + sent  # what a local backend reads
+
+
+@pytest.mark.parametrize("mode", ["ok", "noecho"])
+def test_a_server_without_prompt_log_probabilities_is_refused_not_scored_zero(mode, tmp_path):
+    """Issue 55, item 1: a server that strips ``logprobs`` (``ok`` here) or ignores ``echo``
+    (llama.cpp's server: the generated token's only) gives no score of the answer: the
+    log-likelihood refuses in one line, naming the server, where it summed nothing to 0.0;
+    through ``--orders-aggregate score-max`` the sweep stops at its first cell."""
+    from ragfix.backends import load_backend
+    from ragfix.errors import RagfixError
+
+    chat = _exact_count()  # the chat requests' count; a scoring request's is not read
+    with FakeOpenAI(mode, prompt_tokens=lambda b: chat(b) if "messages" in b else 1) as fake:
+        remote = load_backend(
+            "vanilla", model="openai:fake", api_base=fake.url, tokenizer="smollm2"
+        )
+        with pytest.raises(RagfixError, match=r"\(fake\) gave no log-probability for any"):
+            remote.loglikelihood([("Key: k. Value:", " v")])
+        res = _eval(fake, tmp_path / "r", "--tokenizer", "smollm2", "--orders", "2")
+    assert res.exit_code == 2 and "gave no log-probability for any" in res.output, res.output
+    assert not (tmp_path / "r" / "results.jsonl").exists() or not _records(tmp_path / "r")

@@ -689,9 +689,15 @@ class RemoteBackend(Backend):
                 f"context (character {start}): a continuation is scored from a token boundary "
                 "(begin it with a space or a new line)"
             )
-        picked = [
-            v for a, v in zip(offsets, values, strict=False) if start <= a < end and v is not None
-        ]
+        picked = [v for a, v in zip(offsets, values, strict=False) if start <= a < end]
+        if end > start and (not picked or None in picked):
+            raise RagfixError(
+                f"{self.options.api_base} ({self.served}) gave no log-probability for "
+                f"{'some' if picked else 'any'} of the prompt's tokens (completions with echo and "
+                "logprobs): it cannot score answers, which score-max and the answer-style "
+                "judge need (llama.cpp's server ignores echo; use --orders-aggregate max or "
+                "plurality, or serve the model with vLLM or ragfix serve)"
+            )
         return float(sum(picked))
 
     def token_scores(self, ids: Sequence[int], top: int):
