@@ -47,6 +47,8 @@ def test_shuffled_orders_are_distinct_seeded_by_the_prompt_and_start_as_given():
     assert a[0] == tuple(range(6)) and len(set(a)) == 5
     assert all(sorted(o) == list(range(6)) for o in a)
     assert len(passage_orders(2, opts, "x")) == 2  # 2! orders exist
+    many = passage_orders(20, OrderOptions(orders=100_000, design="shuffle"), "x")
+    assert len(set(many)) == len(many) == 100_000  # distinct, drawn in linear time (a set)
 
 
 def test_the_aggregators_by_hand():

@@ -118,14 +118,12 @@ def passage_orders(n: int, options: OrderOptions, key: str = "") -> list[tuple[i
         return [tuple((j + s) % n for j in range(n)) for s in shifts]
     digest = hashlib.sha256(f"{options.seed}\0{key}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
-    out = [identity]
+    out = {identity: None}  # insertion-ordered, a set's lookup: linear in the orders drawn
     tries = 0
     while len(out) < min(options.orders, math.factorial(n)) and tries < 100 * options.orders:
-        order = tuple(rng.sample(range(n), n))
+        out.setdefault(tuple(rng.sample(range(n), n)))
         tries += 1
-        if order not in out:
-            out.append(order)
-    return out
+    return list(out)
 
 
 def confidence(gen: Generation) -> float | None:
