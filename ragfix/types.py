@@ -136,6 +136,9 @@ class Generation(BaseModel):
         votes: an answer over several orders of the passages
             (:class:`~ragfix.backends.orders.OrderMarginalBackend`): each order's ``order``,
             ``answer``, ``confidence`` and ``flags``; ``None`` for an answer read in one order.
+        answer_tokens: the tokens of the answer itself where ``new_tokens`` counts more (an
+            answer over several orders: ``new_tokens`` is every order's, what it cost); ``None``:
+            ``new_tokens`` (:attr:`own_tokens`).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -152,6 +155,13 @@ class Generation(BaseModel):
     flags: list[str] = Field(default_factory=list)
     reasons: dict[str, str] = Field(default_factory=dict)
     votes: list[dict] | None = None
+    answer_tokens: int | None = Field(default=None, exclude=True, repr=False)
+
+    @property
+    def own_tokens(self) -> int:
+        """The tokens of the answer given (what a client's ``max_tokens`` bounds and its
+        ``usage.completion_tokens`` counts): :attr:`answer_tokens`, else :attr:`new_tokens`."""
+        return self.new_tokens if self.answer_tokens is None else self.answer_tokens
 
 
 def generation_extra(gen: Generation) -> dict:

@@ -1094,7 +1094,16 @@ def test_order_marginalization_is_served_over_documents(smol):
         r = chat(url, ASK, documents=DOCS, max_tokens=6)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == local
-        assert r.json()["usage"]["completion_tokens"] == gen.new_tokens
+        # the usage and finish_reason of the answer given, not of the three orders' answers
+        own = len(gen.token_ids)
+        assert r.json()["usage"]["completion_tokens"] == gen.own_tokens == own < gen.new_tokens
+        assert r.json()["choices"][0]["finish_reason"] == ("length" if own == 6 else "stop")
+        loose = wrapped.generate([qa_prompt()], max_new_tokens=40, stop_at_newline=False)[0]
+        r = chat(url, ASK, documents=DOCS, max_tokens=40)
+        # an answer that ended by itself (30 tokens) though the orders' together passed 40
+        assert len(loose.token_ids) < 40 <= loose.new_tokens
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        assert r.json()["usage"]["completion_tokens"] == len(loose.token_ids)
         entry = httpx.get(url + "/v1/models").json()["data"][0]
         assert entry["ragfix"]["orders"] == options.model_dump(mode="json")
         remote = load_backend("vanilla", model=f"openai:{MODEL}", api_base=url + "/v1")

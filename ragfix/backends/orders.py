@@ -346,7 +346,8 @@ class OrderMarginalBackend(Backend):
 
         Each returned :class:`Generation` is the chosen order's, with ``prompt_tokens`` the
         longest order's (what the window must hold), ``prefill_tokens``, ``new_tokens`` and
-        ``seconds`` summed over all orders and the scoring (what the answer cost) and ``votes``:
+        ``seconds`` summed over all orders and the scoring (what the answer cost),
+        ``answer_tokens`` the chosen answer's own, and ``votes``:
         per order, its ``order``, ``answer``, ``confidence``, ``flags`` and, with a
         :data:`SCORED` aggregator, ``scores``. An order whose answer is not a
         measurement (an :data:`~ragfix.types.UNSCORED` flag such as ``empty_answer``) does
@@ -417,6 +418,7 @@ class OrderMarginalBackend(Backend):
                 "prompt_tokens": max(g.prompt_tokens for g in gens),
                 "prefill_tokens": sum(g.prefill_tokens for g in gens),
                 "new_tokens": sum(g.new_tokens for g in gens),
+                "answer_tokens": chosen.own_tokens,
                 "seconds": sum(g.seconds for g in gens) + scoring,
                 "first_logprobs": chosen.first_logprobs if first_logprobs else None,
                 "votes": votes if len(gens) > 1 else None,

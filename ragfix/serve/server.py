@@ -266,7 +266,7 @@ class Server:
             "index": 0,
             "message": {"role": "assistant", "content": self.raw_text(gen, bool(req.stops()))},
             "logprobs": logprobs,
-            "finish_reason": "length" if gen.new_tokens >= budget else "stop",
+            "finish_reason": "length" if gen.own_tokens >= budget else "stop",
         }
         return {**self.head("chat.completion"), "choices": [choice], "usage": usage(gen)}
 
@@ -318,7 +318,7 @@ class Server:
             "index": 0,
             "text": (prompt if req.echo else "") + text,
             "logprobs": logprobs,
-            "finish_reason": "length" if gen is None or gen.new_tokens >= budget else "stop",
+            "finish_reason": "length" if gen is None or gen.own_tokens >= budget else "stop",
         }
         counts = usage(gen) if gen is not None else usage_of(prompt_tokens, 0)
         return {**self.head("text_completion"), "choices": [choice], "usage": counts}
@@ -375,7 +375,7 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def usage(gen: Generation) -> dict:
     """The ``usage`` of an answer."""
-    return usage_of(gen.prompt_tokens, gen.new_tokens)
+    return usage_of(gen.prompt_tokens, gen.own_tokens)
 
 
 def _alternatives(texts: list[str], logprobs: list[float]) -> dict[str, float]:
