@@ -1230,3 +1230,27 @@ def test_an_empty_api_key_is_an_error_not_an_open_server(how, monkeypatch):
         check_api_key("")
     check_api_key("a-key")
     check_api_key(None)
+
+
+@pytest.mark.parametrize("orders", [False, True])
+def test_logprobs_of_a_served_remote_model_are_a_400_not_a_500(orders):
+    """Issue 55, item 5: ``ragfix serve`` over a model behind another server (here a fake
+    OpenAI server that gives no log-probabilities) answers a request for ``logprobs`` with a 400
+    in OpenAI's error format naming ``logprobs``, chat and completions, with ``--orders`` too
+    (an ``AttributeError`` and a 500 before); without ``logprobs`` it answers."""
+    from fake_openai import FakeOpenAI
+
+    from ragfix.backends import load_backend
+    from ragfix.backends.orders import OrderOptions, marginalize_orders
+
+    with FakeOpenAI("ok") as fake:
+        remote = load_backend("vanilla", model="openai:fake", api_base=fake.url)
+        backend = marginalize_orders(remote, OrderOptions(orders=2, aggregate="plurality"))
+        with running(create_app(backend if orders else remote, MODEL)) as url:
+            kw = {"documents": DOCS} if orders else {}
+            err = error(chat(url, ASK, max_tokens=4, logprobs=True, top_logprobs=2, **kw))
+            assert err["param"] == "logprobs" and "gives no log-probabilities" in err["message"]
+            assert chat(url, ASK, max_tokens=4, **kw).status_code == 200
+            if not orders:
+                body = {"model": MODEL, "prompt": "Paris is", "max_tokens": 2, "logprobs": 1}
+                assert error(post(url, "/v1/completions", body))["param"] == "logprobs"

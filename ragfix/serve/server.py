@@ -29,8 +29,6 @@ from ragfix.serve_errors import ApiError
 from ragfix.types import Generation
 
 if TYPE_CHECKING:  # the CLI imports the package for its defaults: no torch at import
-    import torch
-
     from ragfix.backends.base import Backend, Cancel, Prompt, TokenScores
 
 
@@ -227,10 +225,23 @@ class Server:
             out.append((b.decode("utf-8", errors="backslashreplace"), list(b)))
         return out
 
-    def top(self, lps: torch.Tensor, k: int) -> list[tuple[str, list[int], float]]:
-        """The ``max(k, 1)`` most likely tokens of a distribution, most likely first, as
-        ``(text, bytes, logprob)`` (tokenizer)."""
-        values, ids = lps.topk(max(k, 1))
+    def top(self, gen: Generation, k: int) -> list[tuple[str, list[int], float]]:
+        """The ``max(k, 1)`` most likely first tokens of ``gen``'s answer, most likely first, as
+        ``(text, bytes, logprob)`` (tokenizer).
+
+        Raises:
+            ApiError: 400 when the backend gave no distribution (a remote model: its server's
+                log-probabilities are not passed on).
+        """
+        if gen.first_logprobs is None:
+            raise ApiError(
+                400,
+                f"logprobs: the model served here ({self.model_id}) gives no log-probabilities "
+                "of its answers (a remote model: its server's are not passed on); ask without "
+                "logprobs",
+                param="logprobs",
+            )
+        values, ids = gen.first_logprobs.topk(max(k, 1))
         texts = self.token_texts(ids.tolist())
         return [(t, b, float(v)) for (t, b), v in zip(texts, values, strict=True)]
 
@@ -248,7 +259,7 @@ class Server:
         logprobs = None
         if req.logprobs:
             k = req.top_logprobs or 0
-            top = self.top(gen.first_logprobs, k)
+            top = self.top(gen, k)
             (tok, b, lp), alternatives = top[0], top[:k]
             logprobs = {
                 "content": [
@@ -304,7 +315,7 @@ class Server:
                         texts = [t for t, _ in names[row * k : (row + 1) * k]]
                         tops.append(_alternatives(texts, lps))
             if gen is not None:
-                top = self.top(gen.first_logprobs, req.logprobs)
+                top = self.top(gen, req.logprobs)
                 tokens, values = [*tokens, top[0][0]], [*values, top[0][2]]
                 best = top[: req.logprobs]
                 tops.append(_alternatives([t for t, _, _ in best], [v for _, _, v in best]))
