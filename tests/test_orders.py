@@ -239,3 +239,22 @@ def test_the_framework_components_refuse_the_wrapper(smol):
         require_plain_prompts(wrapped, "RagFixLLM")
     with pytest.raises(ConfigError):
         RagFixLLM(wrapped)
+
+
+def test_every_aggregate_answers_a_one_passage_prompt_as_the_wrapped_backend(tmp_path):
+    # issue 55, item 6: one passage has one order, so one answer; score-max used to stop the
+    # sweep (no candidate was scored) and serve answered 400
+    from conftest import tiny_folder
+
+    from ragfix.backends import load_backend
+    from ragfix.types import Passage
+
+    assert aggregate([("Paris", None)], "score-max") == 0  # no scores, no confidences needed
+    assert aggregate([("", None), ("Rome", None)], "max") == 1  # the one answer that votes
+    backend = load_backend("vanilla", model=str(tiny_folder(tmp_path / "tiny")), device="cpu")
+    prompt = get_task("qa").prompt("Who wrote it?", [Passage(title="T", text="Ann wrote it.")])
+    [want] = backend.generate([prompt], max_new_tokens=4, stop_at_newline=False)
+    for how in ("plurality", "weighted", "max", "score", "score-max"):
+        orders = marginalize_orders(backend, OrderOptions(orders=3, aggregate=how))
+        [got] = orders.generate([prompt], max_new_tokens=4, stop_at_newline=False)
+        assert (got.text, got.token_ids, got.votes) == (want.text, want.token_ids, None), how

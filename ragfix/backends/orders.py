@@ -156,15 +156,15 @@ def aggregate(
 
     Returns:
         the index in ``answers`` of the chosen answer: of its answer class, the order with the
-        highest confidence (the first of equals).
+        highest confidence (the first of equals); the one answer that votes, by any aggregate.
 
     Raises:
         ConfigError: ``weighted`` or ``max`` with an answer that has no confidence; ``score``
             or ``score-max`` without an order's score of a candidate.
     """
     voting = [i for i, (text, _) in enumerate(answers) if normalize_answer(text)]
-    if not voting:
-        return 0
+    if len(voting) < 2:  # nothing to weigh (one order: a prompt with one passage)
+        return voting[0] if voting else 0
     if how in ("weighted", "max") and any(answers[i][1] is None for i in voting):
         raise ConfigError(
             f"--orders-aggregate {how} needs each answer's log-probability, and the backend "
