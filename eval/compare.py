@@ -300,9 +300,18 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
     folders have the same name).
 
     Raises:
+        ConfigError: one folder given twice (a paired comparison of a run with itself).
         DataError: see :func:`load_run`.
     """
-    names = [Path(p).name if Path(p).is_dir() else Path(p).parent.name for p in paths]
+    folders = [Path(p) if Path(p).is_dir() else Path(p).parent for p in paths]
+    seen: dict[Path, str | Path] = {}
+    for p, f in zip(paths, folders, strict=True):
+        if f.resolve() in seen:
+            raise ConfigError(
+                f"{p} is given twice (as {seen[f.resolve()]} too): give each run once"
+            )
+        seen[f.resolve()] = p
+    names = [f.name for f in folders]
     return [
         load_run(p, n if names.count(n) == 1 else str(p)) for p, n in zip(paths, names, strict=True)
     ]

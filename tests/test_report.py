@@ -13,7 +13,7 @@ from scipy.stats import bootstrap
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
-from ragfix.errors import DataError, RagfixError
+from ragfix.errors import ConfigError, DataError, RagfixError
 from ragfix.eval.compare import compare_runs, comparison_tables, record_range
 from ragfix.eval.merit import curve_merit, paired_merit, retrieval_weighted_merit
 from ragfix.eval.render import render_files
@@ -227,6 +227,15 @@ def test_blank_answers_are_counted_and_every_qa_task_counts_continued_ones(tmp_p
         "rep:vanilla 1 of 30; kv:pine 0 of 30.",
         "Blank answers (no text; scored wrong): rep:vanilla 10 of 30.",
     ]
+
+
+def test_a_run_given_twice_is_refused(tmp_path):
+    # issue 55, item 8: it was listed twice and paired with itself
+    run = _run(tmp_path / "base", BASE_COUNTS)
+    with pytest.raises(ConfigError, match=r"base/results.jsonl is given twice \(as .*base too\)"):
+        compare_runs([run, run / "results.jsonl"])
+    res = runner.invoke(app, ["report", str(run), str(run)])
+    assert res.exit_code == 2 and "is given twice" in res.output
 
 
 def test_overflow_samples_are_left_out_of_the_comparison(tmp_path):
