@@ -39,6 +39,7 @@ MODES = {
     "othermodel": 'the right answer, from "other-model" (a gateway that routed elsewhere)',
     "dated": 'the right answer, from "fake-2024-08-06" (a dated snapshot of the model asked for)',
     "surrogate": "the right answer with a lone UTF-16 surrogate (\\ud800) in its JSON",
+    "nullusage": 'usage with "prompt_tokens": null (a partial usage object)',
     "noecho": "log-probabilities of the generated token only, echo ignored (llama.cpp's server)",
 }
 
@@ -209,6 +210,8 @@ class FakeOpenAI:
         out["choices"] = {"nullchoices": None, "emptychoices": []}.get(mode, [choice])
         n = self.prompt_tokens(body)
         out["usage"] = {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
+        if mode == "nullusage":
+            out["usage"]["prompt_tokens"] = None
         return out
 
     def wait_for(self, received: int, answered: int, timeout: float = 60.0) -> None:

@@ -511,3 +511,24 @@ def test_a_server_without_prompt_log_probabilities_is_refused_not_scored_zero(mo
         res = _eval(fake, tmp_path / "r", "--tokenizer", "smollm2", "--orders", "2")
     assert res.exit_code == 2 and "gave no log-probability for any" in res.output, res.output
     assert not (tmp_path / "r" / "results.jsonl").exists() or not _records(tmp_path / "r")
+
+
+def test_a_partial_usage_object_is_read_as_none_and_said_in_one_line():
+    """Issue 55, item 8: ``usage`` with ``prompt_tokens: null``: with a tokenizer the answer is
+    counted here (no flag); without one the refusal names the partial usage, where a bare
+    pydantic validation line ended the run."""
+    from ragfix.backends import load_backend
+    from ragfix.errors import RagfixError
+    from ragfix.prompts import TaskPrompt
+
+    ask = TaskPrompt(user='Key: "k"\n"k": "v"', max_new_tokens=8)
+    with FakeOpenAI("nullusage") as fake:
+        counted = load_backend(
+            "vanilla", model="openai:fake", api_base=fake.url, tokenizer="smollm2"
+        )
+        [gen] = counted.generate([ask])
+        assert (gen.text, gen.flags, gen.usage) == ('v"', [], None)
+        assert gen.prompt_tokens == len(counted.encode(ask))
+        remote = load_backend("vanilla", model="openai:fake", api_base=fake.url)
+        with pytest.raises(RagfixError, match=r"usage without a count \(\{'prompt_tokens': None"):
+            remote.generate([ask])

@@ -468,18 +468,14 @@ class RemoteBackend(Backend):
         choice = self._choice(resp, "completions" if completions else "chat")
         raw = choice.text if completions else choice.message.content
         raw, invalid = valid_text(raw) if raw else (raw, 0)
-        usage = (
-            {
-                "prompt_tokens": resp.usage.prompt_tokens,
-                "completion_tokens": resp.usage.completion_tokens,
-            }
-            if resp.usage is not None
-            else None
-        )
+        given = getattr(resp, "usage", None)
+        counts = {k: getattr(given, k, None) for k in ("prompt_tokens", "completion_tokens")}
+        usage = counts if all(isinstance(v, int) for v in counts.values()) else None
         if local is None and usage is None:
+            what = "no usage figures" if given is None else f"usage without a count ({counts})"
             raise RagfixError(
-                f"{self.options.api_base} reported no usage figures for {self.served!r}, so the "
-                "prompt's tokens cannot be counted: give --tokenizer NAME"
+                f"{self.options.api_base} reported {what} for {self.served!r}, so the prompt's "
+                "tokens cannot be counted: give --tokenizer NAME"
             )
         text, reasons = final_answer(raw or "", stop)
         if invalid:
