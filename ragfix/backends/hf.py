@@ -60,21 +60,16 @@ def chat_text(tokenizer, prompt: Prompt, bos: bool = True) -> str:
     that is not a chat template's (a string, a completion form) starts with the tokenizer's
     BOS (:func:`bos_text`) unless it does already, or ``bos`` is false (a server's completions
     endpoint, which puts its own first). Gemma answers without it as if from another model."""
-    if isinstance(prompt, str):
-        text = prompt
-    elif not tokenizer.chat_template:
-        text = prompt.user + prompt.answer_prefix(chat=False)
-    else:
-        text = None
-    if text is not None:
-        first = bos_text(tokenizer) if bos else ""
-        return text if text.startswith(first) else first + text
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt.user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return text + prompt.answer_prefix()
+    if not isinstance(prompt, str) and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.user}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return text + prompt.answer_prefix()
+    text = prompt if isinstance(prompt, str) else prompt.user + prompt.answer_prefix(chat=False)
+    first = bos_text(tokenizer) if bos else ""
+    return text if text.startswith(first) else first + text
 
 
 def greedy_steps(
