@@ -37,8 +37,8 @@ class AttentionSortOptions(BackendOptions):
 #: measured ``place`` defaults by model name (the ragfix alias and the hub id of the same
 #: weights): the better of the model's first and last positions in vanilla on the tune range of
 #: KV retrieval (the 140-key file's records 0-29, 8 pairs, every position). SmolLM2's best is
-#: last (``results/kv8-tune-vanilla.json``), Gemma 3 270M base's first
-#: (``results/gemma3-kv8-tune30-vanilla.json``); any other model: ``last``
+#: last (``results/kv8-tune-vanilla.json``), Gemma 3 270M base's first (read with its BOS:
+#: ``results/gemma3-bos-kv8-tune30-vanilla.json``); any other model: ``last``
 PLACE_DEFAULTS: dict[str, Literal["last", "first"]] = {
     "gemma3-270m": "first",
     "google/gemma-3-270m": "first",
