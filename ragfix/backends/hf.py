@@ -47,9 +47,10 @@ def bos_text(tokenizer) -> str:
     post-processor does: Gemma, Llama 2, Mistral), else ``""``. That is what Hugging Face's
     ``tokenizer(text)``, vLLM's completions endpoint and llama.cpp put first of a plain text; a
     chat template writes its own (Gemma 3's ``{{ bos_token }}``)."""
-    bos = tokenizer.bos_token_id
-    first = tokenizer("a")["input_ids"][:1]
-    return tokenizer.bos_token if bos is not None and first == [bos] else ""
+    bos = getattr(tokenizer, "bos_token_id", None)  # None: a tokenizer without one
+    if bos is None:
+        return ""
+    return tokenizer.bos_token if tokenizer("a")["input_ids"][:1] == [bos] else ""
 
 
 def chat_text(tokenizer, prompt: Prompt, bos: bool = True) -> str:
