@@ -278,11 +278,13 @@ class Task:
                 text = self.render_passage(i + 1, p)
                 out.append((start, start + len(text)))
                 start += len(text) + len(self.separator)
-            if self.repeat == "passages":  # the second copy's spans, one context further on
-                shift = len("".join(self.passage_texts(passages))) + len(REPEAT_SEPARATOR)
-                out += [(a + shift, b + shift) for a, b in out]
-            elif self.repeat == "prompt":  # the second copy's: the whole turn, at the end
-                shift = len(user) - len(self.once.user_turn(question, passages))
+            if self.repeat != "none":  # the second copy's spans: one context further on, or
+                # the whole turn at the end (the first copy lacks the cue, so lengths differ)
+                shift = (
+                    len("".join(self.passage_texts(passages))) + len(REPEAT_SEPARATOR)
+                    if self.repeat == "passages"
+                    else len(user) - len(self.once.user_turn(question, passages))
+                )
                 out += [(a + shift, b + shift) for a, b in out]
             spans = tuple(out)
         return TaskPrompt(
