@@ -501,8 +501,8 @@ def test_a_server_without_prompt_log_probabilities_is_refused_not_scored_zero(mo
     from ragfix.backends import load_backend
     from ragfix.errors import RagfixError
 
-    chat = _exact_count()  # the chat requests' count; a scoring request's is not read
-    with FakeOpenAI(mode, prompt_tokens=lambda b: chat(b) if "messages" in b else 1) as fake:
+    chat = _exact_count()  # the chat requests' count; a scoring request says 9 prompt tokens
+    with FakeOpenAI(mode, prompt_tokens=lambda b: chat(b) if "messages" in b else 9) as fake:
         remote = load_backend(
             "vanilla", model="openai:fake", api_base=fake.url, tokenizer="smollm2"
         )

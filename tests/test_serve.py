@@ -537,6 +537,60 @@ def test_echo_scores_the_prompt_as_loglikelihood(served, smol):
     assert plain["text"].startswith(ctx) and plain["logprobs"] is None
 
 
+def test_echo_of_characters_split_into_bytes_keeps_text_offsets_on_the_text(served, smol):
+    """Issue 55, item 2: a character the vocabulary splits into bytes is echoed as OpenAI's
+    legacy ``bytes:\\xNN`` tokens, and every ``text_offset`` is the character of the echoed
+    text where the token begins (a token inside a character: that character's), where
+    escaped bytes used to push every later offset past its token."""
+    url, _, _ = served
+    text = "价格是 ₹ 100, 中国的首都是北京 (Beijing)."
+    body = {"model": MODEL, "prompt": text, "echo": True, "logprobs": 0, "max_tokens": 0}
+    out = post(url, "/v1/completions", body).json()["choices"][0]
+    lp = out["logprobs"]
+    ids = smol.encode(text)
+    raw = smol.token_bytes(ids)
+    assert out["text"] == text and len(lp["tokens"]) == len(ids) and b"".join(raw) == text.encode()
+    split = [t for t in lp["tokens"] if t.startswith("bytes:")]
+    assert split and all(t == "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+                         for t, b in zip(lp["tokens"], raw, strict=True) if t in split)  # fmt: skip
+    at_bytes = 0
+    for tok, at, b in zip(lp["tokens"], lp["text_offset"], raw, strict=True):
+        want = len(text.encode()[:at_bytes].decode("utf-8", errors="ignore"))
+        assert at == want, (tok, at, want)
+        if not tok.startswith("bytes:"):
+            assert text[at : at + len(tok)] == tok
+        at_bytes += len(b)
+    assert lp["text_offset"][-1] < len(text) and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_a_model_with_a_bos_token_echoes_it_first_and_scores_as_the_local_model():
+    """Issue 55, item 2 (BOS echoes): Gemma 3 270M's tokenizer puts its BOS before a text. The
+    server scores the tokens the model reads, BOS first, echoed as vLLM does (``<bos>``, no
+    log-probability, at offset 0: it is not in the text), and a remote backend reading the
+    echo by token count gets the local model's log-likelihoods, non-Latin text included
+    (served scores without the BOS, read by character offsets, differed)."""
+    from ragfix.backends import load_backend
+
+    gemma = load_backend("vanilla", model="gemma3-270m")
+    text = "The capital of France is Paris"
+    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " Lyon"),
+             ("Le prix est de 100 ₹, soit", " un euro"), ("中国的首都是北京。", "上海")]  # fmt: skip
+    with running(create_app(gemma, "gemma3-270m")) as url:
+        body = {"model": "gemma3-270m", "prompt": text, "echo": True, "logprobs": 0,
+                "max_tokens": 0}  # fmt: skip
+        out = post(url, "/v1/completions", body).json()
+        lp = out["choices"][0]["logprobs"]
+        remote = load_backend("vanilla", model="openai:gemma3-270m", api_base=url + "/v1")
+        served = remote.loglikelihood(pairs)
+    ids = gemma.encode(text)
+    assert ids[0] == gemma.tokenizer.bos_token_id and len(lp["tokens"]) == len(ids)
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert lp["tokens"][0] == "<bos>" and lp["token_logprobs"][0] is None
+    assert lp["text_offset"][:2] == [0, 0] and "".join(lp["tokens"][1:]) == text
+    assert lp["token_logprobs"][1:] == pytest.approx(gemma.token_logprobs(ids).tolist(), abs=1e-4)
+    assert served == pytest.approx(gemma.loglikelihood(pairs), abs=1e-3)
+
+
 def test_echo_with_top_logprobs_is_openai_legacy_shape_and_equals_the_backend(served, smol):
     """Issue 43 (lm-evaluation-harness ``local-completions`` sends ``echo: true, logprobs: 1,
     max_tokens: 1`` and was refused): ``echo`` with ``logprobs: N`` gives, in OpenAI's legacy

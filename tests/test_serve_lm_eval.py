@@ -52,7 +52,9 @@ def test_lm_eval_local_completions_scores_as_its_hf_model(smol, monkeypatch):
             model=MODEL,
             tokenizer_backend="huggingface",
             tokenizer=folder,
-            tokenized_requests=False,  # text prompts: the server reads text
+            # lm-eval's default: prompts as token ids (context and continuation tokenized
+            # apart), which the server scores as they are (issue 55, item 8)
+            tokenized_requests=True,
             max_retries=1,
             max_length=2048,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 import time
 import warnings
@@ -315,9 +316,18 @@ class HFBackend(Backend):
 
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         """See :meth:`Backend.token_bytes`: read from a byte-level vocabulary (each token's own
-        bytes, part of a character's included), else each token's decoded text."""
+        bytes, part of a character's included); else a byte-fallback piece (SentencePiece's
+        ``<0xNN>``: Gemma, Llama 2) is its byte, and any other token its decoded text (a
+        special token's own text: ``<bos>``)."""
         exact = byte_level_token_bytes(self.tokenizer, ids)
-        return super().token_bytes(ids) if exact is None else exact
+        if exact is not None:
+            return exact
+        pieces = self.tokenizer.convert_ids_to_tokens(list(ids))
+        out = []
+        for i, piece in zip(ids, pieces, strict=True):
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece or "")
+            out.append(bytes([int(byte[1], 16)]) if byte else self.tokenizer.decode([i]).encode())
+        return out
 
     # ------------------------------------------------------------------ generation
     def _generation_config(self, max_new_tokens: int, stop_at_newline: bool, **extra):

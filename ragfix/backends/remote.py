@@ -633,68 +633,92 @@ class RemoteBackend(Backend):
 
     def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
         """Summed log-probability (nats) of each continuation after its context, as the server
-        scores the text ``format_prompt(context) + continuation``: one completions request each
-        with ``echo``, ``logprobs: 1`` and ``max_tokens: 1`` (what lm-evaluation-harness's
-        ``local-completions`` sends; vLLM, llama.cpp's server and ``ragfix serve`` answer it),
-        summing the echoed tokens whose ``text_offset`` falls in the continuation;
-        ``concurrency`` requests in flight at once.
+        scores the text ``format_prompt(context) + continuation``: completions requests with
+        ``echo``, ``logprobs: 1`` and ``max_tokens: 1`` (what lm-evaluation-harness's
+        ``local-completions`` sends; vLLM and ``ragfix serve`` answer it), one for the whole
+        text and one for each distinct context. Read by token count, as lm-eval reads: the
+        whole text's echoed prompt tokens (``usage.prompt_tokens`` of them) after the context's
+        count are the continuation's. So a BOS token the server echoes first, and token texts
+        that are not the text's characters (vLLM's ``text_offset`` adds each token string's
+        length, a byte token's included), change nothing. ``concurrency`` requests in flight.
 
         Raises:
             ValueError: an empty continuation.
             RagfixError: a :class:`TaskPrompt` context without ``--tokenizer`` (the chat text is
                 formatted here), a request failed for good, the server did not score the
-                prompt's tokens (no ``echo`` log-probabilities, or none inside the
-                continuation), or it reads one token across the end of the context (the
-                continuation's score would hold part of the context's).
+                prompt's tokens (no ``echo`` log-probabilities, fewer than its
+                ``usage.prompt_tokens``, or no ``usage``), or its tokens of the whole text do
+                not begin with the context's (one token read across the end of the context:
+                the continuation's score would hold part of the context's).
         """
         texts = []
         for context, continuation in pairs:
             if not continuation:
                 raise ValueError("loglikelihood needs a non-empty continuation")
             texts.append((self.format_prompt(context), continuation))
-        scores, arrived = _run(self._each(texts, self._score, None))
+        contexts: dict[str, asyncio.Future] = {}
+
+        async def score(client, item: tuple[str, str]) -> float:
+            context, continuation = item
+            if context not in contexts:
+                contexts[context] = asyncio.ensure_future(self._echo(client, context))
+            (tokens, values), (head, _) = await asyncio.gather(
+                self._echo(client, context + continuation), contexts[context]
+            )
+            if tokens[: len(head)] != head or len(tokens) <= len(head):
+                raise RagfixError(
+                    f"{self.options.api_base} ({self.served}) reads one token across the end "
+                    f"of the context (character {len(context)}): its tokens of the whole text "
+                    "do not begin with the context's; a continuation is scored from a token "
+                    "boundary (begin it with a space or a new line)"
+                )
+            return float(sum(values[len(head) - 1 :]))
+
+        scores, arrived = _run(self._each(texts, score, None))
         if scores is None:
             raise Interrupted(done=arrived)
         return scores
 
-    async def _score(self, client, item: tuple[str, str]) -> float:
-        """The summed log-probability of ``item``'s continuation after its context text (see
-        :meth:`loglikelihood`)."""
+    async def _echo(self, client, text: str) -> tuple[list[str], list[float]]:
+        """The server's prompt tokens of ``text`` (their token strings) and the log-probability
+        of each after the first (``[n]`` and ``[n - 1]``), from one completions request with
+        ``echo``, ``logprobs: 1`` and ``max_tokens: 1``; ``n`` is the response's
+        ``usage.prompt_tokens``.
+
+        Raises:
+            RagfixError: the request failed for good, or the server did not score the prompt's
+                tokens (see :meth:`loglikelihood`).
+        """
         import openai
 
-        context, continuation = item
         try:
             resp = await client.completions.create(
-                model=self.served,
-                prompt=context + continuation,
-                max_tokens=1,
-                temperature=0,
-                echo=True,
-                logprobs=1,
+                model=self.served, prompt=text, max_tokens=1, temperature=0, echo=True, logprobs=1
             )
         except openai.APIError as e:
             raise self._failed(e) from None
         lp = self._choice(resp, "completions echo").logprobs
-        start, end = len(context), len(context) + len(continuation)
-        offsets = list(getattr(lp, "text_offset", None) or [])
+        tokens = list(getattr(lp, "tokens", None) or [])
         values = list(getattr(lp, "token_logprobs", None) or [])
-        ends = [*offsets[1:], end]
-        if any(a < start < b for a, b in zip(offsets, ends, strict=False)):
+        n = getattr(getattr(resp, "usage", None), "prompt_tokens", None)
+        where = f"{self.options.api_base} ({self.served})"
+        if n is None:
             raise RagfixError(
-                f"{self.options.api_base} ({self.served}) reads one token across the end of the "
-                f"context (character {start}): a continuation is scored from a token boundary "
-                "(begin it with a space or a new line)"
+                f"{where} gave no usage.prompt_tokens with its echo: where the prompt's tokens "
+                "end cannot be read, so answers cannot be scored (score-max, the answer-style "
+                "judge); use --orders-aggregate max or plurality"
             )
-        picked = [v for a, v in zip(offsets, values, strict=False) if start <= a < end]
-        if end > start and (not picked or None in picked):
+        scored = values[1:n]
+        if len(tokens) < n or len(values) < n or not scored or None in scored:
+            some = "some" if any(v is not None for v in scored) else "any"
             raise RagfixError(
-                f"{self.options.api_base} ({self.served}) gave no log-probability for "
-                f"{'some' if picked else 'any'} of the prompt's tokens (completions with echo and "
-                "logprobs): it cannot score answers, which score-max and the answer-style "
-                "judge need (llama.cpp's server ignores echo; use --orders-aggregate max or "
-                "plurality, or serve the model with vLLM or ragfix serve)"
+                f"{where} gave no log-probability for {some} of the "
+                "prompt's tokens (completions with echo and logprobs): it cannot score answers, "
+                "which score-max and the answer-style judge need (llama.cpp's server ignores "
+                "echo; use --orders-aggregate max or plurality, or serve the model with vLLM or "
+                "ragfix serve)"
             )
-        return float(sum(picked))
+        return tokens[:n], [float(v) for v in scored]
 
     def token_scores(self, ids: Sequence[int], top: int):
         """Not available from a server (``ragfix serve`` over a remote model scoring ``echo``).

@@ -234,10 +234,16 @@ def create_app(
 
     @app.post("/v1/completions")
     async def complete(request: Request):
-        """OpenAI text completions of a raw prompt (``echo`` scores it)."""
+        """OpenAI text completions of a raw prompt, a text or token ids (``echo`` scores it: the
+        tokens the model reads for the text, its BOS first where its tokenizer puts one, as
+        vLLM echoes; token ids as they are)."""
         req = await read_request(request, CompletionRequest, max_body_bytes)
-        prompt = req.text()
+        prompt, ids = req.text(), None
+        if isinstance(prompt, list):  # token ids: scored as they are, answered from their text
+            ids = prompt
+            prompt = await server.tokenizing(lambda: server.ids_text(ids))
         n_prompt, budget = await server.check(req, prompt, req.max_tokens)
+        n_prompt = n_prompt if ids is None else len(ids)
         stop = bool(req.stops())
         if req.stream:
             job = server.stream_job(prompt, budget, stop)
@@ -255,7 +261,8 @@ def create_app(
                     "tokenizer here",
                     param="echo",
                 )
-            ids = await server.tokenizing(lambda: backend.tokenize(prompt))
+            if ids is None:  # what the model reads for the text: its BOS first, if it has one
+                ids = await server.tokenizing(lambda: backend.encode(prompt))
             jobs.append(server.scores_job(ids, req.logprobs))
         got = await _wait(request, *jobs)
         if got is None:

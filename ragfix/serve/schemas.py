@@ -246,9 +246,10 @@ class ChatRequest(ApiRequest):
 
 
 class CompletionRequest(ApiRequest):
-    """A ``/v1/completions`` request: a raw prompt, read as it is."""
+    """A ``/v1/completions`` request: a raw prompt, read as it is: a text, or token ids (what
+    OpenAI's API, vLLM and lm-evaluation-harness's default ``tokenized_requests`` send)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -271,14 +272,14 @@ class CompletionRequest(ApiRequest):
         if self.stream and self.logprobs is not None:
             raise ApiError(400, "logprobs are not streamed: ask without stream", param="logprobs")
 
-    def text(self) -> str:
-        """The one prompt, not empty.
+    def text(self) -> str | list[int]:
+        """The one prompt, not empty: its text, or its token ids.
 
         Raises:
             ApiError: several prompts, or an empty one.
         """
         prompt = self.prompt
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ApiError(400, "send one prompt per request", param="prompt")
             prompt = prompt[0]

@@ -157,6 +157,32 @@ class Server:
             )
         return fit.prompt_tokens or 0, budget
 
+    def ids_text(self, ids: list[int]) -> str:
+        """The text of a token-id prompt (tokenizer).
+
+        Raises:
+            ApiError: a backend without a tokenizer here, or an id outside the vocabulary (400,
+                ``prompt``).
+        """
+        tokenizer = getattr(self.backend, "tokenizer", None)
+        if not self.backend.has_tokenizer or tokenizer is None:
+            raise ApiError(
+                400,
+                "a prompt of token ids needs the model's tokenizer, which this backend has not "
+                "here: send the prompt as text",
+                param="prompt",
+            )
+        size = len(tokenizer)
+        for at, i in enumerate(ids):
+            if not 0 <= i < size:
+                raise ApiError(
+                    400,
+                    f"prompt[{at}] = {i} is not a token id of this model's vocabulary "
+                    f"(0 to {size - 1})",
+                    param="prompt",
+                )
+        return self.backend.detokenize(ids)
+
     # ------------------------------------------------------------------ model work
     def answer_job(self, prompt: Prompt, budget: int, stop: bool, logprobs: bool) -> Job:
         """A queued, batchable greedy answer (its result: a :class:`Generation`)."""
@@ -301,29 +327,36 @@ class Server:
         logprobs = None
         if req.logprobs is not None:
             tokens: list[str] = []
+            parts: list[bytes] = []  # each token's bytes of the returned text
             values: list[float | None] = []
             tops: list[dict[str, float] | None] = []
             if scored is not None:
                 ids, scores = scored
-                tokens = [t for t, _ in self.token_texts(ids)]
+                raw = self.backend.token_bytes(ids)
+                tokens = [_legacy(b) for b in raw]
+                # a special token (a BOS read first) is echoed but is not in the text
+                parts = [
+                    b if self.backend.detokenize([i]) else b""
+                    for i, b in zip(ids, raw, strict=True)
+                ]
                 values, tops = [None], [None]
                 if scores is not None:
                     values += [float(v) for v in scores.logprobs]
-                    names = self.token_texts(scores.top_ids.flatten().tolist())
+                    names = self.backend.token_bytes(scores.top_ids.flatten().tolist())
                     k = scores.top_ids.shape[1]
                     for row, lps in enumerate(scores.top_logprobs.tolist()):
-                        texts = [t for t, _ in names[row * k : (row + 1) * k]]
-                        tops.append(_alternatives(texts, lps))
+                        tops.append(_alternatives(names[row * k : (row + 1) * k], lps))
             if gen is not None:
                 top = self.top(gen, req.logprobs)
-                tokens, values = [*tokens, top[0][0]], [*values, top[0][2]]
+                parts.append(bytes(top[0][1]))
+                tokens, values = [*tokens, _legacy(bytes(top[0][1]))], [*values, top[0][2]]
                 best = top[: req.logprobs]
-                tops.append(_alternatives([t for t, _, _ in best], [v for _, _, v in best]))
+                tops.append(_alternatives([bytes(b) for _, b, _ in best], [v for _, _, v in best]))
             logprobs = {
                 "tokens": tokens,
                 "token_logprobs": values,
                 "top_logprobs": tops,
-                "text_offset": _offsets(tokens),
+                "text_offset": _offsets(parts),
             }
         choice = {
             "index": 0,
@@ -389,21 +422,33 @@ def usage(gen: Generation) -> dict:
     return usage_of(gen.prompt_tokens, gen.own_tokens)
 
 
-def _alternatives(texts: list[str], logprobs: list[float]) -> dict[str, float]:
-    """OpenAI's legacy ``top_logprobs`` entry: token text -> log-probability, most likely first
-    (of two tokens with one text, the likelier is kept)."""
+def _alternatives(tokens: list[bytes], logprobs: list[float]) -> dict[str, float]:
+    """OpenAI's legacy ``top_logprobs`` entry: token text (:func:`_legacy`) -> log-probability,
+    most likely first (of two tokens with one text, the likelier is kept)."""
     out: dict[str, float] = {}
-    for t, v in zip(texts, logprobs, strict=True):
-        out.setdefault(t, v)
+    for t, v in zip(tokens, logprobs, strict=True):
+        out.setdefault(_legacy(t), v)
     return out
 
 
-def _offsets(tokens: list[str]) -> list[int]:
-    """Character offset of each token text in their concatenation."""
-    out, at = [], 0
-    for t in tokens:
-        out.append(at)
-        at += len(t)
+def _legacy(token: bytes) -> str:
+    """A token's text in OpenAI's legacy ``logprobs``: its UTF-8 text, or, for a token that
+    holds part of a character, ``bytes:`` and its bytes written ``\\xNN``."""
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in token)
+
+
+def _offsets(parts: list[bytes]) -> list[int]:
+    """``text_offset`` of each token: the character (code point) of the text at which its
+    bytes begin, ``parts`` being each token's bytes of the UTF-8 text in order; a token that
+    begins inside a character gets that character's offset (OpenAI's legacy shape)."""
+    out, chars = [], 0
+    for part in parts:
+        inside = bool(part) and part[0] & 0xC0 == 0x80  # a continuation byte first
+        out.append(chars - 1 if inside else chars)
+        chars += sum(1 for c in part if c & 0xC0 != 0x80)
     return out
 
 
