@@ -573,8 +573,12 @@ def test_a_model_with_a_bos_token_echoes_it_first_and_scores_as_the_local_model(
 
     gemma = load_backend("vanilla", model="gemma3-270m")
     text = "The capital of France is Paris"
-    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " Lyon"),
-             ("Le prix est de 100 ₹, soit", " un euro"), ("中国的首都是北京。", "上海")]  # fmt: skip
+    pairs = [
+        ("The capital of France is", " Paris"),
+        ("The capital of France is", " Lyon"),
+        ("Le prix est de 100 ₹, soit", " un euro"),
+        ("中国的首都是北京。", "上海"),
+    ]
     with running(create_app(gemma, "gemma3-270m")) as url:
         body = {"model": "gemma3-270m", "prompt": text, "echo": True, "logprobs": 0,
                 "max_tokens": 0}  # fmt: skip
