@@ -9,6 +9,7 @@ import typer
 
 from ragfix.cli.common import (
     ORDER_OPTIONS,
+    REMOTE_OPTIONS,
     AdapterOpt,
     BackendOpt,
     BackendOptsOpt,
@@ -19,6 +20,7 @@ from ragfix.cli.common import (
     backend_options,
     err_console,
     order_options,
+    remote_options,
     user_errors,
 )
 from ragfix.serve import (
@@ -41,6 +43,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("serve")
     @ORDER_OPTIONS
+    @REMOTE_OPTIONS
     def serve_cmd(
         model: Annotated[
             str,
@@ -129,6 +132,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         order_flags: dict | None = None,
+        remote: dict | None = None,
     ) -> None:
         """Serve a ragfix backend over HTTP, OpenAI-compatible: /v1/chat/completions (streaming,
         logprobs), /v1/completions (echo), /v1/models, /health. Other programs (or ragfix with
@@ -169,6 +173,7 @@ def register(app: typer.Typer) -> None:
                 adapter=str(adapter) if adapter else None,
                 orders=orders,
                 **backend_options(backend_opt, calibration, train_window),
+                **remote_options(model, remote or {}),
             )
             app_ = create_app(
                 b,

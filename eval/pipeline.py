@@ -289,9 +289,11 @@ def run_pipeline_sweep(
             stored and where. The cell in flight is not stored: a rerun computes it and the
             other missing ones.
         pydantic.ValidationError: an unknown or invalid backend option or order setting.
+        ConfigError: (among the above) more ``orders`` than ``top_k`` chunks have distinct
+            orders (:func:`~ragfix.backends.orders.check_orders`).
     """
     from ragfix.backends import backend_class, result_options, validate_backend
-    from ragfix.backends.orders import OrderOptions
+    from ragfix.backends.orders import OrderOptions, check_orders
     from ragfix.models import resolve_model
 
     options = dict(backend_options or {})
@@ -314,6 +316,8 @@ def run_pipeline_sweep(
     validated = validate_backend(backend, adapter, model=model, **options)
     require_plain_prompts(backend_class(backend, model), f"the {framework} pipeline", backend)
     order_options = None if orders is None else OrderOptions(**orders)
+    if order_options is not None:
+        check_orders(order_options, top_k)
     resolve_model(model)
     accuracies = None
     if "bias-profile" in strategies:

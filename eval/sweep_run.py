@@ -456,7 +456,9 @@ def run_sweep(
         ConfigError: unknown backend or task, a task of the other data format, a repeated task
             with ``orders`` or a passage method, bad positions or record range, ``limit``,
             ``batch_size`` or ``workers`` < 1, more than one worker off the CPU, a missing
-            adapter for an adapter backend, an answer budget that fills the model's window.
+            adapter for an adapter backend, an answer budget that fills the model's window,
+            more ``orders`` than ``num_docs`` passages have distinct orders
+            (:func:`~ragfix.backends.orders.check_orders`).
         ConfigMismatchError: ``out`` holds results of other settings, weights (the backend's
             identity: weights, adapter, calibration, chat template) or input contents (data file,
             distractor pool), or was written before run folders recorded them (not with
@@ -468,7 +470,7 @@ def run_sweep(
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
     from ragfix.backends import backend_class, result_options, validate_backend
-    from ragfix.backends.orders import OrderOptions
+    from ragfix.backends.orders import OrderOptions, check_orders
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models.resolve import resolve_model
 
@@ -481,6 +483,8 @@ def run_sweep(
     pool = Path(distractor_pool).resolve() if distractor_pool else None
     validated = validate_backend(backend, str(adapter) if adapter else None, model=model, **options)
     order_options = None if orders is None else OrderOptions(**orders)
+    if order_options is not None:
+        check_orders(order_options, num_docs)
     resolve_model(model)  # unknown model / default not installed: fail before any work
     state = distributed_state()
     ref = BackendRef(

@@ -139,6 +139,9 @@ class Generation(BaseModel):
         answer_tokens: the tokens of the answer itself where ``new_tokens`` counts more (an
             answer over several orders: ``new_tokens`` is every order's, what it cost); ``None``:
             ``new_tokens`` (:attr:`own_tokens`).
+        raw_text: a remote model's answer as its server returned it (``text`` is that after
+            :func:`~ragfix.backends.base.final_answer`), what ``ragfix serve`` passes on;
+            ``None`` for a local answer (its text decoded from ``token_ids``).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -156,6 +159,7 @@ class Generation(BaseModel):
     reasons: dict[str, str] = Field(default_factory=dict)
     votes: list[dict] | None = None
     answer_tokens: int | None = Field(default=None, exclude=True, repr=False)
+    raw_text: str | None = Field(default=None, exclude=True, repr=False)
 
     @property
     def own_tokens(self) -> int:

@@ -15,6 +15,7 @@ from ragfix.backends.orders import (
     OrderOptions,
     aggregate,
     candidates,
+    check_orders,
     marginalize_orders,
     passage_orders,
 )
@@ -226,6 +227,37 @@ def test_a_setting_of_orders_without_orders_is_refused_in_one_line():
         assert "--orders-aggregate is a setting of --orders K: give --orders too" in res.output
     res = CliRunner().invoke(app, ["eval", "kv-sample", "--orders", "3", "--orders-design", "x"])
     assert res.exit_code != 0 and "design" in res.output
+
+
+def test_more_orders_than_the_passages_have_are_refused_before_any_work(tmp_path):
+    """Issue 55, item 6: ``--orders K`` beyond the distinct orders of ``--num-docs`` passages
+    (``rotate``: ``n``; ``shuffle``: ``n!``) ran with fewer votes than asked, silently; now the
+    sweep and the pipeline refuse it in one line before a model is loaded. The count of
+    ``n!`` stops past ``K``, so ``--orders 100000`` over 100 passages is answered at once."""
+    from typer.testing import CliRunner
+
+    from ragfix.backends.orders import distinct_orders
+
+    assert [distinct_orders(n, "rotate", 50) for n in (1, 2, 8)] == [1, 2, 8]
+    assert [distinct_orders(n, "shuffle", 50) for n in (1, 3, 4, 5)] == [1, 6, 24, 120]
+    assert distinct_orders(100, "shuffle", 100_000) == math.factorial(9)  # stopped past K
+    check_orders(OrderOptions(orders=8), 8)
+    with pytest.raises(ConfigError, match=r"^--orders 9: 8 passages have only 8 distinct orders"):
+        check_orders(OrderOptions(orders=9), 8)
+    check_orders(OrderOptions(orders=9, design="shuffle"), 8)
+    with pytest.raises(ConfigError, match="only 6 distinct orders under --orders-design shuffle"):
+        check_orders(OrderOptions(orders=7, design="shuffle"), 3)
+    runner = CliRunner()
+    from ragfix.cli.app import app
+
+    for command in (
+        ["eval", str(KV), "--num-docs", "4"],
+        ["eval-pipeline", "--corpus", "nq-sample", "--needles", "3", "--num-docs", "4"],
+    ):
+        res = runner.invoke(app, [*command, "--orders", "5", "--out", str(tmp_path / "r")])
+        assert res.exit_code == 2, res.output
+        assert "--orders 5: 4 passages have only 4 distinct orders" in res.output
+        assert not (tmp_path / "r").exists()
 
 
 def test_the_framework_components_refuse_the_wrapper(smol):

@@ -399,6 +399,7 @@ MALFORMED = [
 ]  # fmt: skip
 BAD_COMPLETIONS = [
     {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": ["a", "b"]}, {"prompt": [1, 2]},
+    {"prompt": [[1], [2]]}, {"prompt": [-1]}, {"prompt": [10**9]}, {"prompt": [1.5]},
     {"prompt": "\ud800"}, {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "max_tokens": -1},
     {"prompt": "hi", "echo": True, "logprobs": 21}, {"prompt": "hi", "echo": True, "stream": True},
 ]  # fmt: skip
@@ -791,6 +792,60 @@ def test_a_gone_client_leaves_the_batch_and_the_others_answer_as_alone(served):
     idle(server)
     assert together == alone
     assert steps.n - at_close <= 40 + 2  # the others' steps at most, and one more
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_a_stream_cut_inside_a_character_ends_as_the_answer_not_streamed(smol, continuous):
+    """Issue 55, item 4: SmolLM2 answers "中国的首都是" with "一位..." whose second character
+    is two byte tokens, so ``max_tokens`` 2 and 4 cut inside a character. Streamed and not
+    streamed, the answer ends alike: the same text (the cut character as U+FFFD), ``length``
+    and the budget's tokens, with continuous batching and with whole batches (where the held
+    back partial character was dropped and the stream said ``stop`` with one token fewer)."""
+    app = create_app(smol, MODEL)
+    app.state.server.worker.continuous = continuous
+    with running(app) as url:
+        for budget in (2, 4, 8):
+            body = {"model": MODEL, "prompt": "中国的首都是", "max_tokens": budget}
+            plain = post(url, "/v1/completions", body).json()
+            text, chunks = streamed(
+                url, "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+            )
+            finish = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"]]
+            assert text == plain["choices"][0]["text"], budget
+            assert finish[-1] == plain["choices"][0]["finish_reason"] == "length"
+            assert (
+                chunks[-2]["usage"] == plain["usage"]
+                and plain["usage"]["completion_tokens"] == budget
+            )
+            assert text.endswith("\ufffd") == (budget != 8)
+
+
+def test_a_served_remote_model_streams_to_the_end_the_answer_not_streamed_has(smol):
+    """Issue 55, item 4: ``ragfix serve`` over a model behind another server (here SmolLM2
+    served by a second ``ragfix serve``), without a tokenizer: a stream ends as the same
+    request not streamed (text, ``finish_reason``, usage), counted by the upstream server's
+    stream usage, where it ended in an error event naming a ``--tokenizer`` serve lacked."""
+    from ragfix.backends import load_backend
+
+    with running(create_app(smol, MODEL)) as inner:
+        remote = load_backend("vanilla", model=f"openai:{MODEL}", api_base=inner + "/v1")
+        assert not remote.has_tokenizer
+        with running(create_app(remote, "outer")) as url:
+            for budget, stop in ((3, None), (40, "\n")):
+                body = {"model": "outer", "prompt": "The capital of France is", "stop": stop,
+                        "max_tokens": budget}  # fmt: skip
+                plain = post(url, "/v1/completions", body).json()
+                text, chunks = streamed(
+                    url, "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+                )
+                assert "error" not in chunks[-2], chunks[-2]
+                finish = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"]]
+                assert text == plain["choices"][0]["text"]
+                assert finish[-1] == plain["choices"][0]["finish_reason"]
+                assert (
+                    chunks[-2]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+                )
+            assert finish[-1] == "stop" and plain["usage"]["completion_tokens"] < 40
 
 
 def test_whole_batches_gather_clients_that_come_back(smol):

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -587,12 +587,17 @@ def final_answer(text: str, stop_at_newline: bool) -> tuple[str, dict[str, str]]
     return text.strip(), {}
 
 
-def cut_at_newline(pieces: Iterator[str]) -> Iterator[str]:
+def cut_at_newline(pieces: Iterator[str]) -> Generator[str, None, Any]:
     """Stream ``pieces`` up to (not including) the first newline after any leading white space,
-    then stop; closes ``pieces`` when it stops early or is closed itself."""
+    then stop; closes ``pieces`` when it stops early or is closed itself. Returns what
+    ``pieces`` returned when it ran to its end uncut (``None`` when cut)."""
     so_far = ""
     try:
-        for piece in pieces:
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as end:
+                return end.value
             both = so_far + piece
             cut = both.find("\n", len(both) - len(both.lstrip()))
             if cut >= 0:

@@ -97,6 +97,38 @@ class OrderOptions(BackendOptions):
     seed: int = 0
 
 
+def distinct_orders(n: int, design: str, most: int) -> int:
+    """How many distinct orders of ``n`` passages ``design`` can give, counted up to ``most``
+    (``rotate``: ``n`` cyclic shifts; ``shuffle``: ``n!`` permutations, its product stopped
+    past ``most``, so a large ``n`` costs at most ``most`` steps); 1 for ``n < 2``."""
+    if n < 2:
+        return 1
+    if design == "rotate":
+        return n
+    count = 1
+    for k in range(2, n + 1):
+        count *= k
+        if count > most:
+            break
+    return count
+
+
+def check_orders(options: OrderOptions, n: int) -> None:
+    """Refuse ``options`` for prompts of ``n`` passages when its design has fewer distinct
+    orders than ``options.orders`` (the answers would hold fewer votes than asked, silently).
+
+    Raises:
+        ConfigError: one line naming ``--orders``, ``n`` and the design's count.
+    """
+    have = distinct_orders(n, options.design, options.orders)
+    if have < options.orders:
+        raise ConfigError(
+            f"--orders {options.orders}: {n} passages have only {have} distinct orders under "
+            f"--orders-design {options.design}: give --orders {have} or fewer"
+            + (" (or --orders-design shuffle)" if options.design == "rotate" and n > 2 else "")
+        )
+
+
 def passage_orders(n: int, options: OrderOptions, key: str = "") -> list[tuple[int, ...]]:
     """The orders of ``n`` passages a prompt is answered over, the first the order as given.
 

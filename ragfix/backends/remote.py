@@ -508,6 +508,7 @@ class RemoteBackend(Backend):
             seconds=time.perf_counter() - start,
             first_top_logprobs=_first_top(choice.logprobs, completions) if logprobs else None,
             usage=usage,
+            raw_text=raw or "",
             flags=flags,
             reasons=reasons,
         )
@@ -596,7 +597,9 @@ class RemoteBackend(Backend):
         :func:`valid_text`; the text as generated, a reasoning model's thinking included: only
         :meth:`generate` applies :func:`~ragfix.backends.base.final_answer`); closing the
         iterator, or ``cancel`` (asked at each event), closes the connection (the server stops
-        generating).
+        generating). The stream asks for its usage (``stream_options.include_usage``) and
+        returns (``StopIteration.value``) the answer's tokens as the server counted them
+        (``usage.completion_tokens``), ``None`` when it gave none.
 
         Raises:
             RagfixError: the request failed for good.
@@ -606,13 +609,21 @@ class RemoteBackend(Backend):
 
         try:
             events = self._request(
-                self.client, prompt, max_new_tokens, stop_at_newline, stream=True
+                self.client,
+                prompt,
+                max_new_tokens,
+                stop_at_newline,
+                stream=True,
+                stream_options={"include_usage": True},
             )
         except openai.APIError as e:
             raise self._failed(e) from None
+        tokens = None
         try:
             for ev in events:
                 check_cancel(cancel)
+                if getattr(ev, "usage", None) is not None:
+                    tokens = ev.usage.completion_tokens
                 if not ev.choices:
                     continue
                 c = ev.choices[0]
@@ -621,6 +632,7 @@ class RemoteBackend(Backend):
                     yield valid_text(piece)[0]
         finally:
             events.close()
+        return tokens
 
     # ------------------------------------------------------------------ scoring
     def next_token_logprobs(self, prompts: Sequence[Prompt], *, batch_size: int = 8):

@@ -44,7 +44,8 @@ class Job:
             rule, first_logprobs)``; under continuous batching any answers share a decoding step,
             else jobs with the same key are batched.
         stream: the answer is streamed: its text is emitted as it grows, a step at a time
-            (:meth:`emit`), and its result is ``None``.
+            (:meth:`emit`); its result is the answer's :class:`~ragfix.types.Generation` under
+            continuous batching (its tokens counted as decoded), else ``None``.
         cancel: set when the client is gone (or the response is over); the model thread drops
             a queued job and stops a running one within a decoding step.
         arrived: when it was made (``time.monotonic``): a batch's first job waits for others
@@ -239,7 +240,7 @@ class ModelWorker:
             if isinstance(result, Exception):
                 job.settle(error=result)
             else:
-                job.settle(None if job.stream else result)
+                job.settle(result)
 
     def _finish(self, row: int) -> Job:
         self._shown.pop(row, None)
@@ -248,14 +249,17 @@ class ModelWorker:
     def _emit(self, row: int, job: Job, result) -> None:
         """Emit the text a streamed row has added since the last step: its tokens decoded (the
         answer's, once finished), cut before the first newline after leading white space with
-        the newline rule, a trailing partial character held back."""
+        the newline rule; a trailing partial character is held back until the answer ends,
+        which then ends as the same answer not streamed does (``\ufffd`` for a character cut
+        by ``max_tokens``)."""
         from ragfix.backends.base import cut_at_newline
 
         tokens = self.decoder.tokens(row) if result is None else result.token_ids
         text = self.backend.detokenize(tokens)
         if job.key[1]:
             text = "".join(cut_at_newline(iter([text])))
-        text = text.rstrip("\ufffd")
+        if result is None:
+            text = text.rstrip("\ufffd")
         shown = self._shown.get(row, "")
         if len(text) > len(shown) and text.startswith(shown):
             job.emit(text[len(shown) :])

@@ -161,8 +161,8 @@ class Server:
         """The text of a token-id prompt (tokenizer).
 
         Raises:
-            ApiError: a backend without a tokenizer here, or an id outside the vocabulary (400,
-                ``prompt``).
+            ApiError: a backend without a tokenizer here, an id outside the vocabulary, or ids
+                of special tokens only (400, ``prompt``).
         """
         tokenizer = getattr(self.backend, "tokenizer", None)
         if not self.backend.has_tokenizer or tokenizer is None:
@@ -181,7 +181,12 @@ class Server:
                     f"(0 to {size - 1})",
                     param="prompt",
                 )
-        return self.backend.detokenize(ids)
+        text = self.backend.detokenize(ids)
+        if not text:
+            raise ApiError(
+                400, "the prompt's token ids are special tokens only: no text", param="prompt"
+            )
+        return text
 
     # ------------------------------------------------------------------ model work
     def answer_job(self, prompt: Prompt, budget: int, stop: bool, logprobs: bool) -> Job:
@@ -206,7 +211,9 @@ class Server:
     def stream_job(self, prompt: Prompt, budget: int, stop: bool) -> Job:
         """A queued streamed answer: its pieces as they are decoded (cut before the first
         newline after leading white space with ``stop``): a row of the running batch under
-        continuous batching (its new text each step), else ``Backend.stream`` run alone."""
+        continuous batching (its new text each step; its result the answer's
+        :class:`Generation`), else ``Backend.stream`` run alone (its result what the stream
+        returned: a remote model's token count, or ``None``)."""
         from ragfix.backends.base import cut_at_newline
 
         loop = asyncio.get_running_loop()
@@ -216,14 +223,18 @@ class Server:
             return job
         job = Job(loop)
 
-        def run(cancel: Cancel) -> None:
+        def run(cancel: Cancel) -> int | None:
             pieces = self.backend.stream(
                 prompt, max_new_tokens=budget, stop_at_newline=stop, cancel=cancel
             )
             if stop:
                 pieces = cut_at_newline(pieces)
             with contextlib.closing(pieces):
-                for piece in pieces:
+                while True:
+                    try:
+                        piece = next(pieces)
+                    except StopIteration as end:  # the answer's tokens, where the stream counts
+                        return end.value
                     if piece:
                         job.emit(piece)
 
@@ -234,13 +245,13 @@ class Server:
     # ------------------------------------------------------------------ bodies
     def raw_text(self, gen: Generation, stop: bool) -> str:
         """The continuation as the model generated it (what a stream sends): the generated
-        tokens decoded, cut before the first newline after leading white space with the
-        newline rule (tokenizer)."""
+        tokens decoded (a remote model's: the text its server returned), cut before the first
+        newline after leading white space with the newline rule (tokenizer)."""
         from ragfix.backends.base import cut_at_newline
 
-        if gen.token_ids is None:
+        if gen.token_ids is None and gen.raw_text is None:
             return gen.text
-        text = self.backend.detokenize(gen.token_ids)
+        text = gen.raw_text if gen.token_ids is None else self.backend.detokenize(gen.token_ids)
         return "".join(cut_at_newline(iter([text]))) if stop else text
 
     def token_texts(self, ids: list[int]) -> list[tuple[str, list[int]]]:
@@ -372,7 +383,10 @@ class Server:
     ) -> AsyncIterator[str]:
         """SSE lines of a streamed answer (``data: {chunk}``, ``data: [DONE]``): the pieces as
         the model thread yields them, then a chunk with ``finish_reason`` (``length`` when the
-        streamed text counts ``max_tokens`` tokens, re-tokenized) and, with ``include_usage``,
+        answer has ``max_tokens`` tokens: counted as decoded under continuous batching, as the
+        remote model's server counted them, else the streamed text re-tokenized, or the
+        budget when it ends inside a character) and,
+        with ``include_usage``,
         a ``choices: []`` chunk with the usage. A failure after the first chunk ends the stream
         with an ``{"error": ...}`` event."""
         head = self.head(kind)
@@ -396,7 +410,15 @@ class Server:
             async for piece in job.pieces():
                 text += piece
                 yield chunk(piece)
-            n = await self.tokenizing(lambda: self.backend.count_tokens(text))
+            ended = job.result.result()
+            if isinstance(ended, Generation):
+                n = ended.own_tokens
+            elif isinstance(ended, int):  # counted by the stream (a remote model's server)
+                n = ended
+            elif text.endswith("\ufffd"):  # decoding stopped inside a character: at the budget
+                n = budget
+            else:
+                n = await self.tokenizing(lambda: self.backend.count_tokens(text))
         except RagfixError as e:
             yield f"data: {json.dumps(ApiError(400, str(e).splitlines()[0]).body())}\n\n"
             yield "data: [DONE]\n\n"
