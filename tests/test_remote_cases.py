@@ -532,3 +532,58 @@ def test_a_partial_usage_object_is_read_as_none_and_said_in_one_line():
         remote = load_backend("vanilla", model="openai:fake", api_base=fake.url)
         with pytest.raises(RagfixError, match=r"usage without a count \(\{'prompt_tokens': None"):
             remote.generate([ask])
+
+
+@pytest.mark.parametrize(
+    ("headers", "said"),
+    [
+        ({"Retry-After": "3600"}, "asked to be retried in 1.0 h (Retry-After)"),
+        ({"retry-after-ms": "600000"}, "asked to be retried in 10 min (Retry-After)"),
+        ({"x-should-retry": "false"}, "not retried (the server said x-should-retry: false)"),
+        ({}, "after 2 retries"),
+    ],
+)
+def test_a_429_that_was_not_retried_is_not_reported_as_retried(headers, said):
+    """Issue 55, item 8: a 429 whose ``Retry-After`` is longer than the two minutes the client
+    waits (or that says ``x-should-retry: false``) is not retried: the error says so and how
+    long the server asked for, where it said "after 2 retries" of the one request made; a
+    plain 429 is retried and says so."""
+    from http.server import BaseHTTPRequestHandler
+
+    from fake_openai import LocalServer, send_json
+
+    from ragfix.backends import load_backend
+    from ragfix.errors import RagfixError
+
+    posts = []
+
+    class Busy(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            send_json(self, 200, json.dumps({"data": [{"id": "fake"}]}).encode())
+
+        def do_POST(self):
+            posts.append(self.rfile.read(int(self.headers["content-length"])))
+            body = json.dumps({"error": {"message": "busy", "type": "rate_limit"}}).encode()
+            self.send_response(429)
+            for name, value in {**headers, "content-type": "application/json"}.items():
+                self.send_header(name, value)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = LocalServer(Busy)
+    try:
+        remote = load_backend(
+            "vanilla", model="openai:fake", api_base=server.url, tokenizer="smollm2",
+            max_retries=2, timeout=30,
+        )  # fmt: skip
+        with pytest.raises(RagfixError) as e:
+            remote.generate(["Paris is"], max_new_tokens=2)
+    finally:
+        server.close()
+    message = str(e.value)
+    assert "answered HTTP 429" in message and said in message and "\n" not in message
+    assert len(posts) == (3 if not headers else 1)

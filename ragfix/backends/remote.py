@@ -259,12 +259,11 @@ class RemoteBackend(Backend):
             if e.status_code in (401, 403):
                 return RagfixError(f"{where} refused the API key (set ${API_KEY_ENV}): {msg}")
             again = e.status_code in (408, 409, 429) or e.status_code >= 500
-            tail = (
-                f" after {self.options.max_retries} retries; finished results are saved: "
-                "rerun to resume"
-                if again
-                else ""
-            )
+            saved = "; finished results are saved: rerun to resume"
+            tail = f" after {self.options.max_retries} retries{saved}" if again else ""
+            held = _not_retried(e.response.headers) if again else None
+            if held:
+                tail = f", {held}{saved}"
             return RagfixError(f"{where} answered HTTP {e.status_code}{tail}: {msg}")
         return RagfixError(f"{where}: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
 
@@ -747,6 +746,38 @@ class RemoteBackend(Backend):
             RagfixError: always (names what needs it).
         """
         raise self._no_scores("scoring text (perplexity, loglikelihood, calibration)")
+
+
+def _not_retried(headers) -> str | None:
+    """Why the ``openai`` client did not retry a retryable answer with these ``headers``, in
+    words, or ``None`` when it retried: ``x-should-retry: false``, or a ``Retry-After`` (or
+    ``retry-after-ms``; seconds or an HTTP date) longer than the two minutes it waits."""
+    from email.utils import parsedate_to_datetime
+
+    from openai._constants import MAX_RETRY_AFTER_DELAY
+
+    if headers.get("x-should-retry") == "false":
+        return "not retried (the server said x-should-retry: false)"
+    wait = None
+    for name, unit in (("retry-after-ms", 1000), ("retry-after", 1)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            wait = float(value) / unit
+        except ValueError:
+            try:
+                wait = parsedate_to_datetime(value).timestamp() - time.time()
+            except (TypeError, ValueError):
+                continue
+        break
+    if wait is None or not math.isfinite(wait) or wait <= MAX_RETRY_AFTER_DELAY:
+        return None
+    minutes = f"{wait / 3600:.1f} h" if wait >= 3600 else f"{wait / 60:.0f} min"
+    return (
+        f"which asked to be retried in {minutes} (Retry-After), longer than the "
+        f"{MAX_RETRY_AFTER_DELAY // 60} min a client waits: not retried"
+    )
 
 
 def _run(coro):
