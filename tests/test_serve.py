@@ -596,6 +596,29 @@ def test_a_model_with_a_bos_token_echoes_it_first_and_scores_as_the_local_model(
     assert served == pytest.approx(gemma.loglikelihood(pairs), abs=1e-3)
 
 
+def test_a_text_that_fills_the_window_is_scored_through_serve_as_locally(tmp_path):
+    """Issue 55, item 2 (the window's limit): a context and continuation of exactly the
+    window's tokens (a tiny Llama with a 48-token window) is scored locally; through
+    ``ragfix serve`` the scoring request (``max_tokens: 1``) does not fit, and the client asks
+    again with ``max_tokens: 0`` (echo only) and gets the local score, where the run stopped."""
+    from ragfix.backends import load_backend
+
+    tiny = load_backend("vanilla", model=str(tiny_folder(tmp_path / "tiny", window=48)))
+    context = " ".join(["one two three"] * 20)
+    ids = tiny.encode(context)
+    context = tiny.detokenize(ids[:46])
+    pairs = [(context, " four five")]
+    assert len(tiny.encode(context)) + len(tiny.tokenize(" four five")) == 48
+    with running(create_app(tiny, "tiny")) as url:
+        body = {"model": "tiny", "prompt": context + " four five", "echo": True, "logprobs": 1}
+        assert error(post(url, "/v1/completions", {**body, "max_tokens": 1}))["code"] == (
+            "context_length_exceeded"
+        )
+        remote = load_backend("vanilla", model="openai:tiny", api_base=url + "/v1")
+        served = remote.loglikelihood(pairs)
+    assert served == pytest.approx(tiny.loglikelihood(pairs), abs=1e-4)
+
+
 def test_echo_with_top_logprobs_is_openai_legacy_shape_and_equals_the_backend(served, smol):
     """Issue 43 (lm-evaluation-harness ``local-completions`` sends ``echo: true, logprobs: 1,
     max_tokens: 1`` and was refused): ``echo`` with ``logprobs: N`` gives, in OpenAI's legacy
@@ -1192,10 +1215,12 @@ def test_malformed_documents_are_400s_naming_the_field(served):
 def test_order_marginalization_is_served_over_documents(smol):
     """``create_app`` over order marginalization (3 orders): a request with ``documents`` gets the
     answer the local wrapped backend chooses for the QA task prompt over its votes; ``/v1/models``
-    carries the orders, and a remote client's identity binds them; a request without documents,
-    or a raw completion, is a 400 naming ``documents`` (``prompt``)."""
+    carries the orders and that documents are needed, so a ragfix client refuses it at start; a
+    request without documents, or a raw completion, is a 400 naming ``documents``
+    (``prompt``)."""
     from ragfix.backends import load_backend
     from ragfix.backends.orders import OrderOptions, marginalize_orders
+    from ragfix.errors import ConfigError
 
     options = OrderOptions(orders=3, aggregate="max")
     wrapped = marginalize_orders(smol, options)
@@ -1219,8 +1244,11 @@ def test_order_marginalization_is_served_over_documents(smol):
         assert r.json()["usage"]["completion_tokens"] == len(loose.token_ids)
         entry = httpx.get(url + "/v1/models").json()["data"][0]
         assert entry["ragfix"]["orders"] == options.model_dump(mode="json")
-        remote = load_backend("vanilla", model=f"openai:{MODEL}", api_base=url + "/v1")
-        assert remote.identity()["model"]["server"]["ragfix"]["orders"]["orders"] == 3
+        assert entry["ragfix_needs_documents"].startswith("this server answers over several")
+        # ragfix's own client sends the task's prompt, never documents: refused at start (issue
+        # 55, item 6), where every request of its run was a 400
+        with pytest.raises(ConfigError, match=r"serves 'smollm2' only to chat requests that send"):
+            load_backend("vanilla", model=f"openai:{MODEL}", api_base=url + "/v1")
         err = error(chat(url, ASK, max_tokens=6))
         assert err["param"] == "documents"
         assert err["message"].startswith("this server answers over several orders")

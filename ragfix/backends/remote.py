@@ -104,7 +104,15 @@ API_KEY_ENV = "OPENAI_API_KEY"
 #: it was loaded from (vLLM's ``root``), its window, llama.cpp's ``meta`` (vocabulary, sizes,
 #: parameters) and the served backend's identity (``ragfix serve``); the ``created`` timestamp and
 #: permission ids, which change between server starts, are left out
-SERVER_MODEL_FIELDS = ("id", "owned_by", "root", "max_model_len", "meta", "ragfix")
+SERVER_MODEL_FIELDS = (
+    "id",
+    "owned_by",
+    "root",
+    "max_model_len",
+    "meta",
+    "ragfix",
+    "ragfix_needs_documents",
+)
 #: how servers word a prompt longer than the window (OpenAI, vLLM, llama.cpp, TGI)
 _TOO_LONG = re.compile(
     r"context[_ ]length|maximum context|context window|exceeds? the available context|"
@@ -230,6 +238,14 @@ class RemoteBackend(Backend):
         self.preferred_batch_size = self.options.concurrency
         self.client = OpenAI(**self._client_settings())
         self.server_model = self._server_model()
+        needs = self.server_model.get("ragfix_needs_documents")
+        if needs:
+            raise ConfigError(
+                f"{self.options.api_base} serves {model!r} only to chat requests that send their "
+                f"passages as documents ({needs}); ragfix's runs send the task's prompt: serve "
+                "the model without --orders (give --orders to this run) or with a backend that "
+                "reads plain prompts"
+            )
         reported = self.server_model.get("max_model_len")
         given = self.options.context_window
         if given and isinstance(reported, int) and given > reported:
@@ -693,8 +709,9 @@ class RemoteBackend(Backend):
     async def _echo(self, client, text: str) -> tuple[list[str], list[float]]:
         """The server's prompt tokens of ``text`` (their token strings) and the log-probability
         of each after the first (``[n]`` and ``[n - 1]``), from one completions request with
-        ``echo``, ``logprobs: 1`` and ``max_tokens: 1``; ``n`` is the response's
-        ``usage.prompt_tokens``.
+        ``echo``, ``logprobs: 1`` and ``max_tokens: 1`` (``0``, which OpenAI's API, vLLM and
+        ``ragfix serve`` take with ``echo``, when the text alone fills the window); ``n`` is
+        the response's ``usage.prompt_tokens``.
 
         Raises:
             RagfixError: the request failed for good, or the server did not score the prompt's
@@ -702,10 +719,19 @@ class RemoteBackend(Backend):
         """
         import openai
 
+        async def echo(budget: int):
+            return await client.completions.create(
+                model=self.served, prompt=text, max_tokens=budget, temperature=0, echo=True,
+                logprobs=1,
+            )  # fmt: skip
+
         try:
-            resp = await client.completions.create(
-                model=self.served, prompt=text, max_tokens=1, temperature=0, echo=True, logprobs=1
-            )
+            try:
+                resp = await echo(1)
+            except openai.BadRequestError as e:  # the text fills the window: no answer token
+                if not _TOO_LONG.search(f"{e.code or ''} {e}"):
+                    raise
+                resp = await echo(0)
         except openai.APIError as e:
             raise self._failed(e) from None
         lp = self._choice(resp, "completions echo").logprobs

@@ -80,8 +80,10 @@ class Server:
         self.identity = json.loads(json.dumps(backend.identity()))
 
     def model_entry(self) -> dict:
-        """The served model's ``/v1/models`` entry, with its window (``max_model_len``) and the
-        backend's identity (``ragfix``: weight fingerprint, method, options, adapter)."""
+        """The served model's ``/v1/models`` entry, with its window (``max_model_len``), the
+        backend's identity (``ragfix``: weight fingerprint, method, options, adapter) and, for a
+        backend that answers only requests sending ``documents``, why
+        (``ragfix_needs_documents``: a ragfix client refuses it at start)."""
         return {
             "id": self.model_id,
             "object": "model",
@@ -89,6 +91,7 @@ class Server:
             "owned_by": "ragfix",
             "max_model_len": self.backend.context_window,
             "ragfix": self.identity,
+            **({"ragfix_needs_documents": self.needs_documents} if self.needs_documents else {}),
         }
 
     # ------------------------------------------------------------------ checks
