@@ -55,7 +55,7 @@ from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.metrics import continues_context, mcnemar_exact
 from ragfix.models.resolve import DEFAULT_EMBEDDER
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed
-from ragfix.tasks import REPEAT_SUFFIX, task_names
+from ragfix.tasks import REPEAT_SUFFIX, run_task, task_names
 
 #: the ``kind`` of a comparison file written by ``ragfix report --json``
 COMPARISON_KIND = "ragfix-comparison"
@@ -619,8 +619,7 @@ def _merit_table(comparison: dict) -> TableSpec:
     ]
     qa = task_names("qa")  # a repeated variant (NAME:repeat-MODE) reads its task's records
     tasks = {
-        str(run.get("config", {}).get("task")).partition(REPEAT_SUFFIX)[0]
-        for run in comparison["runs"]
+        run_task(run.get("config", {})).partition(REPEAT_SUFFIX)[0] for run in comparison["runs"]
     }
     if counts and tasks.intersection(qa):
         lines.append(

@@ -25,7 +25,7 @@ from ragfix.backends.orders import SCORED, OrderOptions, choose, passage_orders
 from ragfix.errors import DataError
 from ragfix.eval.compare import load_run
 from ragfix.tables import TableSpec, tune_rows
-from ragfix.tasks import get_task
+from ragfix.tasks import get_task, run_task
 
 #: the aggregators scored, in the order of the table (``score`` and ``score-max`` only from a
 #: run that recorded the candidates' scores: one made with either)
@@ -55,7 +55,7 @@ def tune_orders(run: str | Path) -> tuple[TableSpec, dict]:
     if options is None:
         raise DataError(loaded.folder, None, "orders", "a run made without --orders")
     recorded = OrderOptions(**options)
-    task = get_task(loaded.config["task"])
+    task = get_task(run_task(loaded.config))
     scored = {(s, p) for cells in loaded.curves.values() for s, p in cells}
     records = [r for r in loaded.records if (r["sample_id"], r["position"]) in scored]
     positions = sorted({r["position"] for r in records})

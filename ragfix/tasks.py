@@ -332,6 +332,14 @@ def task_names(data_format: str | None = None) -> list[str]:
     return sorted(n for n, t in _TASKS.items() if data_format in (None, t.data_format))
 
 
+def run_task(config: dict) -> str:
+    """The task whose prompt and scorer a run folder's records were made with, from its
+    ``config.json``: a sweep's ``task``; a pipeline run's (``task: qa-pipeline``) ``qa_task``
+    (``qa`` for a folder written before the field)."""
+    task = str(config.get("task"))
+    return str(config.get("qa_task") or "qa") if task == "qa-pipeline" else task
+
+
 def repeated(task: Task, mode: str) -> Task:
     """``task`` read with its passages (``passages``) or its whole user turn (``prompt``)
     twice (:attr:`Task.repeat`), registered as ``NAME:repeat-MODE``; ``none``: ``task``.
@@ -528,6 +536,7 @@ def score_answer(sample: QASample, answer: str) -> bool:
 
 
 __all__ = [
+    "run_task",
     "CHUNK_SEPARATOR",
     "Demonstration",
     "QA_EXTRACTIVE",

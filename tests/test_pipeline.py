@@ -202,6 +202,21 @@ def test_orders_through_the_pipeline_keep_every_vote_and_never_resume_onto_other
     )
     assert res.exit_code != 0
     assert "--orders-aggregate is a setting of --orders K: give --orders too" in res.output
+    # `ragfix tune orders` reads a pipeline run with its QA task's scorer (issue 55, item 6:
+    # "unknown task 'qa-pipeline'"): each (orders, aggregate) row scores the vote it picks
+    from ragfix.eval.orders_tune import tune_orders
+
+    table, details = tune_orders(out)
+    qa = get_task("qa")
+    recs.sort(key=lambda r: r["position"])
+    assert details["positions"] == [r["position"] for r in recs] and details["samples"] == 1
+    # the run's own setting picks the answer each record kept
+    want = [float(qa.score(r["answer"], r["gold_answers"])) for r in recs]
+    assert details["accuracy"]["orders=3 aggregate=plurality"] == want
+    assert details["ceiling"] == [
+        float(any(qa.score(v["answer"], r["gold_answers"]) for v in r["extra"]["votes"]))
+        for r in recs
+    ]
 
 
 def test_natural_ranks_run_each_question_where_its_retriever_put_it_under_the_task(
