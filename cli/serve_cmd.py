@@ -35,6 +35,8 @@ from ragfix.serve_guard import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_S,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    DEFAULT_WRITE_TIMEOUT_S,
 )
 
 
@@ -121,6 +123,20 @@ def register(app: typer.Typer) -> None:
                 "before it is read",
             ),
         ] = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_client: Annotated[
+            int,
+            typer.Option(
+                help="most of those connections one client address may hold; one more gets "
+                "HTTP 503 and is closed before it is read",
+            ),
+        ] = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        write_timeout: Annotated[
+            float,
+            typer.Option(
+                help="seconds an answer may wait for a client that does not read it; later its "
+                "connection is closed",
+            ),
+        ] = DEFAULT_WRITE_TIMEOUT_S,
         allowed_hosts: Annotated[
             str,
             typer.Option(
@@ -161,6 +177,8 @@ def register(app: typer.Typer) -> None:
                 body_timeout_s=body_timeout,
                 keep_alive_s=keep_alive_timeout,
                 max_connections=max_connections,
+                max_connections_per_client=max_connections_per_client,
+                write_timeout_s=write_timeout,
                 allowed_hosts=allowed_hosts,
             )
             orders = order_options(order_flags or {})

@@ -15,8 +15,13 @@ set, since a key is read from a complete head only).
   ``header_timeout_s`` of the connection, or of the previous answer on a kept-alive connection;
 * body deadline: its body is complete within ``body_timeout_s`` of its head, whatever the route
   does with it (a 401 that never reads the body included);
-* connection limit: a connection made while ``max_connections`` are open is answered 503
-  ``too_many_connections`` and closed at once, before anything of it is read.
+* connection limit: a connection made while ``max_connections`` are open, or while its
+  address holds ``max_connections_per_client`` of them, is answered 503
+  ``too_many_connections`` and closed at once, before anything of it is read: one client
+  cannot take every connection;
+* write deadline: an answer the client stops reading (the transport's buffer stays full, so
+  asyncio has paused writing) for ``write_timeout_s`` has its connection closed, as one that
+  stops writing is.
 
 A request that misses a deadline is answered 408 ``request_timeout`` (when no answer to it has
 started), in OpenAI's error format with ``Connection: close``, and its connection is closed; its
@@ -53,6 +58,13 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 #: of 1024 open files and bounds the bodies held to 1 GiB, and it is 64 times the requests
 #: ragfix's own client keeps in flight (``--concurrency`` 4)
 DEFAULT_MAX_CONNECTIONS = 256
+#: most of those connections one client address may hold: an eighth, so that clients that hold
+#: connections without reading their answers take at most an eighth of the server each; 32 is
+#: eight times the requests ragfix's own client keeps in flight
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 32
+#: how long an answer may wait for a client that does not read it (seconds, while asyncio has
+#: paused writing because the transport's buffer is full)
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 #: how long a connection is kept open for a next request after an answer (seconds; uvicorn's
 #: ``timeout_keep_alive`` default)
 DEFAULT_KEEP_ALIVE_S = 5.0
@@ -107,6 +119,9 @@ class ServeLimits(BaseModel):
         body_timeout_s: its body must be complete this long after its head.
         keep_alive_s: an idle connection is closed this long after its last answer.
         max_connections: most connections open at once.
+        max_connections_per_client: most of them one client address may hold.
+        write_timeout_s: an answer the client has not read for this long (asyncio's writing
+            paused) has its connection closed.
         max_header_bytes: largest request head (a longer one is 400).
         allowed_hosts: ``Host`` header names answered beside the server's own
             (:data:`LOOPBACK_HOSTS` and the bound address, with the port; :class:`HostGate`):
@@ -120,6 +135,8 @@ class ServeLimits(BaseModel):
     body_timeout_s: float = Field(default=DEFAULT_BODY_TIMEOUT_S, gt=0)
     keep_alive_s: float = Field(default=DEFAULT_KEEP_ALIVE_S, gt=0)
     max_connections: int = Field(default=DEFAULT_MAX_CONNECTIONS, ge=1)
+    max_connections_per_client: int = Field(default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT, ge=1)
+    write_timeout_s: float = Field(default=DEFAULT_WRITE_TIMEOUT_S, gt=0)
     max_header_bytes: int = Field(default=MAX_HEADER_BYTES, ge=1024)
     allowed_hosts: tuple[str, ...] = ()
 
@@ -163,22 +180,49 @@ class GuardedH11Protocol(H11Protocol):
         self.limits = limits
         self._phase: str | None = None
         self._timer = None
+        self._stalled = None  # the write deadline, while asyncio has paused writing
         self._refused = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        host = self.client[0] if self.client else None
+        mine = sum(1 for c in self.connections if c.client and c.client[0] == host)
+        full = None
         if len(self.connections) > self.limits.max_connections:
+            full = f"the server holds its most connections ({self.limits.max_connections}, "
+            full += "ragfix serve --max-connections)"
+        elif host is not None and mine > self.limits.max_connections_per_client:
+            full = "this client address holds its most connections ("
+            full += f"{self.limits.max_connections_per_client}, ragfix serve "
+            full += "--max-connections-per-client)"
+        if full:
             self._refused = True
             self._answer_and_close(
-                ApiError(
-                    503,
-                    f"the server holds its most connections ({self.limits.max_connections}, "
-                    "ragfix serve --max-connections); try again shortly",
-                    code="too_many_connections",
-                )
+                ApiError(503, f"{full}; try again shortly", code="too_many_connections")
             )
             return
         self._watch()
+
+    def pause_writing(self) -> None:
+        """The client is not reading: its answer may wait ``write_timeout_s`` for it."""
+        super().pause_writing()
+        self._stalled = self.loop.call_later(self.limits.write_timeout_s, self._stalled_out)
+
+    def _stalled_out(self) -> None:
+        """The client did not read its answer for ``write_timeout_s``: drop the connection
+        (``abort``: ``close`` would wait for the unread buffer); the application task sees the
+        client gone."""
+        self._stalled = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.abort()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -192,6 +236,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if self._stalled is not None:
+            self._stalled.cancel()
         super().connection_lost(exc)
 
     def _cancel(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -950,8 +951,8 @@ class Slow:
     """A raw client on 127.0.0.1: sends ``first`` at once, then (while :func:`feed` runs) one
     byte of ``more`` per round; keeps what the server sends back and when it closed."""
 
-    def __init__(self, port: int, first: bytes = b"", more: bytes = b""):
-        self.sock = socket.create_connection(("127.0.0.1", port))
+    def __init__(self, port: int, first: bytes = b"", more: bytes = b"", source: str = ""):
+        self.sock = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
         self.start = time.monotonic()
         self.sock.sendall(first)
         self.more, self.reply, self.closed_after = more, b"", None
@@ -1012,7 +1013,8 @@ def test_slow_clients_are_cut_off_and_the_others_answered(tmp_path, monkeypatch)
     folder = tiny_folder(tmp_path / "tiny")
     monkeypatch.setenv("RAGFIX_API_KEY", "s3cret")
     args = ["--model", str(folder), "--device", "cpu", "--header-timeout", str(head_s),
-            "--body-timeout", str(body_s), "--max-connections", str(most)]  # fmt: skip
+            "--body-timeout", str(body_s), "--max-connections", str(most),
+            "--max-connections-per-client", str(most)]  # fmt: skip
     with serving(*args) as url:
         port = int(url.removesuffix("/v1").rsplit(":", 1)[1])
 
@@ -1065,6 +1067,64 @@ def test_slow_clients_are_cut_off_and_the_others_answered(tmp_path, monkeypatch)
         assert status == 408 and f"its body within {body_s} s of its head" in error["message"]
         assert "\n" not in error["message"]
         assert answer() >= 1
+
+
+def test_one_client_address_cannot_take_every_connection_nor_hold_an_unread_answer(tmp_path):
+    """Issue 55, item 7, load-tested on 127.0.0.1: a client at 127.0.0.2 holding its
+    ``--max-connections-per-client`` (3 of 8) gets 503 for a fourth, while 127.0.0.1 is
+    answered; and a client that asks for a large answer (a 6,000-token prompt echoed with 20
+    alternatives a token, megabytes) and never reads it has its connection dropped at the write
+    deadline, where it held the connection for as long as it liked."""
+    from ragfix.backends import load_backend
+    from ragfix.serve_guard import ServeLimits
+
+    tiny = load_backend("vanilla", model=str(tiny_folder(tmp_path / "tiny", window=8192)))
+    limits = ServeLimits(max_connections=8, max_connections_per_client=3, write_timeout_s=2)
+    with running(create_app(tiny, "tiny"), limits) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = [Slow(port, source="127.0.0.2") for _ in range(3)]
+        over = Slow(port, source="127.0.0.2")
+        deadline = time.monotonic() + 5
+        while over.closed_after is None and time.monotonic() < deadline:
+            over.poll()
+            time.sleep(0.01)
+        status, err = over.error()
+        assert status == 503 and err["code"] == "too_many_connections"
+        assert "this client address holds its most connections (3" in err["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # another address
+        for c in held:
+            c.sock.close()
+        time.sleep(0.3)
+        again = Slow(port, f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode(),
+                     source="127.0.0.2")  # fmt: skip
+        deadline = time.monotonic() + 5
+        while b"\r\n\r\n" not in again.reply and time.monotonic() < deadline:
+            again.poll()
+            time.sleep(0.01)
+        assert again.reply.startswith(b"HTTP/1.1 200")
+        # an answer never read
+        prompt = " ".join(["alpha beta gamma"] * 2000)
+        body = json.dumps({"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 20,
+                           "max_tokens": 0}).encode()  # fmt: skip
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.connect(("127.0.0.1", port))
+        stuck.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(20)  # the answer is computed and written until the buffers fill, then 2 s
+        got = b""
+        stuck.settimeout(5)
+        with contextlib.suppress(ConnectionResetError, TimeoutError):
+            while chunk := stuck.recv(1 << 20):
+                got += chunk
+        stuck.close()
+        head, _, rest = got.partition(b"\r\n\r\n")
+        size = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE)[1])
+        assert head.startswith(b"HTTP/1.1 200") and size > 2_000_000 and len(rest) < size
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
 def test_limits_are_settings_and_the_open_files_they_need_are_reserved(tmp_path):
