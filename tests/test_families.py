@@ -295,3 +295,27 @@ def test_gemma3_270m_is_checked_from_its_gguf_and_reads_the_completion_form():
     assert backend.format_prompt("Paris") == backend.format_prompt("<bos>Paris") == "<bos>Paris"
     [answer] = backend.generate([prompt])
     assert answer.text.startswith(sample.answers[0]) and score_answer(sample, answer.text)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_served_scores_equal_the_local_ones_on_every_family(tok, family):
+    """Issue 55, item 2: each family's tiny model served by ``ragfix serve`` and read through a
+    remote backend (completions ``echo``, read by token count) gives the local log-likelihoods:
+    ASCII, text the vocabulary splits into bytes, and a context of about 400 tokens (past the
+    tiny sliding window)."""
+    from test_serve import running
+
+    from ragfix.serve import create_app
+
+    model = tiny_family_model(family, tok, torch.float32, "sdpa", device=DEVICE)
+    local = backend_spec("vanilla").resolve()(model, tok)
+    long = _one_passage_prompt().user
+    pairs = [
+        ("The capital of France is", " Paris"),
+        ("Le prix est de 100 ₹, soit", " un euro"),
+        (long, " The answer is Paris"),
+    ]
+    with running(create_app(local, "tiny")) as url:
+        remote = load_backend("vanilla", model="openai:tiny", api_base=url + "/v1")
+        served = remote.loglikelihood(pairs)
+    assert served == pytest.approx(local.loglikelihood(pairs), abs=TOLERANCE[torch.float32])
