@@ -1455,3 +1455,30 @@ def test_logprobs_of_a_served_remote_model_are_a_400_not_a_500(orders):
             if not orders:
                 body = {"model": MODEL, "prompt": "Paris is", "max_tokens": 2, "logprobs": 1}
                 assert error(post(url, "/v1/completions", body))["param"] == "logprobs"
+
+
+def test_ragfix_serve_serves_a_remote_model_with_the_tokenizer_its_hints_name():
+    """Issue 55, item 4: ``ragfix serve --model openai:NAME --api-base URL --tokenizer NAME``
+    (the flags its hints name, which it lacked): over a server whose streams carry no usage,
+    the local tokenizer counts a stream's answer, so it ends as the answer not streamed (where
+    it ended in an error event; the fake's non-streamed usage says 12 tokens whatever it
+    answers, so only the ending is compared)."""
+    from fake_openai import FakeOpenAI
+
+    ask = 'Key: "k"\n"k": "v"'
+    with FakeOpenAI("ok") as fake:
+        args = ["--model", "openai:fake", "--api-base", fake.url, "--tokenizer", "smollm2"]
+        with serving(*args) as url:
+            base = url.removesuffix("/v1")
+            body = {"model": "openai:fake", "prompt": ask, "max_tokens": 20}
+            plain = post(base, "/v1/completions", body).json()
+            text, chunks = streamed(
+                base, "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+            )
+    assert text == plain["choices"][0]["text"] == 'v"'
+    assert (
+        chunks[-2]["usage"]["completion_tokens"] == 2
+        and chunks[-3]["choices"][0]["finish_reason"]
+        == plain["choices"][0]["finish_reason"]
+        == "stop"
+    )
