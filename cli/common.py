@@ -399,3 +399,65 @@ def show_tables(tables, details: dict, json_out: Path | None, keep_all: bool = F
     if json_out is not None:
         write_benchmark(json_out, tables if keep_all else tables[0], **details)
         console.print(f"result file: {json_out}", highlight=False, soft_wrap=True)
+
+
+GateOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--gate",
+        help="a condition on the curve for CI, repeatable: mean|worst|gap|diff >=|<= X (e.g. "
+        "worst>=0.3, gap<=0.1, diff>=-0.05 against --baseline); it holds when the whole 95% "
+        "interval clears X; a failing one exits 1 with its figure and interval",
+    ),
+]
+BaselineOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="--gate diff: a finished run folder with the same cells to pair with (the "
+        "baseline; default for a pipeline run: its first strategy)"
+    ),
+]
+
+
+def gate_conditions(gate: list[str] | None, baseline: Path | None) -> list:
+    """The ``--gate`` conditions, checked with the ``--baseline`` folder before any work.
+
+    Raises:
+        ConfigError: a malformed condition, ``--baseline`` without ``--gate``, or a baseline
+            that is not a finished run folder.
+    """
+    from ragfix.eval.compare import load_run
+    from ragfix.eval.gate import parse_gates
+
+    conditions = parse_gates(gate)
+    if baseline is not None:
+        if not conditions:
+            raise ConfigError(
+                "--baseline is the run a --gate diff condition pairs with: give --gate"
+            )
+        load_run(baseline)
+    return conditions
+
+
+def apply_gates(runs: list[Path], conditions: list) -> None:
+    """Check ``conditions`` on the comparison of ``runs`` (``ragfix report``'s; the gated run
+    last): each failure one line on stderr and exit code 1, else one line saying it passed.
+
+    Raises:
+        ConfigError: see :func:`~ragfix.eval.gate.gate_failures`.
+    """
+    from ragfix.eval.compare import compare_runs
+
+    check_gates(compare_runs(runs), conditions)
+
+
+def check_gates(comparison: dict, conditions: list) -> None:
+    """See :func:`apply_gates`: ``conditions`` on a comparison already made."""
+    from ragfix.eval.gate import gate_failures
+
+    failed = gate_failures(comparison, conditions)
+    for line in failed:
+        err_console.print(line, highlight=False, soft_wrap=True)
+    if failed:
+        raise typer.Exit(1)
+    console.print(f"gate passed: {', '.join(map(str, conditions))}", highlight=False)

@@ -16,9 +16,11 @@ from ragfix.cli.common import (
     AdapterOpt,
     BackendOpt,
     BackendOptsOpt,
+    BaselineOpt,
     CalibrationOpt,
     DeviceOpt,
     DtypeOpt,
+    GateOpt,
     LimitOpt,
     LogPromptsOpt,
     ModelOpt,
@@ -30,8 +32,10 @@ from ragfix.cli.common import (
     SkipInvalidOpt,
     TaskOpt,
     TrainWindowOpt,
+    apply_gates,
     backend_options,
     console,
+    gate_conditions,
     order_options,
     remote_options,
     user_errors,
@@ -141,6 +145,8 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
         log_prompts: LogPromptsOpt = True,
+        gate: GateOpt = None,
+        baseline: BaselineOpt = None,
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
@@ -148,6 +154,7 @@ def register(app: typer.Typer) -> None:
         (table, summary.json, curve.png). Through a real pipeline over a corpus: ragfix
         eval-pipeline."""
         with user_errors():
+            conditions = gate_conditions(gate, baseline)
             options = {
                 **backend_options(backend_opt, calibration, train_window),
                 **remote_options(model, remote),
@@ -188,6 +195,8 @@ def register(app: typer.Typer) -> None:
             )
             if summary:  # ranks other than 0 of a multi-process run report nothing
                 print_run(summary, out, f"{model} · {backend} · {num_docs} docs")
+                if conditions:
+                    apply_gates([*filter(None, [baseline]), out], conditions)
 
     @app.command("demo")
     def demo_cmd(

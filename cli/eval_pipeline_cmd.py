@@ -16,9 +16,11 @@ from ragfix.cli.common import (
     AdapterOpt,
     BackendOpt,
     BackendOptsOpt,
+    BaselineOpt,
     CalibrationOpt,
     DeviceOpt,
     DtypeOpt,
+    GateOpt,
     LimitOpt,
     LogPromptsOpt,
     ModelOpt,
@@ -29,8 +31,10 @@ from ragfix.cli.common import (
     RunFolderOpt,
     SkipInvalidOpt,
     TrainWindowOpt,
+    apply_gates,
     backend_options,
     console,
+    gate_conditions,
     order_options,
     remote_options,
     user_errors,
@@ -169,6 +173,8 @@ def register(app: typer.Typer) -> None:
         log_prompts: LogPromptsOpt = True,
         task: QaTaskOpt = "qa",
         repeat: RepeatOpt = "none",
+        gate: GateOpt = None,
+        baseline: BaselineOpt = None,
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
@@ -177,6 +183,7 @@ def register(app: typer.Typer) -> None:
         on --questions, on --needles planted in the corpus or on questions --questions-from a
         model writes (table, summary.json, curve.png)."""
         with user_errors():
+            conditions = gate_conditions(gate, baseline)
             from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
             from ragfix.eval.pipeline import run_pipeline_sweep
             from ragfix.models.resolve import REMOTE_PREFIX
@@ -226,3 +233,5 @@ def register(app: typer.Typer) -> None:
                 **({} if chunk_size is None else {"chunk_size": chunk_size}),
             )
             print_pipeline_run(summary, out, console)
+            if conditions:
+                apply_gates([*filter(None, [baseline]), out], conditions)

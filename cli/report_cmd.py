@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ragfix.cli.common import console, user_errors
+from ragfix.cli.common import GateOpt, check_gates, console, gate_conditions, user_errors
 from ragfix.errors import ConfigError
 
 
@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
                 "cell with the prompt its model read",
             ),
         ] = None,
+        gate: GateOpt = None,
     ) -> None:
         """Figures of merit of every curve (mean, worst position, best-worst gap, with 95%
         intervals) and their plot; a judge run's tables (position consistency, preference
@@ -66,6 +67,7 @@ def register(app: typer.Typer) -> None:
         from ragfix.tables import markdown_tables, print_tables
 
         with user_errors():
+            conditions = gate_conditions(gate, None)
             judged = {p: is_judge_run(p) for p in runs}
             judges = [load_judge_run(p) for p in runs if judged[p]]
             sweeps = load_runs([p for p in runs if not judged[p]])
@@ -99,6 +101,10 @@ def register(app: typer.Typer) -> None:
                 write_html_report(html, sweeps, comparison, judges, title)
                 if not markdown:
                     console.print(f"page: {html}", soft_wrap=True, highlight=False)
+            if conditions:
+                if comparison is None:
+                    raise ConfigError("--gate reads a sweep's curve: give a sweep run")
+                check_gates(comparison, conditions)
 
     @app.command("render")
     def render_cmd(

@@ -1,0 +1,69 @@
+"""The position-bias gate for CI (issue 58): ``--gate`` conditions on a real run's curve exit 1
+with the failing figure and its interval, and pass only when the whole interval clears the
+threshold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ragfix.cli.app import app
+from ragfix.errors import ConfigError
+from ragfix.eval.gate import Condition, parse_gates
+
+SWEEP = ["kv-sample", "--num-docs", "2", "--positions", "0,1", "--limit", "2", "--workers", "1",
+         "--device", "cpu"]  # fmt: skip
+
+
+def test_conditions_are_parsed_and_refused_in_one_line():
+    assert [str(c) for c in parse_gates(["worst>=0.3", " gap <= .1", "diff>=-0.05"])] == [
+        "worst>=0.3",
+        "gap<=0.1",
+        "diff>=-0.05",
+    ]
+    for bad in ("worst>0.3", "best>=0.3", "worst>=1.5", "mean>=abc", "gap<=-0.1"):
+        with pytest.raises(ConfigError, match=r"^--gate "):
+            Condition.parse(bad)
+
+
+def test_a_gate_on_a_real_sweep_exits_1_naming_the_figure_and_its_interval(tmp_path):
+    """SmolLM2 on two KV samples of two pairs: ``worst>=0.9`` fails with the worst
+    position's accuracy and Wilson interval as the run's summary has them; ``worst>=0`` passes
+    (its interval clears 0); against a baseline run (PINE over the same cells) a ``diff``
+    condition reads the paired interval ``ragfix report`` writes; no diff without a pair."""
+    runner = CliRunner()
+    base, other = tmp_path / "vanilla", tmp_path / "pine"
+    res = runner.invoke(app, ["eval", *SWEEP, "--out", str(base), "--gate", "worst>=0.9"])
+    assert res.exit_code == 1, res.output
+    report = runner.invoke(app, ["report", str(base), "--json", str(tmp_path / "c.json"),
+                                 "--out", str(tmp_path / "c.png")])  # fmt: skip
+    assert report.exit_code == 0, report.output
+    curve = json.loads((tmp_path / "c.json").read_text())["runs"][0]["curves"]["vanilla"]
+    line = (
+        f"gate worst>=0.9 failed: vanilla:vanilla (position {curve['worst_position']}) worst "
+        f"{curve['worst']:.3f} (95% CI [{curve['worst_ci']['low']:.3f}, "
+        f"{curve['worst_ci']['high']:.3f}], 2 samples)"
+    )
+    assert line in " ".join(res.output.split()), res.output
+    ok = runner.invoke(app, ["report", str(base), "--out", str(tmp_path / "c.png"),
+                             "--gate", "worst>=0", "--gate", "mean<=1"])  # fmt: skip
+    assert ok.exit_code == 0 and "gate passed: worst>=0, mean<=1" in ok.output
+    alone = runner.invoke(app, ["report", str(base), "--gate", "diff>=0"])
+    assert alone.exit_code == 2 and "has no paired comparison" in alone.output
+    args = ["eval", *SWEEP, "--backend", "pine", "--out", str(other), "--baseline", str(base)]
+    res = runner.invoke(app, [*args, "--gate", "diff>=0.99"])
+    assert res.exit_code == 1, res.output
+    pair = runner.invoke(app, ["report", str(base), str(other), "--json", str(tmp_path / "p.json"),
+                               "--out", str(tmp_path / "p.png")])  # fmt: skip
+    assert pair.exit_code == 0
+    [paired] = json.loads((tmp_path / "p.json").read_text())["paired"]
+    ci = paired["mean_diff_ci"]
+    assert (
+        f"diff {paired['mean_diff']:.3f} (95% CI [{ci['low']:.3f}, {ci['high']:.3f}], 2 samples)"
+        in " ".join(res.output.split())
+    )
+    wide = runner.invoke(app, [*args, "--gate", f"diff>={ci['low'] - 0.01:.3f}"])
+    assert wide.exit_code == 0 and "gate passed" in wide.output  # resumed: every cell done
+    assert runner.invoke(app, ["eval", *SWEEP, "--baseline", str(base)]).exit_code == 2
