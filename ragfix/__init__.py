@@ -21,8 +21,9 @@ The LlamaIndex path in four names (``examples/quickstart.py`` runs it end to end
 * :class:`NeedleSettings` (:mod:`ragfix.connectors.synthetic`): how needles are planted.
 * :func:`embedder`: the embedded all-MiniLM-L6-v2 as a LlamaIndex embedding model (for an index
   built your own way: ``VectorStoreIndex.from_documents(docs, embed_model=embedder())``).
-* :class:`RagFixPostprocessor`, :class:`RagFixLLM`, :func:`text_qa_template`: the LlamaIndex
-  components.
+* :class:`RagFixPostprocessor`, :class:`RagFixLLM`, :class:`RagFixSynthesizer`,
+  :func:`text_qa_template`: the LlamaIndex components (the synthesizer answers each query over
+  its own chunks, with any backend).
 
 The names are imported on first use, so ``import ragfix`` stays light.
 """
@@ -33,6 +34,7 @@ _LAZY = {
     "RagFixPostprocessor": "ragfix.postprocessor",
     "text_qa_template": "ragfix.postprocessor",
     "RagFixLLM": "ragfix.llm",
+    "RagFixSynthesizer": "ragfix.synthesizer",
     "build_corpus": "ragfix.connectors.corpus",
     "embedder": "ragfix.connectors.corpus",
     "NeedleSettings": "ragfix.connectors.synthetic",

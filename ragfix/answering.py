@@ -153,6 +153,9 @@ class Answerer:
             applied by the backend: :meth:`~ragfix.backends.Backend.format_prompt`), and
             :attr:`last_prompt` is that text.
         who: the component, as messages name it.
+        calls_give_passages: every call gives its own documents (``passages=`` of
+            :meth:`generate`: a response synthesizer, handed the chunks), so no source is
+            read and any backend answers.
 
     Attributes:
         context_window: the window in use (the setting, clamped to the backend's, or the
@@ -176,11 +179,17 @@ class Answerer:
         backend: Backend,
         passages_from: PassageSource | None = None,
         who: str = "the LLM component",
+        calls_give_passages: bool = False,
     ) -> None:
         self.settings = AnswerSettings(**settings.answer_settings())
         self.who = who
         check_passage_source(self.settings, passages_from, who)
-        if passages_from is None:
+        if calls_give_passages and not self.settings.use_chat_template:
+            raise ConfigError(
+                f"{who} gives the backend each call's documents: it needs "
+                "use_chat_template=True (the backend reads the task prompt in its own form)"
+            )
+        if passages_from is None and not calls_give_passages:
             try:
                 require_plain_prompts(backend, "a framework's LLM component")
             except ConfigError as e:
@@ -233,18 +242,21 @@ class Answerer:
             value = changes.get(name, first.get("input"))
             raise ConfigError(f"{who}: {name}={value!r}: {first['msg']}") from None
 
-    def task_prompt(self, prompt: str, settings: AnswerSettings) -> TaskPrompt:
-        """``prompt`` as a :class:`~ragfix.prompts.TaskPrompt` with the spans of the passage
-        source's last documents in it, and the budget and stop rule of ``settings`` (see the
-        class docstring).
+    def task_prompt(
+        self, prompt: str, settings: AnswerSettings, passages: Sequence[str] | None = None
+    ) -> TaskPrompt:
+        """``prompt`` as a :class:`~ragfix.prompts.TaskPrompt` with the spans of ``passages`` in
+        it (this call's documents, as a synthesizer is handed them), else of the passage
+        source's last documents, and the budget and stop rule of ``settings`` (see the class
+        docstring).
 
         Raises:
             ConfigError: the source has passed no documents on yet, or one of them is not in
                 ``prompt`` verbatim (after the ones before it): one line naming it (its index
                 and first words).
         """
-        source = type(self.passages_from).__name__
-        texts = self.passages_from.last_passages
+        source = "the call" if passages is not None else type(self.passages_from).__name__
+        texts = list(passages) if passages is not None else self.passages_from.last_passages
         if texts is None:
             raise ConfigError(
                 f"{self.who}: passages_from={source} has passed no documents on yet: run it "
@@ -268,7 +280,12 @@ class Answerer:
             passage_separator=gaps.pop() if len(gaps) == 1 else "",
         )
 
-    def request(self, prompt: str, settings: AnswerSettings | None = None) -> Prompt:
+    def request(
+        self,
+        prompt: str,
+        settings: AnswerSettings | None = None,
+        passages: Sequence[str] | None = None,
+    ) -> Prompt:
         """What the backend is given for ``prompt`` under ``settings`` (default:
         :attr:`settings`), checked against the window, counted as a call, the text the model
         reads kept as :attr:`last_prompt`: that text itself (``prompt`` in the chat template,
@@ -284,8 +301,8 @@ class Answerer:
                 count tokens here is not checked. See also :meth:`task_prompt`.
         """
         s, b = settings or self.settings, self.backend
-        if self.passages_from is not None:
-            req: Prompt = self.task_prompt(prompt, s)
+        if passages is not None or self.passages_from is not None:
+            req: Prompt = self.task_prompt(prompt, s, passages)
             text = b.format_prompt(req)
         else:
             text = b.format_prompt(TaskPrompt(user=prompt)) if s.use_chat_template else prompt
@@ -311,16 +328,22 @@ class Answerer:
         self.request(prompt, settings)
         return self.last_prompt
 
-    def generate(self, prompt: str, settings: AnswerSettings | None = None) -> Generation:
+    def generate(
+        self,
+        prompt: str,
+        settings: AnswerSettings | None = None,
+        passages: Sequence[str] | None = None,
+    ) -> Generation:
         """The greedy answer to ``prompt`` under ``settings`` (default: :attr:`settings`; one
-        call's from :meth:`settings_for_call`), kept as :attr:`last_generation`.
+        call's from :meth:`settings_for_call`), its documents ``passages`` when given (see
+        :meth:`request`), kept as :attr:`last_generation`.
 
         Raises:
             ConfigError: see :meth:`request`.
         """
         s = settings or self.settings
         [gen] = self.backend.generate(
-            [self.request(prompt, s)],
+            [self.request(prompt, s, passages)],
             batch_size=1,  # one prompt; with prefix_reuse the cache is kept between calls
             max_new_tokens=s.max_new_tokens,
             stop_at_newline=s.stop_at_newline,

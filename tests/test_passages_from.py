@@ -250,3 +250,61 @@ def test_refusals_are_one_line(smol):
         "it: render the documents as the component passes them on, in its order"
     )
     assert llm.calls == 0
+
+
+def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(smol):
+    """``RagFixSynthesizer`` (issue 56): no state shared between queries. Two questions whose
+    retriever returns different cities, asked at once (``asyncio.gather`` of two ``aquery`` on
+    one engine with one postprocessor, over three orders of the passages): each answer is the
+    wrapped backend's own answer to the task prompt of that question over its own chunks, the
+    spans found by hand, and equals the answer asked alone."""
+    import asyncio
+
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.retrievers import BaseRetriever
+
+    from ragfix import RagFixSynthesizer
+    from ragfix.tasks import get_task
+
+    questions = {
+        "What is the capital of Germany?": [0, 1, 2],
+        "Which city is Kenya's capital?": [4, 3, 1],
+    }
+
+    class ByQuestion(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return [_nodes_of(i) for i in questions[query_bundle.query_str]]
+
+    wrapped = marginalize_orders(smol, OrderOptions(orders=3))
+    synth = RagFixSynthesizer(wrapped, max_new_tokens=8)
+    post = RagFixPostprocessor(strategy="reverse", backend=smol)
+    engine = RetrieverQueryEngine(
+        retriever=ByQuestion(), response_synthesizer=synth, node_postprocessors=[post]
+    )
+
+    async def both():
+        return await asyncio.gather(*(engine.aquery(q) for q in questions))
+
+    together = [str(r.response) for r in asyncio.run(both())]
+    alone = [str(engine.query(q).response) for q in questions]
+    qa = get_task("qa")
+    for (q, cities), answer, single in zip(questions.items(), together, alone, strict=True):
+        chunks = [render_chunk(f"City {i}", CITY_TEXTS[i]) for i in reversed(cities)]
+        user = qa.user_turn(q, join_chunks(chunks))
+        prompt = TaskPrompt(user=user, passages=_spans_by_hand(user, chunks), max_new_tokens=8,
+                            stop_at_newline=qa.stop_at_newline)  # fmt: skip
+        [want] = wrapped.generate([prompt], batch_size=1)
+        assert answer == single == want.text, q
+
+
+def _nodes_of(i: int) -> NodeWithScore:
+    return NodeWithScore(
+        node=TextNode(
+            text=CITY_TEXTS[i],
+            id_=f"c{i}",
+            metadata={"title": f"City {i}"},
+            metadata_template="{value}",
+            text_template="Document (Title: {metadata_str}) {content}",
+        ),
+        score=None,
+    )
