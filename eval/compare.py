@@ -493,14 +493,23 @@ def _baseline_curve(run: Run) -> str:
 
 def _retrieval_weighted(run: Run, resamples: int, seed: int) -> dict:
     """``{"retrieval_weighted": {curve: RetrievalWeighted}}`` of a pipeline sweep's run (its
-    records carry the gold chunk's natural rank), ``{}`` of any other run."""
+    records carry the gold chunk's natural rank), ``{}`` of any other run. ``questions`` of a
+    natural-rank run is every question it asked (its summary's ``natural_rank_counts``), the
+    ones whose gold chunk was not retrieved included."""
     ranks = natural_ranks(run.records)
     if ranks is None:
         return {}
+    # a natural-rank run has no cell of a question whose gold chunk was not retrieved: its
+    # summary counts every question asked (``None``: not retrieved)
+    counts = (
+        run.summary.get("natural_rank_counts") if run.summary.get("ranks") == "natural" else None
+    )
     out = {}
     for c, cells in run.curves.items():
         m = retrieval_weighted_merit(cells, ranks, resamples=resamples, seed=seed)
         if m is not None:
+            if counts:
+                m = m.model_copy(update={"questions": sum(counts.values())})
             out[c] = m.model_dump()
     return {"retrieval_weighted": out}
 

@@ -243,3 +243,11 @@ def test_natural_ranks_run_each_question_where_its_retriever_put_it_under_the_ta
     config = json.loads((out / "config.json").read_text())
     assert config["qa_task"] == "qa-extractive"
     assert config["qa_task_form"] == get_task("qa-extractive").fingerprint()
+    # `ragfix report` says of how many questions asked the gold chunk was retrieved: the one
+    # missed has no cell, and it read "1 of 1"
+    from ragfix.eval.compare import compare_runs
+
+    asked = sum(summary["natural_rank_counts"].values())
+    assert asked == 2 and summary["natural_rank_counts"]["None"] == 1
+    for m in compare_runs([out])["runs"][0]["retrieval_weighted"].values():
+        assert (m["retrieved"], m["questions"]) == (1, asked)
