@@ -495,7 +495,8 @@ def _retrieval_weighted(run: Run, resamples: int, seed: int) -> dict:
     """``{"retrieval_weighted": {curve: RetrievalWeighted}}`` of a pipeline sweep's run (its
     records carry the gold chunk's natural rank), ``{}`` of any other run. ``questions`` of a
     natural-rank run is every question it asked (its summary's ``natural_rank_counts``), the
-    ones whose gold chunk was not retrieved included."""
+    ones whose gold chunk was not retrieved included, and such a run is marked
+    ``natural_ranks`` (each question at one rank: its positions hold different questions)."""
     ranks = natural_ranks(run.records)
     if ranks is None:
         return {}
@@ -511,7 +512,7 @@ def _retrieval_weighted(run: Run, resamples: int, seed: int) -> dict:
             if counts:
                 m = m.model_copy(update={"questions": sum(counts.values())})
             out[c] = m.model_dump()
-    return {"retrieval_weighted": out}
+    return {"retrieval_weighted": out, **({"natural_ranks": True} if counts else {})}
 
 
 def _differences(a: Run, b: Run) -> list[str]:

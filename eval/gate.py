@@ -5,12 +5,13 @@ A condition is ``FIGURE>=X`` or ``FIGURE<=X`` over one figure of merit of the co
 ``ragfix report`` computes (:func:`~ragfix.eval.compare.compare_loaded`):
 
 * ``mean``: the curve's mean accuracy over positions (percentile bootstrap interval over
-  samples);
+  samples); for a pipeline run, its retrieval-weighted accuracy (each rank weighted by how often
+  the retriever put the gold chunk there: what a user of the pipeline gets);
 * ``worst``: its worst position's accuracy (Wilson interval);
 * ``gap``: best minus worst position (bootstrap interval);
 * ``diff``: the paired mean difference against the baseline curve (the first curve it is
   paired with: another run's, or a pipeline run's first strategy), with its paired bootstrap
-  interval.
+  interval; refused for a natural-rank pipeline run, whose positions hold different questions.
 
 A condition holds only when the whole 95% interval clears the threshold (``>=``: its low end
 at or above; ``<=``: its high end at or below), the reading of a one-sided test at 2.5%: a
@@ -82,22 +83,35 @@ def _figures(comparison: dict, figure: str) -> list[tuple[str, float, float, flo
     """``(label, value, low, high, samples)`` of ``figure`` for each curve (or pair) it is
     checked on (module docstring)."""
     last = comparison["runs"][-1]
+    if figure == "diff" and last.get("natural_ranks"):
+        raise ConfigError(
+            "--gate diff: a natural-rank pipeline run's paired mean difference weighs every "
+            "rank alike (a rank of one question as much as rank 0); gate its mean (the "
+            "retrieval-weighted accuracy), or sweep the ranks with --positions"
+        )
     if figure == "diff":
         prefix = f"{last['name']}:"
+        unknown = {"low": -1.0, "high": 1.0}  # one sample: no interval
         return [
             (
                 f"{p['other']} vs {p['baseline']}",
                 p["mean_diff"],
-                p["mean_diff_ci"]["low"],
-                p["mean_diff_ci"]["high"],
+                (p["mean_diff_ci"] or unknown)["low"],
+                (p["mean_diff_ci"] or unknown)["high"],
                 p["samples"],
-            )  # fmt: skip
+            )
             for p in comparison.get("paired", [])
             if p["other"].startswith(prefix)
         ]
     out = []
     for curve, m in last["curves"].items():
-        ci = m[f"{figure}_ci"]
+        weighted = last.get("retrieval_weighted", {}).get(curve)
+        if figure == "mean" and weighted:
+            label = f"{last['name']}:{curve} (retrieval-weighted)"
+            ci = weighted["ci"] or {"low": 0.0, "high": 1.0}  # one question: no interval
+            out.append((label, weighted["accuracy"], ci["low"], ci["high"], weighted["retrieved"]))
+            continue
+        ci = m[f"{figure}_ci"] or {"low": 0.0, "high": 1.0}  # one sample: no interval
         label = f"{last['name']}:{curve}"
         if figure == "worst":
             label += f" (position {m['worst_position']})"

@@ -249,5 +249,15 @@ def test_natural_ranks_run_each_question_where_its_retriever_put_it_under_the_ta
 
     asked = sum(summary["natural_rank_counts"].values())
     assert asked == 2 and summary["natural_rank_counts"]["None"] == 1
-    for m in compare_runs([out])["runs"][0]["retrieval_weighted"].values():
+    comparison = compare_runs([out])
+    for m in comparison["runs"][0]["retrieval_weighted"].values():
         assert (m["retrieved"], m["questions"]) == (1, asked)
+    # the CI gate reads a pipeline run's retrieval-weighted accuracy as its mean, and refuses
+    # a paired difference over natural ranks (each rank holds other questions)
+    from ragfix.eval.gate import gate_failures, parse_gates
+
+    failed = gate_failures(comparison, parse_gates(["mean>=0.5"]))
+    assert len(failed) == 2 and all("(retrieval-weighted) mean" in f for f in failed)
+    assert all("[0.000, 1.000], 1 samples" in f for f in failed)  # one question: no interval
+    with pytest.raises(ConfigError, match="natural-rank pipeline run"):
+        gate_failures(comparison, parse_gates(["diff>=0"]))
