@@ -1302,6 +1302,13 @@ def test_order_marginalization_is_served_over_documents(smol):
         assert len(loose.token_ids) < 40 <= loose.new_tokens
         assert r.json()["choices"][0]["finish_reason"] == "stop"
         assert r.json()["usage"]["completion_tokens"] == len(loose.token_ids)
+        # streamed, the same request ends alike: text, finish_reason, usage (issue 55, item 4)
+        body = {"model": MODEL, "messages": ASK, "documents": DOCS, "max_tokens": 40,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        text, chunks = streamed(url, "/v1/chat/completions", body)
+        finish = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"]]
+        assert text == r.json()["choices"][0]["message"]["content"] and finish[-1] == "stop"
+        assert chunks[-2]["usage"]["completion_tokens"] == len(loose.token_ids)
         entry = httpx.get(url + "/v1/models").json()["data"][0]
         assert entry["ragfix"]["orders"] == options.model_dump(mode="json")
         assert entry["ragfix_needs_documents"].startswith("this server answers over several")

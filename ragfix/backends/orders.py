@@ -59,7 +59,7 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -332,12 +332,20 @@ class OrderMarginalBackend(Backend):
         max_new_tokens: int = 256,
         stop_at_newline: bool = False,
         cancel: Cancel | None = None,
-    ) -> Iterator[str]:
-        # a marginal answer exists only once every order has answered
+    ) -> Generator[str, None, int]:
+        """The marginal answer as one piece, once every order has answered: the chosen
+        answer's text as generated (its tokens decoded; a remote model's text as its server
+        returned it), as a stream of the wrapped backend sends it; returns
+        (``StopIteration.value``) that answer's own tokens (:attr:`Generation.own_tokens`), so
+        a server's stream ends as the answer not streamed."""
         gen = self.generate(
             [prompt], max_new_tokens=max_new_tokens, stop_at_newline=stop_at_newline, cancel=cancel
         )[0]
-        yield gen.text
+        if gen.token_ids is not None:
+            yield self.detokenize(gen.token_ids)
+        else:
+            yield gen.text if gen.raw_text is None else gen.raw_text
+        return gen.own_tokens
 
     # what it changes
     def orders_of(self, prompt: Prompt) -> list[tuple[int, ...]]:
