@@ -91,15 +91,13 @@ def _figures(comparison: dict, figure: str) -> list[tuple[str, float, float, flo
         )
     if figure == "diff":
         prefix = f"{last['name']}:"
-        unknown = {"low": -1.0, "high": 1.0}  # one sample: no interval
         return [
             (
                 f"{p['other']} vs {p['baseline']}",
                 p["mean_diff"],
-                (p["mean_diff_ci"] or unknown)["low"],
-                (p["mean_diff_ci"] or unknown)["high"],
+                *_bounds(p["mean_diff_ci"], -1.0),
                 p["samples"],
-            )
+            )  # fmt: skip
             for p in comparison.get("paired", [])
             if p["other"].startswith(prefix)
         ]
@@ -108,15 +106,20 @@ def _figures(comparison: dict, figure: str) -> list[tuple[str, float, float, flo
         weighted = last.get("retrieval_weighted", {}).get(curve)
         if figure == "mean" and weighted:
             label = f"{last['name']}:{curve} (retrieval-weighted)"
-            ci = weighted["ci"] or {"low": 0.0, "high": 1.0}  # one question: no interval
-            out.append((label, weighted["accuracy"], ci["low"], ci["high"], weighted["retrieved"]))
+            bounds = _bounds(weighted["ci"], 0.0)
+            out.append((label, weighted["accuracy"], *bounds, weighted["retrieved"]))
             continue
-        ci = m[f"{figure}_ci"] or {"low": 0.0, "high": 1.0}  # one sample: no interval
         label = f"{last['name']}:{curve}"
         if figure == "worst":
             label += f" (position {m['worst_position']})"
-        out.append((label, m[figure], ci["low"], ci["high"], m["samples"]))
+        out.append((label, m[figure], *_bounds(m[f"{figure}_ci"], 0.0), m["samples"]))
     return out
+
+
+def _bounds(ci: dict | None, lowest: float) -> tuple[float, float]:
+    """An interval's ``(low, high)``; without one (a single sample), the widest the figure can
+    take (``lowest`` to 1), which clears no threshold."""
+    return (ci["low"], ci["high"]) if ci else (lowest, 1.0)
 
 
 def gate_failures(comparison: dict, conditions: list[Condition]) -> list[str]:

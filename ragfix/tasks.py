@@ -536,7 +536,6 @@ def score_answer(sample: QASample, answer: str) -> bool:
 
 
 __all__ = [
-    "run_task",
     "CHUNK_SEPARATOR",
     "Demonstration",
     "QA_EXTRACTIVE",
@@ -553,6 +552,7 @@ __all__ = [
     "register_task",
     "render_chunk",
     "repeated",
+    "run_task",
     "resolve_task",
     "render_document",
     "render_kv_pair",
