@@ -35,6 +35,8 @@ COMMAND_MODULES = [
     "ragfix.cli.bench_cmd",
     "ragfix.cli.tune_cmd",
     "ragfix.cli.serve_cmd",
+    "ragfix.cli.merge_cmd",
+    "ragfix.cli.export_cmd",
 ]
 
 

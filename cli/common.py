@@ -419,6 +419,42 @@ BaselineOpt = Annotated[
 ]
 
 
+ShardOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="compute job I of N only (0-based I/N, e.g. $SLURM_ARRAY_TASK_ID/4): a disjoint "
+        "part of the cells into this folder, no summary; ragfix merge joins the shards",
+    ),
+]
+
+
+def shard_value(shard: str | None, gate: list[str] | None = None):
+    """``--shard`` parsed before any work (:meth:`ragfix.eval.shard.Shard.parse`).
+
+    Raises:
+        ConfigError: a malformed ``I/N``, or a ``--gate`` with it (a gate holds on a whole run).
+    """
+    from ragfix.eval.shard import Shard
+
+    parsed = Shard.parse(shard)
+    if parsed is not None and gate:
+        raise ConfigError(
+            "--gate checks a whole run: gate the merged run (ragfix report --gate), not a shard"
+        )
+    return parsed
+
+
+def shard_finished(result) -> bool:
+    """Whether ``result`` is a job shard's (:class:`ragfix.eval.run.ShardDone`), having printed
+    the one line it ends with instead of a summary."""
+    from ragfix.eval.run import ShardDone
+
+    if isinstance(result, ShardDone):
+        console.print(result.line(), highlight=False, soft_wrap=True)
+        return True
+    return False
+
+
 def gate_conditions(gate: list[str] | None, baseline: Path | None) -> list:
     """The ``--gate`` conditions, checked with the ``--baseline`` folder before any work.
 

@@ -29,6 +29,7 @@ from ragfix.cli.common import (
     RepeatOpt,
     RestartOpt,
     RunFolderOpt,
+    ShardOpt,
     SkipInvalidOpt,
     TaskOpt,
     TrainWindowOpt,
@@ -38,6 +39,8 @@ from ragfix.cli.common import (
     gate_conditions,
     order_options,
     remote_options,
+    shard_finished,
+    shard_value,
     user_errors,
 )
 from ragfix.errors import ConfigError
@@ -147,6 +150,7 @@ def register(app: typer.Typer) -> None:
         log_prompts: LogPromptsOpt = True,
         gate: GateOpt = None,
         baseline: BaselineOpt = None,
+        shard: ShardOpt = None,
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
@@ -154,6 +158,7 @@ def register(app: typer.Typer) -> None:
         (table, summary.json, curve.png). Through a real pipeline over a corpus: ragfix
         eval-pipeline."""
         with user_errors():
+            job = shard_value(shard, gate)
             conditions = gate_conditions(gate, baseline)
             options = {
                 **backend_options(backend_opt, calibration, train_window),
@@ -191,8 +196,11 @@ def register(app: typer.Typer) -> None:
                 dtype=dtype,
                 restart=restart,
                 log_prompts=log_prompts,
+                shard=job,
                 console=console,
             )
+            if shard_finished(summary):
+                return
             if summary:  # ranks other than 0 of a multi-process run report nothing
                 print_run(summary, out, f"{model} · {backend} · {num_docs} docs")
                 if conditions:

@@ -29,6 +29,7 @@ from ragfix.cli.common import (
     RepeatOpt,
     RestartOpt,
     RunFolderOpt,
+    ShardOpt,
     SkipInvalidOpt,
     TrainWindowOpt,
     apply_gates,
@@ -37,6 +38,8 @@ from ragfix.cli.common import (
     gate_conditions,
     order_options,
     remote_options,
+    shard_finished,
+    shard_value,
     user_errors,
 )
 
@@ -175,6 +178,7 @@ def register(app: typer.Typer) -> None:
         repeat: RepeatOpt = "none",
         gate: GateOpt = None,
         baseline: BaselineOpt = None,
+        shard: ShardOpt = None,
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
@@ -183,6 +187,7 @@ def register(app: typer.Typer) -> None:
         on --questions, on --needles planted in the corpus or on questions --questions-from a
         model writes (table, summary.json, curve.png)."""
         with user_errors():
+            job = shard_value(shard, gate)
             conditions = gate_conditions(gate, baseline)
             from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
             from ragfix.eval.pipeline import run_pipeline_sweep
@@ -216,6 +221,7 @@ def register(app: typer.Typer) -> None:
                 dtype=dtype,
                 restart=restart,
                 log_prompts=log_prompts,
+                shard=job,
                 console=console,
                 needles=None
                 if needles is None
@@ -232,6 +238,8 @@ def register(app: typer.Typer) -> None:
                 repeat=repeat,
                 **({} if chunk_size is None else {"chunk_size": chunk_size}),
             )
+            if shard_finished(summary):
+                return
             print_pipeline_run(summary, out, console)
             if conditions:
                 apply_gates([*filter(None, [baseline]), out], conditions)

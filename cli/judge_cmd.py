@@ -15,11 +15,15 @@ from ragfix.cli.common import (
     DtypeOpt,
     ModelOpt,
     RestartOpt,
+    ShardOpt,
     console,
     parse_options,
     remote_options,
+    shard_finished,
+    shard_value,
     user_errors,
 )
+from ragfix.errors import ConfigError
 
 
 def _print_result(result, warn_unparsed: bool = True) -> None:
@@ -130,6 +134,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
+        shard: ShardOpt = None,
         remote: dict | None = None,
     ) -> None:
         """Judge pairs in both orders: position consistency, preference fairness, first-slot
@@ -138,7 +143,10 @@ def register(app: typer.Typer) -> None:
         from ragfix.eval.judge_run import run_judge, summarize_judgments
 
         with user_errors():
+            job = shard_value(shard)
             if from_judgments:
+                if job is not None:
+                    raise ConfigError("--from-judgments computes metrics only: no --shard")
                 _print_result(summarize_judgments(data, out, limit), warn_unparsed=False)
                 return
             result = run_judge(
@@ -167,6 +175,8 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 dtype=dtype,
                 restart=restart,
+                shard=job,
                 console=console,
             )
-            _print_result(result)
+            if not shard_finished(result):
+                _print_result(result)

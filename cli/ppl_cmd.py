@@ -15,9 +15,12 @@ from ragfix.cli.common import (
     DtypeOpt,
     ModelOpt,
     RestartOpt,
+    ShardOpt,
     console,
     parse_numbers,
     parse_options,
+    shard_finished,
+    shard_value,
     user_errors,
 )
 from ragfix.errors import ConfigError
@@ -92,6 +95,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
+        shard: ShardOpt = None,
     ) -> None:
         """Perplexity at 0.5x, 1x, 2x, 4x the trained window (GALI paper's PG19 test), with 95%
         bootstrap intervals over text windows, the ratio to a baseline (paired by window) and
@@ -103,6 +107,7 @@ def register(app: typer.Typer) -> None:
         from ragfix.tables import print_tables
 
         with user_errors():
+            job = shard_value(shard)
             if samples is not None and windows is not None:
                 raise ConfigError("give --samples N or --windows START:STOP, not both")
             window_range = parse_windows(windows) if windows else range(samples or 2)
@@ -120,9 +125,12 @@ def register(app: typer.Typer) -> None:
                 dtype=dtype,
                 out=out,
                 restart=restart,
+                shard=job,
                 on_step=lambda s: console.print(s, highlight=False, markup=False),
                 console=console,
             )
+            if shard_finished(result):
+                return
             paths = write_report(result, out)
         print_tables(ppl_tables(result), console)
         console.print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")

@@ -36,6 +36,7 @@ from ragfix.eval.run import (
     input_fingerprints,
     run,
 )
+from ragfix.eval.shard import Shard
 from ragfix.io import CONFIG_FILE, atomic_write_json
 from ragfix.judge import (
     PairwiseJudge,
@@ -311,6 +312,7 @@ def run_judge(
     device: str = "auto",
     dtype: str = "auto",
     restart: bool = False,
+    shard: str | Shard | None = None,
     console: Console | None = None,
 ) -> JudgeRunResult:
     """Judge every pair of ``data`` in both orders with a backend, resumably, into ``out``.
@@ -341,6 +343,10 @@ def run_judge(
             ``unsupported`` (:func:`ragfix.connectors.pairwise.load_kv_pairs`).
         skip_invalid: skip and count malformed records instead of stopping.
         device, dtype: where and how to load the model.
+        shard: compute one job's part of the run only, ``"i/N"`` or a
+            :class:`~ragfix.eval.shard.Shard` (0-based): its own result file in ``out``, its
+            manifest, no summary (it returns a :class:`~ragfix.eval.run.ShardDone`); join the
+            shards with :func:`~ragfix.eval.shard.merge_runs`.
         restart: start ``out`` over when it holds judgments of other settings, weights or pair
             file contents, instead of refusing it.
         console: a rich console for messages and the progress bar (None: quiet).
@@ -421,7 +427,7 @@ def run_judge(
         "kv_wrong": kv_wrong if fmt == "kv" else None,
     }
     kind = JudgeRun(config, pairs, settings, extra, skipped)
-    return run(kind, ref, out, restart=restart, console=console)
+    return run(kind, ref, out, restart=restart, shard=Shard.parse(shard), console=console)
 
 
 def compare_runs(baseline: str | Path, other: str | Path, field: str = "verdict_original") -> dict:

@@ -80,6 +80,7 @@ from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import retrieval_weighted_merit
 from ragfix.eval.progress import RunTally
 from ragfix.eval.run import RunConfig, RunFolder, RunKind, Store, input_fingerprints, run
+from ragfix.eval.shard import Shard
 from ragfix.eval.sweep import LEGACY_TASK_FORMS, parse_positions, summary_counts, sweep_folder
 from ragfix.eval.sweep_summary import build_summary, cells_by_curve, natural_ranks, write_summary
 from ragfix.integrations import require_extra
@@ -200,6 +201,7 @@ def run_pipeline_sweep(
     attention_rounds: int = 1,
     framework: str = "llamaindex",
     restart: bool = False,
+    shard: str | Shard | None = None,
     log_prompts: bool = True,
     needles: NeedleSettings | None = None,
     questions_from: QuestionsFrom | None = None,
@@ -250,6 +252,10 @@ def run_pipeline_sweep(
         framework: ``llamaindex``, ``langchain`` or ``haystack`` (the last two need their extra):
             the pipeline the cells run through; part of the run's config and cell ids. The same
             cell gives the same prompt in each (``prompt_sha1`` in the records).
+        shard: compute one job's part of the run only, ``"i/N"`` or a
+            :class:`~ragfix.eval.shard.Shard` (0-based): its own result file in ``out``, its
+            manifest, no summary (it returns a :class:`~ragfix.eval.run.ShardDone`); join the
+            shards with :func:`~ragfix.eval.shard.merge_runs`.
         restart: start ``out`` over when it holds a run of other settings, weights or inputs
             (corpus, questions), instead of refusing it.
         log_prompts: keep in each record the text its model read (the question and gold
@@ -395,7 +401,7 @@ def run_pipeline_sweep(
         written=written if write_now else None,
         writer_options=writer_options,
     )
-    return run(kind, ref, out, restart=restart, console=console)
+    return run(kind, ref, out, restart=restart, shard=Shard.parse(shard), console=console)
 
 
 class _PipelineTally(RunTally):

@@ -55,6 +55,7 @@ from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import Bootstrap, Interval
 from ragfix.eval.ppl_tables import PPL_KIND, ppl_tables
 from ragfix.eval.run import RunConfig, RunFolder, RunKind, input_fingerprints, run
+from ragfix.eval.shard import Shard
 from ragfix.io import atomic_write_json, atomic_write_text
 from ragfix.tables import markdown_tables
 
@@ -526,6 +527,7 @@ def run_ppl(
     dtype: str = "auto",
     out: str | Path | None = None,
     restart: bool = False,
+    shard: str | Shard | None = None,
     on_step: Callable[[str], None] | None = None,
     console: Console | None = None,
 ) -> dict:
@@ -546,6 +548,10 @@ def run_ppl(
         out: a run folder (:func:`ppl_folder`): each (method, length, window) is stored as it is
             scored and reused by a rerun (more windows or methods resume; another model file,
             data content, ``train_window`` or ``ratios`` is refused); ``None``: nothing stored.
+        shard: compute one job's part of the run only, ``"i/N"`` or a
+            :class:`~ragfix.eval.shard.Shard` (0-based): its own result file in ``out``, its
+            manifest, no summary (it returns a :class:`~ragfix.eval.run.ShardDone`); join the
+            shards with :func:`~ragfix.eval.shard.merge_runs`.
         restart: start ``out`` over when it holds a run of other settings, weights or data.
         on_step: called with a short status after each (method, length, window) this call
             scores (``gali 128 tok, window 3: ppl 12.34``).
@@ -599,7 +605,9 @@ def run_ppl(
         ),
     )
     kind = PplRun(config, variants, ratios, windows, Path(data), baseline, on_step)
-    return run(kind, config.backend_ref, out, restart=restart, console=console)
+    return run(
+        kind, config.backend_ref, out, restart=restart, shard=Shard.parse(shard), console=console
+    )
 
 
 def plot_ppl(result: dict, path: str | Path) -> None:

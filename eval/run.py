@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -43,8 +44,9 @@ from rich.console import Console
 
 from ragfix.backends import BackendRef
 from ragfix.connectors.jsonl import SkipCounter
-from ragfix.errors import ConfigMismatchError, DataError, Interrupted
+from ragfix.errors import ConfigError, ConfigMismatchError, DataError, Interrupted
 from ragfix.eval.progress import RunTally, progress_bar
+from ragfix.eval.shard import SHARD_MANIFEST, Shard, write_manifest
 from ragfix.io import CONFIG_FILE, JsonlStore, atomic_write_json, read_run_config
 
 #: the version of the run folder layout; a ``config.json`` without it predates identity binding
@@ -173,8 +175,14 @@ class RunFolder:
         self.results = results
         self.key = key
         self.outputs = outputs
+        self.own = own or results
         self.store = folder_store(self.out, results, key, own)
         self._has_config = False
+
+    def write_shard(self, shard: Shard) -> None:
+        """Append to job ``shard``'s own result file from now on (:meth:`Shard.own_file`)."""
+        self.own = shard.own_file(self.own)
+        self.store = folder_store(self.out, self.results, self.key, self.own)
 
     # ------------------------------------------------------------------ checks
     def check(self) -> bool:
@@ -229,9 +237,11 @@ class RunFolder:
             self.clear()
 
     def clear(self) -> None:
-        """Remove the folder's configuration, stores and outputs (a restart)."""
+        """Remove the folder's configuration, stores, job shard manifests and outputs (a
+        restart)."""
         stem, _, suffix = self.results.rpartition(".")
-        for p in [*self.out.glob(f"{stem}*.{suffix}"), self.out / CONFIG_FILE]:
+        manifests = self.out.glob(SHARD_MANIFEST.format(index="*", count="*"))
+        for p in [*self.out.glob(f"{stem}*.{suffix}"), *manifests, self.out / CONFIG_FILE]:
             p.unlink(missing_ok=True)
         for name in self.outputs:
             (self.out / name).unlink(missing_ok=True)
@@ -303,6 +313,7 @@ class RunKind(ABC):
             :func:`run` notes them in one line (``skipped 2 invalid record(s); first: ...``).
         skips: what a skipped input is called in that line.
         console: where the kind's own notes go (set by :func:`run`; ``None``: quiet).
+        shard: the job shard it computes part of (set by :func:`run`; ``None``: all of it).
     """
 
     config: RunConfig
@@ -315,6 +326,7 @@ class RunKind(ABC):
     skipped: SkipCounter | None = None
     skips: ClassVar[str] = "invalid record"
     console: Console | None = None
+    shard: Shard | None = None
 
     @abstractmethod
     def folder(self, out: Path) -> RunFolder:
@@ -331,6 +343,18 @@ class RunKind(ABC):
     @abstractmethod
     def cells(self) -> list[tuple[str, Any]]:
         """``(cell id, payload)`` of every cell of the run, in a stable order."""
+
+    def split(self, cells: list[tuple[str, Any]], index: int, count: int) -> list[tuple[str, Any]]:
+        """Part ``index`` of ``cells`` split ``count`` ways: disjoint parts that together hold
+        every cell, the same for every process given the same cells. Here one cell at a time,
+        balanced by number (:func:`~ragfix.eval.shard.assign_groups`); a kind whose cells share
+        work overrides it (the sweep: whole samples, by prompt length). It splits a run among
+        job shards (``--shard``, from all its cells) and among a launcher's ranks
+        (:meth:`share`, from the cells left to do)."""
+        from ragfix.eval.shard import assign_groups
+
+        keys = [cid for cid, _ in cells]
+        return assign_groups(cells, [1.0] * len(cells), keys, count)[index]
 
     def share(self, todo: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """The cells of ``todo`` this process computes (all of them but under a launcher)."""
@@ -374,6 +398,7 @@ def run(
     restart: bool = False,
     batch_size: int | None = None,
     device: str | None = None,
+    shard: Shard | None = None,
     console: Console | None = None,
 ) -> Any:
     """Run ``kind`` into the run folder ``out``, resumably: the lifecycle of every run kind.
@@ -390,6 +415,12 @@ def run(
        processes), and the records of the run's cells are summarised
        (:meth:`RunKind.summarize`).
 
+    A job shard (``shard``) computes only its part of the cells (:meth:`RunKind.split` of all
+    of them), appends to its own result file (:meth:`Shard.own_file`), writes its manifest
+    (:func:`~ragfix.eval.shard.write_manifest`) and no summary: a summary of part of a run
+    would read as the whole run's figure. :func:`~ragfix.eval.shard.merge_runs` joins the
+    shards.
+
     Args:
         kind: the run kind.
         backend: a loaded backend or a reference to load.
@@ -398,19 +429,26 @@ def run(
         batch_size: cells per batch (default :func:`default_batch_size`).
         device: the device the backend is on, for the default batch size (default: the
             reference's, else ``"auto"``).
+        shard: compute this job shard's part only (``None``: the whole run).
         console: where the "resuming:" line, the bar and the kind's notes go (``None``: quiet).
 
     Returns:
-        what :meth:`RunKind.summarize` returns.
+        what :meth:`RunKind.summarize` returns; a :class:`ShardDone` for a job shard.
 
     Raises:
         ConfigMismatchError: ``out`` holds another run (not with ``restart``).
+        ConfigError: a ``shard`` without a run folder.
         Interrupted: Ctrl-C, once every record that had arrived is stored; its message says how
             many this run stored and where.
         the kind's and the backend's errors.
     """
     kind.console = console if kind.main else None
+    kind.shard = shard
+    if shard is not None and out is None:
+        raise ConfigError("a job shard (--shard) needs a run folder to store its cells in")
     folder = None if out is None else kind.folder(Path(out))
+    if folder is not None and shard is not None:
+        folder.write_shard(shard)
     if folder is not None and not restart:
         folder.check()  # another request: refused before the backend is loaded
     if isinstance(backend, BackendRef):
@@ -429,6 +467,18 @@ def run(
         kind.bind(folder, restart)
     done = folder.done() if folder is not None else {}
     cells = kind.cells()
+    if shard is not None:
+        part = {cid for cid, _ in kind.split(cells, shard.index, shard.count)}
+        everything, cells = cells, [(cid, c) for cid, c in cells if cid in part]  # in run order
+        if kind.main:
+            write_manifest(
+                folder.out,
+                shard,
+                results=folder.results,
+                key=kind.key,
+                cells=[cid for cid, _ in everything],
+                mine=[cid for cid, _ in cells],
+            )
     todo = [(cid, c) for cid, c in cells if cid not in done]
     if len(todo) < len(cells) and kind.main and console is not None:
         console.print(
@@ -461,7 +511,42 @@ def run(
         done = folder.done()
         if done and not folder.check():
             folder.write_config()
+    if shard is not None:
+        return ShardDone(
+            shard=shard,
+            out=Path(out),
+            cells=len(cells),
+            stored=sum(cid in done for cid, _ in cells),
+            run_cells=len(everything),
+        )
     return kind.summarize(folder, [done[cid] for cid, _ in cells if cid in done])
+
+
+@dataclass(frozen=True)
+class ShardDone:
+    """What a job shard's run returns instead of a summary.
+
+    Attributes:
+        shard: the job.
+        out: its run folder.
+        cells: the cells of its part; ``stored``: how many of them its folder holds.
+        run_cells: the whole run's cells.
+    """
+
+    shard: Shard
+    out: Path
+    cells: int
+    stored: int
+    run_cells: int
+
+    def line(self) -> str:
+        """One line for the terminal: what is stored and what comes next."""
+        return (
+            f"shard {self.shard.index}/{self.shard.count}: {self.stored} of its {self.cells} "
+            f"cells (of the run's {self.run_cells}) are in {self.out}; once every shard is done, "
+            "ragfix merge OUT SHARD_FOLDERS... and the same command without --shard over OUT "
+            "write the run's summary"
+        )
 
 
 def interrupted(stored: int, unit: str, out: str | Path) -> Interrupted:
@@ -477,6 +562,7 @@ __all__ = [
     "RunConfig",
     "RunFolder",
     "RunKind",
+    "ShardDone",
     "Store",
     "default_batch_size",
     "run",

@@ -30,6 +30,7 @@ from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
 from ragfix.eval.run import RunFolder, RunKind, Store, input_fingerprints, run
 from ragfix.eval.shard import (
+    Shard,
     assign_groups,
     distributed_state,
     merge_shards,
@@ -126,18 +127,20 @@ def _compute(
 class _WorkerJob:
     """What every worker process of a CPU sweep shares: the run (its configuration bound to the
     backend's identity, whose ``backend_ref`` each worker loads), torch threads per process,
-    and the sweep's batching settings."""
+    the sweep's batching settings and the job shard the workers compute part of."""
 
     config: SweepConfig
     out: Path
     threads: int
     prefix_reuse: bool
     batch_size: int
+    shard: Shard | None = None
 
 
 def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) -> None:
     """One worker process of a CPU sweep (:func:`_compute_in_workers`): ``job.threads`` torch
-    threads, its own backend, its cells appended to ``results.rank{rank}.jsonl``. It puts
+    threads, its own backend, its cells appended to ``results.rank{rank}.jsonl`` (a job shard's
+    ``results.shard{i}of{N}.rank{rank}.jsonl``). It puts
     ``("record", SweepRecord)`` on ``messages`` for each stored cell, then ``("done", rank)``, or
     ``("error", (exception, traceback text))`` when it fails."""
     import os
@@ -148,6 +151,8 @@ def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) 
     try:
         backend = job.config.backend_ref.load(shared=False)
         folder = sweep_folder(job.out, job.config, rank, world)
+        if job.shard is not None:
+            folder.write_shard(job.shard)
         folder.bind(backend.identity())  # the weights may have changed since the parent's check
 
         def store(rec: SweepRecord) -> None:
@@ -292,8 +297,14 @@ class SweepRun(RunKind):
     def cells(self) -> list[tuple[str, Cell]]:
         return [(c.cell_id, c) for c in self._cells]
 
+    def split(
+        self, cells: list[tuple[str, Cell]], index: int, count: int
+    ) -> list[tuple[str, Cell]]:
+        """Whole samples (their positions share a prompt prefix), balanced by prompt length."""
+        return [(c.cell_id, c) for c in _my_share([c for _, c in cells], index, count)]
+
     def share(self, todo: list[tuple[str, Cell]]) -> list[tuple[str, Cell]]:
-        return [(c.cell_id, c) for c in _my_share([c for _, c in todo], self.rank, self.world)]
+        return self.split(todo, self.rank, self.world)
 
     def batch_size(self, on_gpu: bool) -> int:
         """16 on CUDA or where the cells of a sample share a prefix cache (prefilled along their
@@ -315,7 +326,7 @@ class SweepRun(RunKind):
             if self.console is not None:
                 self.console.print(f"{n} worker processes, {threads} torch thread(s) each")
             out, config = self.run_folder.out, self.run_folder.config
-            job = _WorkerJob(config, out, threads, self.prefix_reuse, batch_size)
+            job = _WorkerJob(config, out, threads, self.prefix_reuse, batch_size, self.shard)
 
             def arrived(rec: SweepRecord) -> None:
                 store.arrived(rec.model_dump())
@@ -375,6 +386,7 @@ def run_sweep(
     device: str = "auto",
     dtype: str = "auto",
     restart: bool = False,
+    shard: str | Shard | None = None,
     log_prompts: bool = True,
     on_record: Callable[[SweepRecord], None] | None = None,
     console: Console | None = None,
@@ -436,6 +448,10 @@ def run_sweep(
             the CPU); ranks of a launcher run one each.
         device, dtype: see :func:`ragfix.backends.load_backend` (under a launcher, each rank's
             own device).
+        shard: compute one job's part of the run only, ``"i/N"`` or a
+            :class:`~ragfix.eval.shard.Shard` (0-based): its own result file in ``out``, its
+            manifest, no summary (it returns a :class:`~ragfix.eval.run.ShardDone`); join the
+            shards with :func:`~ragfix.eval.shard.merge_runs`.
         restart: start ``out`` over (its cells, configuration and summary removed) when it
             holds a run of other settings, weights or inputs, instead of refusing it.
         log_prompts: keep in each record the prompt its model read (the user turn and the
@@ -535,7 +551,15 @@ def run_sweep(
         skipped=skipped,
         on_record=on_record,
     )
-    return run(kind, ref, out, restart=restart, batch_size=batch_size, console=console)
+    return run(
+        kind,
+        ref,
+        out,
+        restart=restart,
+        batch_size=batch_size,
+        shard=Shard.parse(shard),
+        console=console,
+    )
 
 
 __all__ = ["run_sweep"]

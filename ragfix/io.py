@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ragfix.errors import DataError
@@ -60,18 +62,46 @@ def atomic_write_json(path: str | Path, obj) -> None:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` to write (by any writer, by name) that replaces
+    ``path`` when the block ends without an error, and is removed when it raises; parent
+    folders are created."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual file mode
+    os.close(fd)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual file mode
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """A temporary folder beside ``path`` to fill that takes ``path``'s place (an older folder
+    there removed) when the block ends without an error, and is removed when it raises: a
+    folder at ``path`` is always whole."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp"))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; give the usual folder mode
+    try:
+        yield tmp
+        if p.exists():
+            shutil.rmtree(p)
+        tmp.rename(p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -111,16 +111,17 @@ def essays(chars: int) -> str:
     return "\n\n".join(out)
 
 
-def tiny_folder(folder, seed: int = 0, window: int = 2048):
-    """A seeded tiny Llama with the real SmolLM2 tokenizer and a ``window``-token context, saved
-    as a model folder (``--model FOLDER``); saving again into the same folder replaces its
-    weights. Returns the folder."""
+def tiny_folder(folder, seed: int = 0, window: int = 2048, arch: str = "llama"):
+    """A seeded tiny model of ``arch`` (:func:`tiny_config`) with the real SmolLM2 tokenizer and a
+    ``window``-token context, saved as a model folder (``--model FOLDER``); saving again into
+    the same folder replaces its weights. Returns the folder."""
     from transformers import AutoTokenizer
 
     from ragfix.models.resolve import checkpoint_dir, resolve_model
 
     tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
     model = tiny_model(
+        arch,
         seed=seed,
         vocab_size=len(tok),
         max_position_embeddings=window,

@@ -1,0 +1,75 @@
+"""``ragfix export``: a LoRA adapter as the serving engines load it (merged checkpoint, GGUF LoRA,
+vLLM recipe)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ragfix.cli.common import ModelOpt, console, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``export`` to the CLI."""
+
+    @app.command("export")
+    def export_cmd(
+        adapter: Annotated[Path, typer.Argument(help="LoRA adapter folder (ragfix distill's)")],
+        out: Annotated[Path, typer.Option("--out", "-o", help="folder to write into")],
+        model: ModelOpt = "smollm2",
+        merged: Annotated[
+            bool, typer.Option(help="write OUT/merged: the checkpoint with the LoRA merged")
+        ] = True,
+        gguf: Annotated[
+            bool, typer.Option(help="write OUT/lora.gguf: the LoRA for llama.cpp and Ollama")
+        ] = True,
+        vllm_base: Annotated[
+            str | None,
+            typer.Option(
+                help="what vllm serve loads as the base (default: the checkpoint ragfix loads "
+                "for --model, a GGUF's dequantized folder: the weights the adapter was trained "
+                "on)"
+            ),
+        ] = None,
+        name: Annotated[str, typer.Option(help="the adapter's name on the vLLM server")] = "ragfix",
+    ) -> None:
+        """Export a LoRA adapter for the serving engines: OUT/merged (safetensors, compared
+        with the unmerged adapter), OUT/lora.gguf (llama-cli --lora, Ollama ADAPTER), the vLLM
+        command (checked as vLLM reads adapter_config.json) and OUT/export.json."""
+        from ragfix.export import (
+            export_gguf_lora,
+            export_merged,
+            vllm_recipe,
+            write_export_report,
+        )
+        from ragfix.models.resolve import checkpoint_dir, resolve_model
+
+        with user_errors():
+            base = vllm_base or checkpoint_dir(resolve_model(model))
+            report = {"adapter": str(adapter), "model": model}
+            report["vllm"] = vllm_recipe(adapter, base, name)
+            if gguf:
+                report["gguf_lora"] = export_gguf_lora(adapter, model, out / "lora.gguf")
+            if merged:
+                with console.status("merging and comparing with the unmerged adapter"):
+                    report["merged"] = export_merged(adapter, model, out / "merged")
+            path = write_export_report(out, report)
+        if merged:
+            m = report["merged"]
+            console.print(
+                f"merged checkpoint: {m['folder']} (largest logit difference from the unmerged "
+                f"adapter: {m['max_abs_logit_diff']:.2e} over {m['probe_tokens']} tokens)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        if gguf:
+            console.print(
+                f"GGUF LoRA: {report['gguf_lora']['file']} (llama-cli -m BASE.gguf --lora FILE; "
+                "Ollama: ADAPTER FILE)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        console.print(f"vLLM: {report['vllm']['command']}", highlight=False, soft_wrap=True)
+        console.print(f"report: {path}", highlight=False)

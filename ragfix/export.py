@@ -1,0 +1,313 @@
+"""Adapters the serving engines load: a LoRA adapter folder (``ragfix distill``'s Pos2Distill or
+any peft LoRA) exported as a merged checkpoint, a GGUF LoRA for llama.cpp and Ollama, and a vLLM
+recipe.
+
+- :func:`export_merged`: the base model with the LoRA merged into its weights (safetensors, the
+  tokenizer beside it), loadable anywhere a Hugging Face checkpoint is. Its logits are compared
+  with the adapter applied unmerged (peft's ``x W + s B A x``) on a probe text, and the largest
+  difference is part of the result.
+- :func:`export_gguf_lora`: the LoRA as a GGUF adapter file (``general.type = adapter``,
+  ``adapter.type = lora``, ``adapter.lora.alpha``; each target module's ``lora_a`` [r, in] and
+  ``lora_b`` [out, r], fp32, named as llama.cpp names the base tensor: ``blk.3.attn_q.weight``).
+  llama.cpp stores the q and k projections of its ``llama`` architecture (Llama, Mistral,
+  SmolLM2) with the rows of each head's rotary halves interleaved (its converter's permutation),
+  so ``lora_b`` of q and k is permuted the same way; the other supported architectures (Qwen2,
+  Qwen3, Gemma 3) keep Hugging Face's row order. ``llama-cli -m BASE.gguf --lora FILE``; Ollama:
+  ``ADAPTER FILE`` in a Modelfile.
+- :func:`vllm_recipe`: the checks vLLM's ``PEFTHelper`` applies when it reads
+  ``adapter_config.json`` (no ``modules_to_save``, no DoRA, the rank within ``--max-lora-rank``),
+  the target modules it can serve as LoRA on these families, and the command line
+  (``vllm serve BASE --enable-lora --lora-modules NAME=PATH --max-lora-rank R``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ragfix.errors import AdapterError, ConfigError
+from ragfix.io import atomic_dir, atomic_write_json
+from ragfix.lora import CONFIG_FILE, LORA_WEIGHTS_FILE
+
+#: Hugging Face architecture -> (llama.cpp architecture, whether q/k rows are permuted)
+GGUF_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", True),
+    "MistralForCausalLM": ("llama", True),
+    "Qwen2ForCausalLM": ("qwen2", False),
+    "Qwen3ForCausalLM": ("qwen3", False),
+    "Gemma3ForCausalLM": ("gemma3", False),
+}
+#: the projections vLLM serves as LoRA on the Llama, Mistral, Qwen and Gemma families (q/k/v
+#: packed as qkv_proj, gate/up as gate_up_proj)
+VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: the values vLLM accepts for ``--max-lora-rank``
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the text the merged checkpoint's logits are compared on (the adapter unmerged against merged)
+PROBE = (
+    "Extract the value corresponding to the specified key in the JSON object below. "
+    '{"2a8d601d-1d69-4e64-9f90-8ad825a74195": "bb3ba2a5-7de8-434b-a86e-a88bb9fa7289"} Key: '
+)
+
+
+def _adapter_config(adapter_dir: Path) -> dict:
+    """The adapter's ``adapter_config.json``.
+
+    Raises:
+        AdapterError: no LoRA folder (no config or weights), unreadable JSON, or a peft method
+            that is not LoRA.
+    """
+    path = adapter_dir / CONFIG_FILE
+    if not path.is_file() or not (adapter_dir / LORA_WEIGHTS_FILE).is_file():
+        raise AdapterError(
+            f"{adapter_dir}: not a LoRA adapter folder (needs {CONFIG_FILE} and "
+            f"{LORA_WEIGHTS_FILE}); a full fine-tune is already a checkpoint"
+        )
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{path}: peft_type {config.get('peft_type')!r}: only LoRA exports")
+    return config
+
+
+def _lora_pairs(adapter_dir: Path) -> dict[str, tuple]:
+    """``{module path: (A [r, in], B [out, r])}`` of the adapter's weight file (``model.layers.
+    3.self_attn.q_proj``: peft's ``base_model.model.`` prefix removed).
+
+    Raises:
+        AdapterError: a tensor that is not a LoRA A/B weight (biases, embeddings, saved
+            modules), or a module with only one of A and B.
+    """
+    from safetensors.torch import load_file
+
+    pairs: dict[str, dict] = {}
+    for key, tensor in load_file(str(adapter_dir / LORA_WEIGHTS_FILE)).items():
+        name = key.removeprefix("base_model.model.")
+        for part in ("A", "B"):
+            if name.endswith(f".lora_{part}.weight"):
+                pairs.setdefault(name.removesuffix(f".lora_{part}.weight"), {})[part] = tensor
+                break
+        else:
+            raise AdapterError(
+                f"{adapter_dir / LORA_WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight; "
+                "only LoRA on linear layers exports"
+            )
+    for module, p in pairs.items():
+        if set(p) != {"A", "B"}:
+            raise AdapterError(f"{adapter_dir}: {module} has lora_{''.join(p)} only")
+    return {m: (p["A"].float(), p["B"].float()) for m, p in sorted(pairs.items())}
+
+
+def lora_scale(config: dict) -> float:
+    """peft's scaling of ``B A``: ``lora_alpha / r`` (rsLoRA: ``/ sqrt(r)``).
+
+    Raises:
+        AdapterError: per-module ranks or alphas (``rank_pattern`` / ``alpha_pattern``), which
+            one GGUF alpha cannot state.
+    """
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise AdapterError("per-module ranks or alphas (rank_pattern, alpha_pattern) do not export")
+    r, alpha = config["r"], config["lora_alpha"]
+    return alpha / r**0.5 if config.get("use_rslora") else alpha / r
+
+
+def llama_cpp_row_order(weight, n_head: int):
+    """The rows of a q or k projection ``[n_head * head_dim, ...]`` in llama.cpp's order for its
+    ``llama`` architecture: within each head, the rows of the two rotary halves interleaved
+    (head h, half j, index i at ``h*d + 2*i + j``)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def export_gguf_lora(adapter_dir: str | Path, model: str, out_file: str | Path) -> dict:
+    """Write the LoRA of ``adapter_dir`` as a GGUF adapter for the base model ``model``.
+
+    Args:
+        adapter_dir: a peft LoRA folder (``ragfix distill`` writes one).
+        model: the base model (as for ``--model``): its configuration names the architecture,
+            layer count and heads.
+        out_file: the ``.gguf`` file to write (atomically).
+
+    Returns:
+        ``{"file", "architecture", "tensors", "alpha", "rank"}``.
+
+    Raises:
+        AdapterError: see :func:`_adapter_config`, :func:`_lora_pairs`, :func:`lora_scale`; DoRA
+            (llama.cpp applies plain LoRA only); a module llama.cpp has no tensor for.
+        ConfigError: an architecture without a GGUF mapping here (:data:`GGUF_ARCHITECTURES`).
+    """
+    import gguf
+    import numpy as np
+
+    from ragfix.io import atomic_path
+    from ragfix.models.resolve import load_config
+
+    adapter_dir, out_file = Path(adapter_dir), Path(out_file)
+    config = _adapter_config(adapter_dir)
+    if config.get("use_dora"):
+        raise AdapterError(f"{adapter_dir}: a DoRA adapter; llama.cpp applies plain LoRA only")
+    scale = lora_scale(config)
+    base = load_config(model)
+    arch = (base.architectures or ["?"])[0]
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(
+            f"{model}: a {arch}; GGUF LoRA export maps {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    name, permuted = GGUF_ARCHITECTURES[arch]
+    enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == name)
+    names = gguf.TensorNameMap(enum, base.num_hidden_layers)
+    heads = {"q_proj": base.num_attention_heads, "k_proj": base.num_key_value_heads}
+    # llama.cpp reads alpha and divides by the rank it finds: state the scale peft applies
+    r = config["r"]
+    alpha = scale * r
+    tensors = 0
+    with atomic_path(out_file) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), name)
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+        for module, (a, b) in _lora_pairs(adapter_dir).items():
+            target = names.get_name(module)
+            if target is None:
+                raise AdapterError(f"{adapter_dir}: {module} has no llama.cpp tensor for {arch}")
+            last = module.rsplit(".", 1)[-1]
+            if permuted and last in heads:
+                b = llama_cpp_row_order(b, heads[last])
+            writer.add_tensor(f"{target}.weight.lora_a", np.ascontiguousarray(a.numpy()))
+            writer.add_tensor(f"{target}.weight.lora_b", np.ascontiguousarray(b.numpy()))
+            tensors += 2
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return {
+        "file": str(out_file),
+        "architecture": name,
+        "tensors": tensors,
+        "alpha": alpha,
+        "rank": r,
+    }
+
+
+def export_merged(
+    adapter_dir: str | Path, model: str, out: str | Path, *, device: str = "cpu"
+) -> dict:
+    """Write ``model`` with the adapter merged into its weights as a checkpoint folder
+    (``model.safetensors``, ``config.json``, the tokenizer), fp32, and compare it with the
+    adapter applied unmerged.
+
+    Args:
+        adapter_dir: a ``ragfix distill`` folder or a peft LoRA folder for ``model``.
+        model: the base model (as for ``--model``; a GGUF base is dequantized, as ragfix loads
+            it, so the checkpoint holds the weights ragfix measured).
+        out: the folder to write.
+        device: where the comparison runs.
+
+    Returns:
+        ``{"folder", "max_abs_logit_diff", "probe_tokens"}``: the largest absolute difference
+        between the saved checkpoint's next-token logits and the unmerged adapter's over
+        :data:`PROBE` (fp32; peft's merge adds ``s B A`` to each weight once).
+
+    Raises:
+        AdapterError: see :func:`ragfix.lora.load_adapter`.
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ragfix.lora import load_adapter
+    from ragfix.models.load import load_model
+
+    adapter_dir, out = Path(adapter_dir), Path(out)
+    base, tok = load_model(model, device=device, dtype="float32")
+    merged, _ = load_adapter(base, adapter_dir)
+    with atomic_dir(out) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    del merged, base
+    ids = tok(PROBE, return_tensors="pt").input_ids.to(device)
+    with torch.no_grad():
+        saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).eval()
+        theirs = saved(ids).logits
+        del saved
+        fresh, _ = load_model(model, device=device, dtype="float32")
+        unmerged = PeftModel.from_pretrained(fresh, str(adapter_dir)).eval()
+        mine = unmerged(ids).logits
+    return {
+        "folder": str(out),
+        "max_abs_logit_diff": float((theirs - mine).abs().max()),
+        "probe_tokens": int(ids.shape[1]),
+    }
+
+
+def vllm_recipe(adapter_dir: str | Path, base_id: str, name: str = "ragfix") -> dict:
+    """Check the adapter as vLLM reads it and give the command that serves it.
+
+    vLLM's ``PEFTHelper.from_local_dir`` reads ``adapter_config.json`` (``r``, ``lora_alpha``,
+    ``target_modules`` required) and refuses ``modules_to_save`` and DoRA; ``--max-lora-rank``
+    must be at least ``r`` and one of :data:`VLLM_MAX_LORA_RANKS`; each LoRA tensor must belong
+    to a module vLLM serves with LoRA (:data:`VLLM_LORA_MODULES` here).
+
+    Args:
+        adapter_dir: the adapter folder (vLLM loads it as it is).
+        base_id: what ``vllm serve`` loads (a hub id or folder of the base model).
+        name: the adapter's served name (requests ask for ``"model": name``).
+
+    Returns:
+        ``{"command", "max_lora_rank", "target_modules", "scale"}``.
+
+    Raises:
+        AdapterError: a field vLLM requires missing, ``modules_to_save``, DoRA, a rank above
+            512, or a tensor of a module vLLM does not serve with LoRA (each named).
+    """
+    adapter_dir = Path(adapter_dir)
+    config = _adapter_config(adapter_dir)
+    problems = [f"{k} missing" for k in ("r", "lora_alpha", "target_modules") if k not in config]
+    if config.get("modules_to_save"):
+        problems.append(f"modules_to_save {config['modules_to_save']} (vLLM supports none)")
+    if config.get("use_dora"):
+        problems.append("DoRA (vLLM does not support it)")
+    rank = config.get("r", 0)
+    fits = [m for m in VLLM_MAX_LORA_RANKS if m >= rank]
+    if not fits:
+        problems.append(f"rank {rank} above vLLM's largest --max-lora-rank, 512")
+    modules = sorted({m.rsplit(".", 1)[-1] for m in _lora_pairs(adapter_dir)})
+    other = [m for m in modules if m not in VLLM_LORA_MODULES]
+    if other:
+        problems.append(f"LoRA on {', '.join(other)}, which vLLM does not serve with LoRA")
+    if problems:
+        raise AdapterError(f"{adapter_dir}: vLLM would refuse it: {'; '.join(problems)}")
+    command = (
+        f"vllm serve {base_id} --enable-lora --lora-modules {name}={adapter_dir.resolve()} "
+        f"--max-lora-rank {fits[0]}"
+    )
+    return {
+        "command": command,
+        "max_lora_rank": fits[0],
+        "target_modules": modules,
+        "scale": lora_scale(config),
+    }
+
+
+def write_export_report(out: Path, report: dict) -> Path:
+    """``export.json`` of an export folder (atomically): what was written and checked."""
+    path = Path(out) / "export.json"
+    atomic_write_json(path, report)
+    return path
+
+
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "PROBE",
+    "export_gguf_lora",
+    "export_merged",
+    "llama_cpp_row_order",
+    "lora_scale",
+    "vllm_recipe",
+    "write_export_report",
+]
