@@ -291,6 +291,28 @@ def remote_cmd(
     show_tables(table, details, json_out)
 
 
+@bench.command("lora-gguf")
+def lora_gguf_cmd(
+    adapter: Annotated[Path, typer.Argument(help="LoRA adapter folder")],
+    model: Annotated[str, typer.Option(help="the base model")] = "smollm2",
+    base_gguf: Annotated[
+        Path | None, typer.Option(help="the GGUF llama.cpp reads (default: the model's own)")
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="KV prompts")] = 8,
+    num_docs: Annotated[int, typer.Option(help="KV pairs per prompt")] = 8,
+    json_out: JsonOpt = None,
+) -> None:
+    """The exported GGUF LoRA in llama.cpp (llama-cpp-python) against the adapter in ragfix:
+    next-token log-probabilities and the adapter's shift, with a wrong-row-order control."""
+    from ragfix.bench.lora_gguf import bench_lora_gguf
+
+    with user_errors(), console.status("check") as status:
+        table, details = bench_lora_gguf(
+            adapter, model, base_gguf, prompts, num_docs, status.update
+        )
+    show_tables(table, details, json_out)
+
+
 @bench.command("serve")
 def serve_cmd(
     model: Annotated[str, typer.Option(help="model served by ragfix serve (on the CPU)")] = (
