@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from ragfix.cli.common import ModelOpt, console, user_errors
+from ragfix.cli.common import (
+    BackendOptsOpt,
+    CalibrationOpt,
+    ModelOpt,
+    backend_options,
+    console,
+    user_errors,
+)
+from ragfix.errors import ConfigError
 
 
 def register(app: typer.Typer) -> None:
@@ -16,8 +24,14 @@ def register(app: typer.Typer) -> None:
 
     @app.command("export")
     def export_cmd(
-        adapter: Annotated[Path, typer.Argument(help="LoRA adapter folder (ragfix distill's)")],
-        out: Annotated[Path, typer.Option("--out", "-o", help="folder to write into")],
+        adapter: Annotated[
+            Path | None, typer.Argument(help="LoRA adapter folder (ragfix distill's)")
+        ] = None,
+        out: Annotated[Path, typer.Option("--out", "-o", help="folder to write into")] = Path(
+            "exports/ragfix"
+        ),
+        calibration: CalibrationOpt = None,
+        backend_opt: BackendOptsOpt = None,
         model: ModelOpt = "smollm2",
         merged: Annotated[
             bool, typer.Option(help="write OUT/merged: the checkpoint with the LoRA merged")
@@ -37,16 +51,39 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export a LoRA adapter for the serving engines: OUT/merged (safetensors, compared
         with the unmerged adapter), OUT/lora.gguf (llama-cli --lora, Ollama ADAPTER), the vLLM
-        command (checked as vLLM reads adapter_config.json) and OUT/export.json."""
+        command (checked as vLLM reads adapter_config.json) and OUT/export.json. With
+        --calibration (or --backend-opt channel=,layers=,factor=) instead of an adapter: channel
+        scaling folded into q_proj and k_proj as OUT/folded (every token's query scaled)."""
         from ragfix.export import (
             export_gguf_lora,
             export_merged,
+            fold_channel_scaling,
             vllm_recipe,
             write_export_report,
         )
         from ragfix.models.resolve import checkpoint_dir, resolve_model
 
+        if calibration is not None or backend_opt:
+            with user_errors():
+                if adapter is not None:
+                    raise ConfigError("give an adapter or a channel scaling, not both")
+                options = backend_options(backend_opt, calibration, None)
+                with console.status("folding and comparing with the runtime patch"):
+                    folded = fold_channel_scaling(model, out / "folded", **options)
+                path = write_export_report(out, {"model": model, "channel_scaling": folded})
+            console.print(
+                f"folded checkpoint: {folded['folder']} ({folded['scaling']}); largest logit "
+                f"difference from the patch on every row: "
+                f"{folded['max_abs_logit_diff_all_rows']:.2e}, from its default (last row): "
+                f"{folded['max_abs_logit_diff_last_row_variant']:.2e}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            console.print(f"report: {path}", highlight=False)
+            return
         with user_errors():
+            if adapter is None:
+                raise ConfigError("give an adapter folder, or --calibration for channel scaling")
             base = vllm_base or checkpoint_dir(resolve_model(model))
             report = {"adapter": str(adapter), "model": model}
             report["vllm"] = vllm_recipe(adapter, base, name)

@@ -14,6 +14,11 @@ recipe.
   so ``lora_b`` of q and k is permuted the same way; the other supported architectures (Qwen2,
   Qwen3, Gemma 3) keep Hugging Face's row order. ``llama-cli -m BASE.gguf --lora FILE``; Ollama:
   ``ADAPTER FILE`` in a Modelfile.
+- :func:`fold_channel_scaling`: channel scaling (arXiv 2406.02536) as an edited checkpoint:
+  scaling channel ``d`` of the attention input of q and k equals scaling column ``d`` of
+  ``W_q`` and ``W_k`` in the chosen layers. Folded, it scales the queries of *every* token (the
+  paper's "modify all tokens" variant), not only the last token's as the ``channel-scaled``
+  backend does by default: a variant of its own, compared with the runtime patch on every row.
 - :func:`vllm_recipe`: the checks vLLM's ``PEFTHelper`` applies when it reads
   ``adapter_config.json`` (no ``modules_to_save``, no DoRA, the rank within ``--max-lora-rank``),
   the target modules it can serve as LoRA on these families, and the command line
@@ -245,6 +250,70 @@ def export_merged(
     }
 
 
+def fold_channel_scaling(model: str, out: str | Path, *, device: str = "cpu", **options) -> dict:
+    """Write ``model`` with channel scaling folded into its weights (column ``channel`` of
+    ``q_proj`` and ``k_proj`` scaled by ``factor`` in the chosen layers) as a checkpoint folder,
+    fp32, and compare it with the ``channel-scaled`` backend's runtime patch.
+
+    Args:
+        model: the model (as for ``--model``).
+        out: the folder to write.
+        device: where the comparison runs.
+        options: the ``channel-scaled`` backend's options
+            (:class:`~ragfix.backends.channel_scaling.options.ChannelScalingOptions`:
+            ``calibration``, ``preset`` or ``channel`` / ``layers`` / ``factor``), resolved as the
+            backend resolves them.
+
+    Returns:
+        ``{"folder", "scaling": {channel, layers, factor, source}, "max_abs_logit_diff_all_rows",
+        "max_abs_logit_diff_last_row_variant", "probe_tokens"}``: the largest absolute
+        difference of the folded checkpoint's logits over :data:`PROBE` from the runtime patch
+        scaling every row (the same variant: rounding only) and from the patch's default, which
+        scales the last row only (the two variants differ).
+
+    Raises:
+        ConfigError, pydantic.ValidationError: see the ``channel-scaled`` backend.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ragfix.backends import load_backend
+    from ragfix.backends.patching import attention_modules
+
+    backend = load_backend("channel-scaled", model=model, device=device, dtype="float32", **options)
+    state = backend.scaling.state
+    scaling = {
+        "channel": state.channel,
+        "layers": list(state.layers),
+        "factor": state.factor,
+        "source": backend.source,
+    }
+    ids = backend.tokenizer(PROBE, return_tensors="pt").input_ids.to(device)
+    with torch.no_grad():
+        with backend.scaling.rows(ids.shape[1]):
+            every_row = backend.model(ids).logits
+        last_row = backend.model(ids).logits
+        backend.scaling.remove()
+        mods = attention_modules(backend.model)
+        for i in state.layers:
+            for proj in (mods[i].q_proj, mods[i].k_proj):
+                proj.weight[:, state.channel] *= state.factor
+    with atomic_dir(out) as tmp:
+        backend.model.save_pretrained(tmp, safe_serialization=True)
+        backend.tokenizer.save_pretrained(tmp)
+    del backend
+    with torch.no_grad():
+        folded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).eval()
+        logits = folded(ids).logits
+    return {
+        "folder": str(out),
+        "scaling": scaling,
+        "max_abs_logit_diff_all_rows": float((logits - every_row).abs().max()),
+        "max_abs_logit_diff_last_row_variant": float((logits - last_row).abs().max()),
+        "probe_tokens": int(ids.shape[1]),
+    }
+
+
 def vllm_recipe(adapter_dir: str | Path, base_id: str, name: str = "ragfix") -> dict:
     """Check the adapter as vLLM reads it and give the command that serves it.
 
@@ -306,6 +375,7 @@ __all__ = [
     "PROBE",
     "export_gguf_lora",
     "export_merged",
+    "fold_channel_scaling",
     "llama_cpp_row_order",
     "lora_scale",
     "vllm_recipe",

@@ -189,3 +189,31 @@ def test_cli_export_writes_all_three_and_the_report(llama, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
     res = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "o2")])
     assert res.exit_code == 2 and "not a LoRA adapter folder" in res.output
+
+
+def test_channel_scaling_folds_into_q_and_k_columns_as_the_every_row_variant(llama, tmp_path):
+    from safetensors.torch import load_file
+
+    from ragfix.export import fold_channel_scaling
+
+    base, adapter = llama
+    folded = fold_channel_scaling(str(base), tmp_path / "folded", channel=5, layers=[1], factor=-1)
+    assert folded["scaling"] == {"channel": 5, "layers": [1], "factor": -1.0, "source": "options"}
+    # the runtime patch scaling every row's query is the same model; its default (the last
+    # token's query only) is another variant
+    assert folded["max_abs_logit_diff_all_rows"] < 1e-5
+    assert folded["max_abs_logit_diff_last_row_variant"] > 1e-3
+    before = load_file(str(base / "model.safetensors"))
+    after = load_file(str(tmp_path / "folded" / "model.safetensors"))
+    for key, w in before.items():
+        if key in (
+            "model.layers.1.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+        ):
+            torch.testing.assert_close(after[key][:, 5], -w[:, 5])
+            after[key][:, 5] = w[:, 5]
+        torch.testing.assert_close(after[key], w, rtol=0, atol=0)  # nothing else changed
+    res = CliRunner().invoke(
+        app, ["export", str(adapter), "--backend-opt", "channel=5", "--out", str(tmp_path / "x")]
+    )
+    assert res.exit_code == 2 and "give an adapter or a channel scaling, not both" in res.output
