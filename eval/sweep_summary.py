@@ -132,9 +132,13 @@ def read_summary(folder: Path) -> dict:
     """
     path = Path(folder) / SUMMARY_FILE
     if not path.exists():
-        raise DataError(
-            path, None, None, f"no summary (run `ragfix eval ... --out {folder}` first)"
-        )
+        from ragfix.eval.shard import SHARD_MANIFEST
+
+        if any(Path(folder).glob(SHARD_MANIFEST.format(index="*", count="*"))):
+            why = "it holds job shards: ragfix merge them, then run the command without --shard"
+        else:
+            why = f"run `ragfix eval ... --out {folder}` first"
+        raise DataError(path, None, None, f"no summary ({why})")
     try:
         return json.loads(path.read_text())
     except ValueError as e:

@@ -52,6 +52,7 @@ def test_sweep_shards_in_their_own_folders_merge_to_the_single_run(single, tmp_p
     # a shard stores its part in its own file and writes no summary
     assert (s0 / "results.shard0of2.jsonl").exists() and (s0 / "shard0of2.json").exists()
     assert not (s0 / "summary.json").exists() and not (s1 / "summary.json").exists()
+    assert "it holds job shards: ragfix merge them" in _cli("report", s0, code=2)
     part0, part1 = _cells(s0), _cells(s1)
     assert part0 and part1 and not set(part0) & set(part1)
     # whole samples: the positions of a sample share its prompt prefix
