@@ -437,7 +437,7 @@ def run(
 
     Raises:
         ConfigMismatchError: ``out`` holds another run (not with ``restart``).
-        ConfigError: a ``shard`` without a run folder.
+        ConfigError: a ``shard`` without a run folder, or with ``restart``.
         Interrupted: Ctrl-C, once every record that had arrived is stored; its message says how
             many this run stored and where.
         the kind's and the backend's errors.
@@ -446,6 +446,11 @@ def run(
     kind.shard = shard
     if shard is not None and out is None:
         raise ConfigError("a job shard (--shard) needs a run folder to store its cells in")
+    if shard is not None and restart:  # in a shared folder it would remove the other jobs' cells
+        raise ConfigError(
+            "--restart with --shard: start the run over once (remove its folders, or --restart "
+            "without --shard), then launch the shards"
+        )
     folder = None if out is None else kind.folder(Path(out))
     if folder is not None and shard is not None:
         folder.write_shard(shard)

@@ -112,6 +112,8 @@ def test_shard_settings_are_refused_in_one_line(tmp_path):
     assert "give I/N, e.g. 0/4" in _cli(*SWEEP, "--out", tmp_path / "x", "--shard", "1", code=2)
     said = _cli(*SWEEP, "--out", tmp_path / "x", "--shard", "0/2", "--gate", "worst>=0.1", code=2)
     assert "--gate checks a whole run" in said
+    said = _cli(*SWEEP, "--out", tmp_path / "x", "--shard", "0/2", "--restart", code=2)
+    assert "--restart with --shard: start the run over once" in said
     assert not (tmp_path / "x").exists()
     (tmp_path / "empty").mkdir()
     said = _cli("merge", tmp_path / "m", tmp_path / "empty", code=2)
