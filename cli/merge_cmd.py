@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         checks that they ran one configuration (settings, weights, inputs) and hold every cell,
         then writes OUT; the same command without --shard over OUT writes the summary (it loads
         the model to check the identity and computes nothing)."""
-        from ragfix.eval.shard import merge_runs
+        from ragfix.eval.merge import merge_runs
 
         with user_errors():
             merged = merge_runs(out, shards)

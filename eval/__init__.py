@@ -8,7 +8,7 @@ folder of :mod:`ragfix.eval.run`, say) does not import the model code and torch.
 from ragfix.lazy import lazy_exports
 
 _LAZY = {
-    "merge_runs": "ragfix.eval.shard",
+    "merge_runs": "ragfix.eval.merge",
     "run_judge": "ragfix.eval.judge_run",
     "run_sweep": "ragfix.eval.sweep_run",
 }

@@ -346,7 +346,7 @@ def run_judge(
         shard: compute one job's part of the run only, ``"i/N"`` or a
             :class:`~ragfix.eval.shard.Shard` (0-based): its own result file in ``out``, its
             manifest, no summary (it returns a :class:`~ragfix.eval.run.ShardDone`); join the
-            shards with :func:`~ragfix.eval.shard.merge_runs`.
+            shards with :func:`~ragfix.eval.merge.merge_runs`.
         restart: start ``out`` over when it holds judgments of other settings, weights or pair
             file contents, instead of refusing it.
         console: a rich console for messages and the progress bar (None: quiet).

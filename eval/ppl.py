@@ -551,7 +551,7 @@ def run_ppl(
         shard: compute one job's part of the run only, ``"i/N"`` or a
             :class:`~ragfix.eval.shard.Shard` (0-based): its own result file in ``out``, its
             manifest, no summary (it returns a :class:`~ragfix.eval.run.ShardDone`); join the
-            shards with :func:`~ragfix.eval.shard.merge_runs`.
+            shards with :func:`~ragfix.eval.merge.merge_runs`.
         restart: start ``out`` over when it holds a run of other settings, weights or data.
         on_step: called with a short status after each (method, length, window) this call
             scores (``gali 128 tok, window 3: ppl 12.34``).

@@ -418,7 +418,7 @@ def run(
     A job shard (``shard``) computes only its part of the cells (:meth:`RunKind.split` of all
     of them), appends to its own result file (:meth:`Shard.own_file`), writes its manifest
     (:func:`~ragfix.eval.shard.write_manifest`) and no summary: a summary of part of a run
-    would read as the whole run's figure. :func:`~ragfix.eval.shard.merge_runs` joins the
+    would read as the whole run's figure. :func:`~ragfix.eval.merge.merge_runs` joins the
     shards.
 
     Args:

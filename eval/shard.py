@@ -14,9 +14,9 @@ SLURM array, a shell loop, N machines), each computing a disjoint slice of the r
 its own file of one shared folder or of its own folder. A job's slice is split from *all* of the
 run's cells with the same balanced split as the ranks (:meth:`ragfix.eval.run.RunKind.split`),
 so a rerun of shard i finds the same cells whatever the other jobs did; the ranks of a launcher
-split what is left to do. :func:`merge_runs` checks that the shards ran one configuration and
-cover every cell, then writes one run folder; the same command without ``--shard`` over it writes
-the summary.
+split what is left to do. :func:`ragfix.eval.merge.merge_runs` checks that the shards ran one
+configuration and cover every cell, then writes one run folder; the same command without
+``--shard`` over it writes the summary.
 
 On a machine without a GPU, ``PartialState`` joins the process group only when created with
 ``cpu=True`` (gloo); without it every process believes it is alone and computes everything
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from ragfix.errors import ConfigError, ConfigMismatchError, DataError
-from ragfix.io import CONFIG_FILE, JsonlStore, atomic_write_json, atomic_write_text, read_run_config
+from ragfix.errors import ConfigError
+from ragfix.io import JsonlStore, atomic_write_json, atomic_write_text
 
 T = TypeVar("T")
 
@@ -159,7 +159,7 @@ def merge_shards(out: Path, results_file: str = "results.jsonl", key: str = "cel
     shards = _other_result_files(out, results_file)
     records = JsonlStore(main, key=key, read_also=shards).load()
     if shards or main.exists():
-        _replace_results(out, results_file, records)
+        replace_results(out, results_file, records)
     return len(records)
 
 
@@ -169,7 +169,7 @@ def _other_result_files(out: Path, results_file: str) -> list[Path]:
     return sorted(p for p in out.glob(f"{stem}.*.{suffix}") if p != out / results_file)
 
 
-def _replace_results(out: Path, results_file: str, records: dict[str, dict]) -> None:
+def replace_results(out: Path, results_file: str, records: dict[str, dict]) -> None:
     """Write ``records`` as ``out/results_file`` (atomically), then remove the folder's other
     result files (:func:`_other_result_files`)."""
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records.values())
@@ -255,104 +255,3 @@ def write_manifest(
             "assigned": list(mine),
         },
     )
-
-
-def merge_runs(out: str | Path, sources: Sequence[str | Path]) -> dict:
-    """Merge the job shards of one run (``--shard i/N``) into the run folder ``out``.
-
-    Every source folder holds the ``config.json`` of the run and one or more shard manifests
-    (one folder may hold every shard: jobs on a shared file system). Checked before anything is
-    written: every folder's configuration is the same (settings, the backend's identity, the
-    inputs' fingerprints, and that of ``out`` when it holds one); the manifests are of one plan
-    (the same number of cells and :func:`plan_fingerprint`) and of one ``N``, with each shard
-    ``0 .. N-1`` once; every shard's assigned cells are stored in its folder. ``out`` then gets
-    the configuration and one result file of every shard's cells (atomically); the shards'
-    own result files in ``out`` are removed, the source folders are left as they are. Run the
-    same command without ``--shard`` over ``out`` to write the summary (it loads the backend,
-    checks its identity against the folder and computes nothing).
-
-    Args:
-        out: the merged run folder (may be one of ``sources``).
-        sources: the shards' run folders.
-
-    Returns:
-        ``{"cells": merged cells, "shards": N, "folders": source folders}``.
-
-    Raises:
-        DataError: a source without ``config.json`` or without a manifest, an unreadable one.
-        ConfigMismatchError: the folders ran other configurations (each differing field named),
-            or their manifests are of other plans.
-        ConfigError: a shard missing, given twice, or short of cells (how many, and which
-            folder to rerun).
-    """
-    from ragfix.eval.run import flat_differences, folder_store
-
-    out = Path(out)
-    folders = list(dict.fromkeys(Path(s) for s in sources))
-    if not folders:
-        raise ConfigError("give the shards' run folders")
-    config, first = None, None
-    found: list[tuple[Path, dict]] = []
-    for folder in [*folders, *([out] if out not in folders and out.exists() else [])]:
-        theirs = read_run_config(folder)
-        if theirs is None:
-            if folder == out:
-                continue
-            raise DataError(folder / CONFIG_FILE, None, None, "not found: not a run folder")
-        if config is None:
-            config, first = theirs, folder
-        elif detail := flat_differences(config, theirs):
-            raise ConfigMismatchError(
-                f"{folder} ran another configuration than {first} ({'; '.join(detail)}): "
-                "the shards of one run share every setting, the weights and the inputs"
-            )
-        if folder not in folders:
-            continue
-        paths = sorted(folder.glob(SHARD_MANIFEST.format(index="*", count="*")))
-        if not paths:
-            raise DataError(folder, None, None, "no shard manifest (shard*of*.json): not a shard")
-        for path in paths:
-            try:
-                found.append((folder, json.loads(path.read_text(encoding="utf-8"))))
-            except (OSError, json.JSONDecodeError) as e:
-                raise DataError(path, None, None, f"unreadable shard manifest ({e})") from None
-    plans = {(m["of"], m["cells"], m["plan"], m["results"], m["key"]) for _, m in found}
-    if len(plans) > 1:
-        raise ConfigMismatchError(
-            "the shards split different runs (another N, another number of cells or other "
-            f"cells): {sorted({(m['of'], m['cells']) for _, m in found})} as (N, cells)"
-        )
-    ((count, total, _, results, key),) = plans
-    manifests: dict[int, tuple[Path, dict]] = {}
-    for folder, m in found:
-        if m["shard"] in manifests:
-            raise ConfigError(
-                f"shard {m['shard']}/{count} is in both {manifests[m['shard']][0]} and {folder}: "
-                "give each shard once"
-            )
-        manifests[m["shard"]] = (folder, m)
-    missing = [i for i in range(count) if i not in manifests]
-    if missing:
-        raise ConfigError(
-            f"shard(s) {', '.join(f'{i}/{count}' for i in missing)} missing: run them, or give "
-            "the folders that hold them"
-        )
-    merged: dict[str, dict] = {}
-    for i in range(count):
-        folder, m = manifests[i]
-        done = folder_store(folder, results, key).load()
-        short = [cid for cid in m["assigned"] if cid not in done]
-        if short:
-            raise ConfigError(
-                f"shard {i}/{count} in {folder} has {len(m['assigned']) - len(short)} of its "
-                f"{len(m['assigned'])} cells: rerun it (it resumes) before merging"
-            )
-        merged.update({cid: done[cid] for cid in m["assigned"]})
-    if len(merged) != total:
-        raise ConfigMismatchError(
-            f"the shards hold {len(merged)} distinct cells of the run's {total}: their plans differ"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / CONFIG_FILE, config)
-    _replace_results(out, results, merged)
-    return {"cells": len(merged), "shards": count, "folders": [str(f) for f in folders]}

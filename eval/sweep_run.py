@@ -451,7 +451,7 @@ def run_sweep(
         shard: compute one job's part of the run only, ``"i/N"`` or a
             :class:`~ragfix.eval.shard.Shard` (0-based): its own result file in ``out``, its
             manifest, no summary (it returns a :class:`~ragfix.eval.run.ShardDone`); join the
-            shards with :func:`~ragfix.eval.shard.merge_runs`.
+            shards with :func:`~ragfix.eval.merge.merge_runs`.
         restart: start ``out`` over (its cells, configuration and summary removed) when it
             holds a run of other settings, weights or inputs, instead of refusing it.
         log_prompts: keep in each record the prompt its model read (the user turn and the
