@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ragfix.errors import ConfigError, ConfigMismatchError, DataError
 from ragfix.eval.run import flat_differences, folder_store
-from ragfix.eval.shard import SHARD_MANIFEST, replace_results
+from ragfix.eval.shard import replace_results, shard_manifests
 from ragfix.io import CONFIG_FILE, atomic_write_json, read_run_config
 
 
@@ -45,24 +45,24 @@ def merge_runs(out: str | Path, sources: Sequence[str | Path]) -> dict:
     folders = list(dict.fromkeys(Path(s) for s in sources))
     if not folders:
         raise ConfigError("give the shards' run folders")
-    config, first = None, None
-    found: list[tuple[Path, dict]] = []
-    for folder in [*folders, *([out] if out not in folders and out.exists() else [])]:
+    configs = []
+    for folder in folders:
         theirs = read_run_config(folder)
         if theirs is None:
-            if folder == out:
-                continue
             raise DataError(folder / CONFIG_FILE, None, None, "not found: not a run folder")
-        if config is None:
-            config, first = theirs, folder
-        elif detail := flat_differences(config, theirs):
+        configs.append((folder, theirs))
+    if out not in folders and (theirs := read_run_config(out)) is not None:
+        configs.append((out, theirs))  # a merged folder already there: the same run too
+    first, config = configs[0]
+    for folder, theirs in configs[1:]:
+        if detail := flat_differences(config, theirs):
             raise ConfigMismatchError(
                 f"{folder} ran another configuration than {first} ({'; '.join(detail)}): "
                 "the shards of one run share every setting, the weights and the inputs"
             )
-        if folder not in folders:
-            continue
-        paths = sorted(folder.glob(SHARD_MANIFEST.format(index="*", count="*")))
+    found: list[tuple[Path, dict]] = []
+    for folder in folders:
+        paths = shard_manifests(folder)
         if not paths:
             raise DataError(folder, None, None, "no shard manifest (shard*of*.json): not a shard")
         for path in paths:

@@ -46,7 +46,7 @@ from ragfix.backends import BackendRef
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, ConfigMismatchError, DataError, Interrupted
 from ragfix.eval.progress import RunTally, progress_bar
-from ragfix.eval.shard import SHARD_MANIFEST, Shard, write_manifest
+from ragfix.eval.shard import Shard, assign_groups, shard_manifests, write_manifest
 from ragfix.io import CONFIG_FILE, JsonlStore, atomic_write_json, read_run_config
 
 #: the version of the run folder layout; a ``config.json`` without it predates identity binding
@@ -240,7 +240,7 @@ class RunFolder:
         """Remove the folder's configuration, stores, job shard manifests and outputs (a
         restart)."""
         stem, _, suffix = self.results.rpartition(".")
-        manifests = self.out.glob(SHARD_MANIFEST.format(index="*", count="*"))
+        manifests = shard_manifests(self.out)
         for p in [*self.out.glob(f"{stem}*.{suffix}"), *manifests, self.out / CONFIG_FILE]:
             p.unlink(missing_ok=True)
         for name in self.outputs:
@@ -351,8 +351,6 @@ class RunKind(ABC):
         work overrides it (the sweep: whole samples, by prompt length). It splits a run among
         job shards (``--shard``, from all its cells) and among a launcher's ranks
         (:meth:`share`, from the cells left to do)."""
-        from ragfix.eval.shard import assign_groups
-
         keys = [cid for cid, _ in cells]
         return assign_groups(cells, [1.0] * len(cells), keys, count)[index]
 

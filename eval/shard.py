@@ -232,6 +232,11 @@ class Shard:
         return f"{stem}.{self.tag}.{rest}"
 
 
+def shard_manifests(folder: str | Path) -> list[Path]:
+    """The job shard manifests (``shard{i}of{N}.json``) in ``folder``, sorted."""
+    return sorted(Path(folder).glob(SHARD_MANIFEST.format(index="*", count="*")))
+
+
 def plan_fingerprint(cell_ids: Sequence[str]) -> str:
     """A fingerprint of a run's whole list of cell ids, in order: every shard of one run records
     the same one."""

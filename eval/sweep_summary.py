@@ -132,9 +132,9 @@ def read_summary(folder: Path) -> dict:
     """
     path = Path(folder) / SUMMARY_FILE
     if not path.exists():
-        from ragfix.eval.shard import SHARD_MANIFEST
+        from ragfix.eval.shard import shard_manifests
 
-        if any(Path(folder).glob(SHARD_MANIFEST.format(index="*", count="*"))):
+        if shard_manifests(folder):
             why = "it holds job shards: ragfix merge them, then run the command without --shard"
         else:
             why = f"run `ragfix eval ... --out {folder}` first"

@@ -225,24 +225,27 @@ def export_merged(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ragfix.lora import load_adapter
+    from ragfix.lora import check_base, load_adapter, read_metadata
     from ragfix.models.load import load_model
 
     adapter_dir, out = Path(adapter_dir), Path(out)
+    _adapter_config(adapter_dir)
+    meta = read_metadata(adapter_dir)
     base, tok = load_model(model, device=device, dtype="float32")
-    merged, _ = load_adapter(base, adapter_dir)
+    if meta is not None:
+        check_base(meta, base, adapter_dir)  # before peft attaches anything
+    ids = tok(PROBE, return_tensors="pt").input_ids.to(device)
+    with torch.no_grad():
+        unmerged = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+        mine = unmerged(ids).logits
+    merged, _ = load_adapter(unmerged.unload(), adapter_dir)  # the same base, LoRA layers out
     with atomic_dir(out) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-    del merged, base
-    ids = tok(PROBE, return_tensors="pt").input_ids.to(device)
+    del merged, base, unmerged
     with torch.no_grad():
         saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).eval()
         theirs = saved(ids).logits
-        del saved
-        fresh, _ = load_model(model, device=device, dtype="float32")
-        unmerged = PeftModel.from_pretrained(fresh, str(adapter_dir)).eval()
-        mine = unmerged(ids).logits
     return {
         "folder": str(out),
         "max_abs_logit_diff": float((theirs - mine).abs().max()),
