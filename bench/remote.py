@@ -26,12 +26,21 @@ from ragfix.tables import TableSpec
 from ragfix.tasks import task_prompt
 
 
-def kv_prompts(n: int, num_docs: int) -> list:
-    """``n`` KV-retrieval prompts of the bundled sample: its samples in order, the gold pair at
-    each position in turn."""
-    samples = load_samples(bundled_path("kv-sample"), num_docs, None)
+def kv_cells(n: int, num_docs: int, data=None, records: str | None = None) -> list[tuple]:
+    """``n`` ``(sample, prompt)`` cells of a KV-retrieval file (default: the bundled sample) in
+    the record range ``records``: its samples in order, the gold pair at each position in turn.
+
+    Raises:
+        ConfigError, DataError: see :func:`~ragfix.connectors.litm.load_samples`.
+    """
+    samples = load_samples(data or bundled_path("kv-sample"), num_docs, None, records=records)
     cells = [(s, p) for s in samples for p in range(num_docs)][:n]
-    return [task_prompt(s, s.passages_with_gold_at(p)) for s, p in cells]
+    return [(s, task_prompt(s, s.passages_with_gold_at(p))) for s, p in cells]
+
+
+def kv_prompts(n: int, num_docs: int) -> list:
+    """The prompts of :func:`kv_cells` of the bundled sample."""
+    return [prompt for _, prompt in kv_cells(n, num_docs)]
 
 
 def _timed(run) -> tuple[list[str], float]:

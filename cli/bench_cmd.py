@@ -298,19 +298,27 @@ def lora_gguf_cmd(
     base_gguf: Annotated[
         Path | None, typer.Option(help="the GGUF llama.cpp reads (default: the model's own)")
     ] = None,
-    prompts: Annotated[int, typer.Option(help="KV prompts")] = 8,
-    num_docs: Annotated[int, typer.Option(help="KV pairs per prompt")] = 8,
+    prompts: Annotated[int, typer.Option(min=1, help="KV prompts")] = 8,
+    num_docs: Annotated[int, typer.Option(min=1, help="KV pairs per prompt")] = 8,
+    data: Annotated[Path | None, typer.Option(help="KV file (default: the bundled sample)")] = None,
+    records: Annotated[
+        str | None, typer.Option(help="record range START:END of --data (held-out records)")
+    ] = None,
+    merged_type: Annotated[
+        str, typer.Option(help="the merged GGUF's merged tensors: f32, f16 or q8_0")
+    ] = "f16",
     json_out: JsonOpt = None,
 ) -> None:
-    """The exported GGUF LoRA in llama.cpp (llama-cpp-python) against the adapter in ragfix:
-    next-token log-probabilities and the adapter's shift, with a wrong-row-order control."""
+    """The exported GGUF LoRA and merged GGUF in llama.cpp (llama-cpp-python) against the
+    adapter in ragfix: next-token log-probabilities, the adapter's shift (with a wrong-row-order
+    control) and greedy answers."""
     from ragfix.bench.lora_gguf import bench_lora_gguf
 
     with user_errors(), console.status("check") as status:
-        table, details = bench_lora_gguf(
-            adapter, model, base_gguf, prompts, num_docs, status.update
+        tables, details = bench_lora_gguf(
+            adapter, model, base_gguf, prompts, num_docs, data, records, merged_type, status.update
         )
-    show_tables(table, details, json_out)
+    show_tables(tables, details, json_out, keep_all=True)
 
 
 @bench.command("serve")

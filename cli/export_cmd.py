@@ -39,6 +39,13 @@ def register(app: typer.Typer) -> None:
         gguf: Annotated[
             bool, typer.Option(help="write OUT/lora.gguf: the LoRA for llama.cpp and Ollama")
         ] = True,
+        merged_type: Annotated[
+            str,
+            typer.Option(
+                help="OUT/merged.gguf (a GGUF base only): the merged tensors' type, f32, f16 or "
+                "q8_0 (the others are copied as they are)"
+            ),
+        ] = "f16",
         vllm_base: Annotated[
             str | None,
             typer.Option(
@@ -50,13 +57,16 @@ def register(app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="the adapter's name on the vLLM server")] = "ragfix",
     ) -> None:
         """Export a LoRA adapter for the serving engines: OUT/merged (safetensors, compared
-        with the unmerged adapter), OUT/lora.gguf (llama-cli --lora, Ollama ADAPTER), the vLLM
-        command (checked as vLLM reads adapter_config.json) and OUT/export.json. With
-        --calibration (or --backend-opt channel=,layers=,factor=) instead of an adapter: channel
-        scaling folded into q_proj and k_proj as OUT/folded (every token's query scaled)."""
+        with the unmerged adapter), OUT/merged.gguf (where the base is a GGUF), OUT/lora.gguf
+        (llama-cli --lora, Ollama ADAPTER), the vLLM command (checked as vLLM reads
+        adapter_config.json) and OUT/export.json. With --calibration (or --backend-opt
+        channel=,layers=,factor=) instead of an adapter: channel scaling folded into q_proj and
+        k_proj as OUT/folded (every token's query scaled)."""
         from ragfix.export import (
+            MERGED_GGUF_TYPES,
             export_gguf_lora,
             export_merged,
+            export_merged_gguf,
             fold_channel_scaling,
             vllm_recipe,
             write_export_report,
@@ -84,6 +94,10 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             if adapter is None:
                 raise ConfigError("give an adapter folder, or --calibration for channel scaling")
+            if merged_type not in MERGED_GGUF_TYPES:
+                raise ConfigError(
+                    f"--merged-type {merged_type}: one of {', '.join(MERGED_GGUF_TYPES)}"
+                )
             base = vllm_base or checkpoint_dir(resolve_model(model))
             report = {"adapter": str(adapter), "model": model}
             report["vllm"] = vllm_recipe(adapter, base, name)
@@ -92,12 +106,25 @@ def register(app: typer.Typer) -> None:
             if merged:
                 with console.status("merging and comparing with the unmerged adapter"):
                     report["merged"] = export_merged(adapter, model, out / "merged")
+                if resolve_model(model).source == "gguf":
+                    with console.status("merging into the base GGUF"):
+                        report["merged_gguf"] = export_merged_gguf(
+                            adapter, model, out / "merged.gguf", tensor_type=merged_type
+                        )
             path = write_export_report(out, report)
         if merged:
             m = report["merged"]
             console.print(
                 f"merged checkpoint: {m['folder']} (largest logit difference from the unmerged "
                 f"adapter: {m['max_abs_logit_diff']:.2e} over {m['probe_tokens']} tokens)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        if "merged_gguf" in report:
+            g = report["merged_gguf"]
+            console.print(
+                f"merged GGUF: {g['file']} ({g['merged_tensors']} tensors merged as "
+                f"{g['tensor_type']}, {g['copied_tensors']} copied; llama-cli -m FILE)",
                 highlight=False,
                 soft_wrap=True,
             )

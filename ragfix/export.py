@@ -129,17 +129,10 @@ def llama_cpp_row_order(weight, n_head: int):
     )
 
 
-def export_gguf_lora(adapter_dir: str | Path, model: str, out_file: str | Path) -> dict:
-    """Write the LoRA of ``adapter_dir`` as a GGUF adapter for the base model ``model``.
-
-    Args:
-        adapter_dir: a peft LoRA folder (``ragfix distill`` writes one).
-        model: the base model (as for ``--model``): its configuration names the architecture,
-            layer count and heads.
-        out_file: the ``.gguf`` file to write (atomically).
-
-    Returns:
-        ``{"file", "architecture", "tensors", "alpha", "rank"}``.
+def _llama_cpp_lora(adapter_dir: Path, model: str) -> tuple[str, float, int, list[tuple]]:
+    """The adapter as llama.cpp names and orders it: ``(llama.cpp architecture, peft's scale,
+    rank, [(base tensor name "blk.3.attn_q", A [r, in], B [out, r])])``, B's rows in llama.cpp's
+    q/k order where its architecture permutes them.
 
     Raises:
         AdapterError: see :func:`_adapter_config`, :func:`_lora_pairs`, :func:`lora_scale`; DoRA
@@ -147,12 +140,9 @@ def export_gguf_lora(adapter_dir: str | Path, model: str, out_file: str | Path) 
         ConfigError: an architecture without a GGUF mapping here (:data:`GGUF_ARCHITECTURES`).
     """
     import gguf
-    import numpy as np
 
-    from ragfix.io import atomic_path
     from ragfix.models.resolve import load_config
 
-    adapter_dir, out_file = Path(adapter_dir), Path(out_file)
     config = _adapter_config(adapter_dir)
     if config.get("use_dora"):
         raise AdapterError(f"{adapter_dir}: a DoRA adapter; llama.cpp applies plain LoRA only")
@@ -167,25 +157,50 @@ def export_gguf_lora(adapter_dir: str | Path, model: str, out_file: str | Path) 
     enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == name)
     names = gguf.TensorNameMap(enum, base.num_hidden_layers)
     heads = {"q_proj": base.num_attention_heads, "k_proj": base.num_key_value_heads}
+    tensors = []
+    for module, (a, b) in _lora_pairs(adapter_dir).items():
+        target = names.get_name(module)
+        if target is None:
+            raise AdapterError(f"{adapter_dir}: {module} has no llama.cpp tensor for {arch}")
+        last = module.rsplit(".", 1)[-1]
+        if permuted and last in heads:
+            b = llama_cpp_row_order(b, heads[last])
+        tensors.append((target, a, b))
+    return name, scale, config["r"], tensors
+
+
+def export_gguf_lora(adapter_dir: str | Path, model: str, out_file: str | Path) -> dict:
+    """Write the LoRA of ``adapter_dir`` as a GGUF adapter for the base model ``model``.
+
+    Args:
+        adapter_dir: a peft LoRA folder (``ragfix distill`` writes one).
+        model: the base model (as for ``--model``): its configuration names the architecture,
+            layer count and heads.
+        out_file: the ``.gguf`` file to write (atomically).
+
+    Returns:
+        ``{"file", "architecture", "tensors", "alpha", "rank"}``.
+
+    Raises:
+        AdapterError, ConfigError: see :func:`_llama_cpp_lora`.
+    """
+    import gguf
+    import numpy as np
+
+    from ragfix.io import atomic_path
+
+    adapter_dir, out_file = Path(adapter_dir), Path(out_file)
+    name, scale, r, tensors = _llama_cpp_lora(adapter_dir, model)
     # llama.cpp reads alpha and divides by the rank it finds: state the scale peft applies
-    r = config["r"]
     alpha = scale * r
-    tensors = 0
     with atomic_path(out_file) as tmp:
         writer = gguf.GGUFWriter(str(tmp), name)
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
-        for module, (a, b) in _lora_pairs(adapter_dir).items():
-            target = names.get_name(module)
-            if target is None:
-                raise AdapterError(f"{adapter_dir}: {module} has no llama.cpp tensor for {arch}")
-            last = module.rsplit(".", 1)[-1]
-            if permuted and last in heads:
-                b = llama_cpp_row_order(b, heads[last])
+        for target, a, b in tensors:
             writer.add_tensor(f"{target}.weight.lora_a", np.ascontiguousarray(a.numpy()))
             writer.add_tensor(f"{target}.weight.lora_b", np.ascontiguousarray(b.numpy()))
-            tensors += 2
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -193,9 +208,107 @@ def export_gguf_lora(adapter_dir: str | Path, model: str, out_file: str | Path) 
     return {
         "file": str(out_file),
         "architecture": name,
-        "tensors": tensors,
+        "tensors": 2 * len(tensors),
         "alpha": alpha,
         "rank": r,
+    }
+
+
+#: what the merged tensors of :func:`export_merged_gguf` may be stored as
+MERGED_GGUF_TYPES = ("f32", "f16", "q8_0")
+
+
+def export_merged_gguf(
+    adapter_dir: str | Path,
+    model: str,
+    out_file: str | Path,
+    *,
+    base_gguf: str | Path | None = None,
+    tensor_type: str = "f16",
+) -> dict:
+    """Write the base GGUF with the adapter merged into it: each LoRA target tensor dequantized,
+    ``s B A`` added (q/k rows in llama.cpp's order) and stored as ``tensor_type``; every other
+    tensor (embeddings, norms, untargeted layers) and every metadata field (tokenizer, chat
+    template) copied as they are. Re-quantizing a merged tensor to a 4-bit type would bury the
+    adapter's change in quantization error; quantize the file afterwards with
+    ``llama-quantize`` if its size matters.
+
+    Args:
+        adapter_dir: a peft LoRA folder trained on ``model``.
+        model: the base model as ragfix names it (its configuration names the architecture).
+        out_file: the ``.gguf`` to write (atomically).
+        base_gguf: the GGUF to merge into (default: ``model``'s own file when it is a GGUF).
+        tensor_type: one of :data:`MERGED_GGUF_TYPES`.
+
+    Returns:
+        ``{"file", "base_gguf", "tensor_type", "merged_tensors", "copied_tensors"}``.
+
+    Raises:
+        AdapterError, ConfigError: see :func:`_llama_cpp_lora`; a model that is no GGUF and no
+            ``base_gguf``; an unknown ``tensor_type``; a target tensor missing from the base or
+            of another shape.
+    """
+    import gguf
+    import numpy as np
+
+    from ragfix.io import atomic_path
+    from ragfix.models.resolve import resolve_model
+
+    if tensor_type not in MERGED_GGUF_TYPES:
+        raise ConfigError(f"tensor type {tensor_type!r}: one of {', '.join(MERGED_GGUF_TYPES)}")
+    adapter_dir, out_file = Path(adapter_dir), Path(out_file)
+    if base_gguf is None:
+        spec = resolve_model(model)
+        if spec.source != "gguf":
+            raise ConfigError(f"{model} is not a GGUF: give the base GGUF to merge into")
+        base_gguf = spec.path
+    name, scale, _, lora = _llama_cpp_lora(adapter_dir, model)
+    deltas = {f"{target}.weight": scale * (b @ a) for target, a, b in lora}
+    reader = gguf.GGUFReader(str(base_gguf))
+    missing = set(deltas) - {t.name for t in reader.tensors}
+    if missing:
+        raise ConfigError(f"{base_gguf}: no tensor {', '.join(sorted(missing))} to merge into")
+    qtype = gguf.GGMLQuantizationType[tensor_type.upper()]
+    with atomic_path(out_file) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), name)
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue  # written by the writer itself
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        for t in reader.tensors:
+            if t.name not in deltas:
+                writer.add_tensor_info(
+                    t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type
+                )
+                continue
+            weight = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            delta = deltas[t.name].numpy()
+            if weight.shape != delta.shape:
+                raise ConfigError(
+                    f"{base_gguf}: {t.name} is {list(weight.shape)}, the adapter's change "
+                    f"{list(delta.shape)}: another base model"
+                )
+            merged = weight + delta
+            if tensor_type == "f16":
+                merged = merged.astype(np.float16)
+            elif tensor_type == "q8_0":
+                merged = gguf.quants.quantize(merged, qtype)
+            deltas[t.name] = merged
+            writer.add_tensor_info(t.name, merged.shape, merged.dtype, merged.nbytes, qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in reader.tensors:
+            writer.write_tensor_data(deltas.get(t.name, t.data), tensor_endianess=reader.endianess)
+        writer.close()
+    return {
+        "file": str(out_file),
+        "base_gguf": str(base_gguf),
+        "tensor_type": tensor_type,
+        "merged_tensors": len(lora),
+        "copied_tensors": len(reader.tensors) - len(lora),
     }
 
 
@@ -376,8 +489,10 @@ def write_export_report(out: Path, report: dict) -> Path:
 __all__ = [
     "GGUF_ARCHITECTURES",
     "PROBE",
+    "MERGED_GGUF_TYPES",
     "export_gguf_lora",
     "export_merged",
+    "export_merged_gguf",
     "fold_channel_scaling",
     "llama_cpp_row_order",
     "lora_scale",

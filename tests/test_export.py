@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_folder
+from conftest import ROOT, tiny_folder
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -217,3 +217,47 @@ def test_channel_scaling_folds_into_q_and_k_columns_as_the_every_row_variant(lla
         app, ["export", str(adapter), "--backend-opt", "channel=5", "--out", str(tmp_path / "x")]
     )
     assert res.exit_code == 2 and "give an adapter or a channel scaling, not both" in res.output
+
+
+def test_merged_gguf_is_the_base_gguf_plus_the_lora_as_transformers_reads_it(tmp_path):
+    """The committed SmolLM2 adapter merged into SmolLM2's GGUF (Q4_1), merged tensors in F16,
+    read back by transformers' GGUF loader (its own dequantization and its own undoing of
+    llama.cpp's q/k row order): each target weight is the base weight ragfix loads plus peft's
+    ``s B A`` within F16 rounding; what the adapter does not touch is the base's."""
+    from transformers import AutoModelForCausalLM
+
+    from ragfix.export import _lora_pairs, export_merged_gguf, lora_scale
+    from ragfix.models.load import load_model
+
+    adapter = ROOT / "adapters" / "smollm2-kv8-r1"
+    info = export_merged_gguf(adapter, "smollm2", tmp_path / "merged.gguf")
+    assert (info["tensor_type"], info["merged_tensors"]) == ("f16", 210)
+    merged = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="merged.gguf", dtype=torch.float32
+    )
+    base, _ = load_model("smollm2", device="cpu", dtype="float32")
+    scale = lora_scale(json.loads((adapter / "adapter_config.json").read_text()))
+    pairs = _lora_pairs(adapter)
+    for layer in (0, 17, 29):
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+            module = f"model.layers.{layer}.{proj}"
+            a, b = pairs[module]
+            before = base.get_submodule(module).weight
+            after = merged.get_submodule(module).weight
+            delta = scale * (b @ a)
+            # the change the file holds is the adapter's within F16 rounding (about .01-.11 of
+            # it here): leaving the change out would be 1.0, a wrong q/k row order about 1.4
+            off = (after - before - delta).norm() / delta.norm()
+            assert off < 0.2, (module, float(off))
+    assert torch.equal(merged.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert torch.equal(merged.model.norm.weight, base.model.norm.weight)
+
+
+def test_cli_export_refuses_an_unknown_merged_type_before_writing(llama, tmp_path):
+    _, adapter = llama
+    out = tmp_path / "out"
+    res = CliRunner().invoke(
+        app, ["export", str(adapter), "--merged-type", "q4_1", "--out", str(out)]
+    )
+    assert res.exit_code == 2 and "--merged-type q4_1: one of f32, f16, q8_0" in res.output
+    assert not out.exists()
