@@ -132,7 +132,8 @@ def bench_methods(
     aggregates: list[str] | None = None,
     task: str | None = None,
     repeats: list[str] | None = None,
-) -> tuple[TableSpec, dict]:
+    finished: Callable[[list[TableSpec], dict], object] | None = None,
+) -> tuple[list[TableSpec], dict]:
     """Prefill seconds, generation seconds and prefill peak MiB of ``backends`` (default
     :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
     :data:`NUM_DOCS`), on the first ``limit`` prompts of ``data`` (a Lost-in-the-Middle KV or QA
@@ -148,7 +149,9 @@ def bench_methods(
     scoring aggregator's candidates included. ``task`` reads the records as that task
     (:func:`ragfix.tasks.get_task`; default ``qa`` or ``kv`` as the file); each mode of
     ``repeats`` (``passages``, ``prompt``) adds a row of vanilla reading that task's repeated
-    prompts (:func:`ragfix.tasks.repeated`), named ``vanilla --repeat MODE``.
+    prompts (:func:`ragfix.tasks.repeated`), named ``vanilla --repeat MODE``. ``finished``, when
+    given, is called with the tables and details of the passage counts measured so far after
+    each one (``details["num_docs_done"]``), so that a long benchmark cut short keeps them.
 
     Returns:
         ``(table, details)``: one row per (number of passages, backend), in that order;
@@ -228,7 +231,7 @@ def bench_methods(
             loaded[label] = loaded["vanilla"]
             names = [*names, label]
     dev = resolve_device(device)
-    first_prompts = prompts[counts[0]]["vanilla"]
+    measured = len(samples[counts[0]])
     for name, b in loaded.items():
         progress(f"warm-up: {name}")
         first = prompts[counts[0]][name][0]
@@ -236,6 +239,7 @@ def bench_methods(
         b.generate([first], max_new_tokens=NEW_TOKENS)
 
     keys = ("prompt_tokens", "prefill_s", "generate_s", "generated_tokens", "prefill_mib")
+    settings = {"model": model, "path": path, "task_read": task_read, "dev": dev, "limit": limit}
     rows = []
     for n in counts:
         cells = {name: {k: [] for k in keys} for name in names}
@@ -264,6 +268,23 @@ def bench_methods(
             r["generate_x"] = _ratio(r["generate_s_median"], base["generate_s_median"])
             r["peak_x"] = _ratio(r["peak_mib"], base["peak_mib"])
 
+        if finished is not None and n != counts[-1]:
+            done = counts[: counts.index(n) + 1]
+            finished(*_methods_tables(list(rows), names, done, settings, measured))
+    return _methods_tables(rows, names, counts, settings, measured)
+
+
+def _methods_tables(
+    rows: list[dict],
+    names: list[str],
+    counts: list[int],
+    settings: dict,
+    measured: int,
+) -> tuple[list[TableSpec], dict]:
+    """The benchmark's tables and details from its rows (those of ``counts``, measured on
+    ``measured`` prompts each); ``settings``: ``model``, ``path``, ``task_read``, ``dev``,
+    ``limit`` of :func:`bench_methods`."""
+    model, path, task_read, dev = (settings[k] for k in ("model", "path", "task_read", "dev"))
     table = TableSpec(
         f"methods vs vanilla · {model} · {path.name} ({task_read.name}) · gold at the middle "
         f"· {dev} · {torch.get_num_threads()} threads",
@@ -284,7 +305,7 @@ def bench_methods(
             for r in rows
         ],
         [
-            f"Median of {len(first_prompts)} prompt(s) after a warm-up; prefill: "
+            f"Median of {measured} prompt(s) after a warm-up; prefill: "
             f"next_token_logprobs, one forward pass; generate: up to {NEW_TOKENS} new tokens; "
             "peak: largest growth of the resident set (CPU) or of allocated CUDA memory during "
             "the prefill; ×vanilla: ratio to vanilla at the same number of passages."
@@ -297,7 +318,8 @@ def bench_methods(
         "model": model,
         "device": str(dev),
         "threads": torch.get_num_threads(),
-        "limit": limit,
+        "limit": settings["limit"],
+        "num_docs_done": counts,
         "new_tokens": NEW_TOKENS,
         "measurements": rows,
     }

@@ -220,9 +220,13 @@ def methods_cmd(
 ) -> None:
     """Prefill time, 8-token generation time and prefill peak memory of each backend against
     vanilla on the same prompts, gold passage in the middle (run with
-    MALLOC_MMAP_THRESHOLD_=65536 on the CPU)."""
+    MALLOC_MMAP_THRESHOLD_=65536 on the CPU). --json is rewritten after each number of passages:
+    a run cut short keeps those it finished."""
+    from functools import partial
+
     from ragfix.bench.methods import bench_methods
     from ragfix.cli.common import parse_numbers
+    from ragfix.eval.results import write_benchmark
 
     with user_errors(), console.status("benchmark") as status:
         table, details = bench_methods(
@@ -239,6 +243,7 @@ def methods_cmd(
             else None,
             task,
             [m.strip() for m in repeat.split(",") if m.strip()] if repeat else None,
+            None if json_out is None else partial(write_benchmark, json_out),
         )
     show_tables(table, details, json_out, keep_all=True)
 

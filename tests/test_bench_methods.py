@@ -24,10 +24,21 @@ def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
     from ragfix.tasks import task_prompt
 
     path = data_file(KV)
+    seen = []
     (table, growth), details = bench_methods(
-        ["vanilla", "set-based"], [4, 6], limit=1, model="smollm2", device="cpu", data=path
+        ["vanilla", "set-based"],
+        [4, 6],
+        limit=1,
+        model="smollm2",
+        device="cpu",
+        data=path,
+        finished=lambda tables, d: seen.append((tables, d)),
     )
     rows, more = details["measurements"][:2], details["measurements"][2:]
+    # a run cut after 4 passages would have kept them: the 4-passage rows, as the whole run
+    [(kept, kept_details)] = seen
+    assert kept_details["num_docs_done"] == [4] and details["num_docs_done"] == [4, 6]
+    assert kept_details["measurements"] == rows and kept[0].rows == table.rows[:2]
     assert [(r["backend"], r["num_docs"]) for r in rows] == [("vanilla", 4), ("set-based", 4)]
     assert [row[:2] for row in table.rows[:2]] == [["vanilla", "4"], ["set-based", "4"]]
     # the growth exponent is the slope through the two lengths; the 8B tensors from the shapes
