@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ragfix.backends.base import Decoder
-from ragfix.backends.hf import StepDecoder
+from ragfix.backends.step_decoder import StepDecoder
 from ragfix.errors import Cancelled
 from ragfix.prompts import TaskPrompt
 

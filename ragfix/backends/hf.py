@@ -7,7 +7,8 @@ patch through :mod:`ragfix.backends.patching`, a RoPE variant) and, where it nee
 decoding loop (GALI) or its own input (truncation), overrides the protected ``_generate_ids`` /
 ``_next_logprobs_ids`` / ``_token_scores_ids`` hooks; a method that reads each prompt through
 its own layout and runs its own forward pass (``set-based``, ``pine``, ``calibrated-attention``)
-builds on :class:`LayoutBackend`. Consumers use only the public
+builds on :class:`~ragfix.backends.layout.LayoutBackend`; ``ragfix serve`` steps
+:class:`~ragfix.backends.step_decoder.StepDecoder` over it. Consumers use only the public
 :class:`~ragfix.backends.base.Backend` methods.
 """
 
@@ -20,7 +21,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -38,6 +38,7 @@ from ragfix.backends.base import (
     validated_options,
 )
 from ragfix.backends.family import Family, full_cache, model_family
+from ragfix.backends.step_decoder import StepDecoder
 from ragfix.models.load import model_identity
 from ragfix.prompts import NO_CHAT_TEMPLATE
 from ragfix.types import Generation
@@ -638,7 +639,8 @@ class HFBackend(Backend):
         return self._generations(out, batch, ids.shape[1], prefill, stop_at_newline, start)
 
     def decoder(self, prefix_reuse: bool = False) -> Decoder:
-        """See :meth:`Backend.decoder`: a :class:`StepDecoder` where
+        """See :meth:`Backend.decoder`: a
+        :class:`~ragfix.backends.step_decoder.StepDecoder` where
         :attr:`supports_step_decoding`, else the base's whole-``generate`` one."""
         if self.supports_step_decoding:
             return StepDecoder(self, prefix_reuse and self.supports_prefix_reuse)
@@ -809,363 +811,6 @@ class HFBackend(Backend):
         return new
 
 
-class LayoutBackend(HFBackend):
-    """A backend that reads each prompt through its own layout and runs its own forward pass
-    over a batch of layouts: the base of the methods whose attention is not the model's over
-    the prompt's plain tokens (``set-based``, ``pine``, ``calibrated-attention``). It fills
-    greedy :meth:`generate`, :meth:`next_token_logprobs`, :meth:`loglikelihood` and
-    :meth:`stream` from two hooks: :meth:`_layout` (a prompt -> an object with ``.ids``, the
-    tokens the model reads; it refuses what the method cannot read) and :meth:`_run` (one
-    forward pass over a batch of layouts, and its cached decoding step). No prefix reuse (a
-    cached prefix of another prompt was computed under another layout).
-    """
-
-    supports_prefix_reuse = False
-    supports_step_decoding = False
-
-    def _layout(self, prompt: Prompt):
-        """The layout of ``prompt`` that :meth:`_run` reads (it has ``.ids``: the tokens the
-        model reads, in prompt order).
-
-        Raises:
-            RagfixError: a prompt the method cannot read.
-        """
-        raise NotImplementedError
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The tokens the model reads for ``prompt`` (its :meth:`_layout`'s ``ids``).
-
-        Raises:
-            RagfixError: a prompt the method cannot read.
-        """
-        return self._layout(prompt).ids
-
-    def _run(self, layouts: Sequence, extra: Sequence[Sequence[int]] = ()):
-        """One forward pass over a left-padded batch of ``layouts`` (each followed by its
-        ``extra`` tokens, which attend to everything before them, like the text after the
-        passages).
-
-        Returns:
-            ``(logits, step)``: ``[B, n, vocab]`` logits of the pass's last ``n`` positions
-            (``n`` at least one more than the longest ``extra``; all of them where the method
-            computes them anyway), and the cached decoding step (``[B, 1]`` next token ids ->
-            ``[B, 1, vocab]`` logits).
-        """
-        raise NotImplementedError
-
-    def _greedy(
-        self,
-        layouts: Sequence,
-        max_new_tokens: int,
-        stop_at_newline: bool,
-        cancel: Cancel | None = None,
-    ):
-        """Greedy decoding of ``layouts`` in one batch: the steps of :func:`greedy_steps` over
-        :meth:`_run` (``cancel`` ends them between steps)."""
-        logits, step = self._run(layouts)
-        return greedy_steps(
-            logits[:, -1:], step, max_new_tokens, lambda t: self._stops(t, stop_at_newline), cancel
-        )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        batch_size: int = 8,
-        max_new_tokens: int | None = None,
-        stop_at_newline: bool | None = None,
-        first_logprobs: bool = False,
-        prefix_reuse: bool = False,
-        cancel: Cancel | None = None,
-    ) -> list[Generation]:
-        """Greedy answers (see :meth:`~ragfix.backends.base.Backend.generate`), prompts of
-        similar length and the same budget and stop rule batched; ``prefix_reuse`` is ignored.
-
-        Raises:
-            RagfixError: a prompt the method cannot read.
-            Cancelled: ``cancel`` was set before every answer was complete.
-        """
-        items = [
-            (self._layout(p), *answer_rules(p, max_new_tokens, stop_at_newline)) for p in prompts
-        ]
-        order = sorted(range(len(items)), key=lambda i: len(items[i][0].ids))
-        results: list[Generation | None] = [None] * len(items)
-        for group in batch_groups(items, order, batch_size):
-            mnt, stop = items[group[0]][1:]
-            layouts = [items[j][0] for j in group]
-            gens = self._collect(
-                self._greedy(layouts, mnt, stop, cancel),
-                [len(s.ids) for s in layouts],
-                stop,
-                first_logprobs,
-            )
-            check_cancel(cancel)
-            for j, g in zip(group, gens, strict=True):
-                results[j] = g
-        return results  # type: ignore[return-value]
-
-    @torch.no_grad()
-    def next_token_logprobs(self, prompts: Sequence[Prompt], *, batch_size: int = 8):
-        """See :meth:`~ragfix.backends.base.Backend.next_token_logprobs`: float32
-        ``[B, vocab_size]`` on the CPU, each prompt read through its layout.
-
-        Raises:
-            RagfixError: a prompt the method cannot read.
-        """
-        layouts = [self._layout(p) for p in prompts]
-        parts = []
-        for i in range(0, len(layouts), batch_size):
-            logits, _ = self._run(layouts[i : i + batch_size])
-            parts.append(torch.log_softmax(logits[:, -1].float(), dim=-1).cpu())
-        return torch.cat(parts)
-
-    @torch.no_grad()
-    def loglikelihood(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
-        """Summed log-probability (nats) of each continuation after its context read through
-        its layout (the continuation's tokens attend to everything before them).
-
-        Raises:
-            RagfixError: a context the method cannot read.
-            ValueError: an empty continuation.
-        """
-        out = []
-        for context, continuation in pairs:
-            s, cont = self._layout(context), self.tokenize(continuation)
-            if not cont:
-                raise ValueError("loglikelihood needs a non-empty continuation")
-            logits, _ = self._run([s], [cont])
-            logp = torch.log_softmax(logits[0, -len(cont) - 1 : -1].float(), dim=-1)
-            target = torch.tensor(cont, device=logp.device)[:, None]
-            out.append(float(logp.gather(1, target).sum()))
-        return out
-
-    def stream(
-        self,
-        prompt: Prompt,
-        max_new_tokens: int = 256,
-        stop_at_newline: bool = False,
-        cancel: Cancel | None = None,
-    ) -> Iterator[str]:
-        """Yield the greedy answer to one prompt piece by piece; closing the iterator or
-        ``cancel`` stops decoding at once.
-
-        Raises:
-            RagfixError: a prompt the method cannot read.
-            Cancelled: ``cancel`` was set before the answer was complete.
-        """
-        with torch.no_grad():  # the prefill runs here
-            steps = self._greedy([self._layout(prompt)], max_new_tokens, stop_at_newline, cancel)
-        yield from self._stream_steps(steps)
-        check_cancel(cancel)
-
-
-@dataclass(eq=False)
-class _Row:
-    """A row of a :class:`StepDecoder`: its prompt's tokens, rules and answer so far."""
-
-    ids: list[int]
-    budget: int
-    stop: bool
-    first: torch.Tensor | None  # the first step's log-probabilities, when asked
-    prefill: int  # tokens prefilled (after a reused prefix)
-    start: float  # time.perf_counter() when it was added
-    tokens: list[int]  # generated so far; the last one is not in the cache yet
-
-
-class StepDecoder(Decoder):
-    """Continuous batching over one left-padded KV cache (:class:`~ragfix.backends.base.Decoder`
-    of an :class:`HFBackend` that :attr:`~HFBackend.supports_step_decoding`).
-
-    :meth:`add` prefills the prompt alone (batch 1, all its tokens; with ``prefix_reuse`` over
-    the backend's prefix-reuse cache, cropped to the prefix shared with the previous prompt),
-    takes its greedy first token from the prefill's logits and inserts the row's keys and
-    values into the batch cache, right aligned: when the row is longer than the cache, every
-    other row is padded on the left. :meth:`step` runs one forward pass over every row's last
-    token with the attention mask of the padding and each row's own position ids (its real
-    tokens so far), so padding changes no row's positions or attention; rows that finish
-    (the stop rule: EOS, a newline with ``stop_at_newline``; or their budget) leave the cache
-    (:meth:`DynamicCache.batch_select_indices`), and the padding every remaining row shares is
-    cut. Every layer keeps every key (:func:`~ragfix.backends.family.full_cache`); the model's
-    masks hold a sliding layer to its window.
-
-    Answers equal ``generate([prompt])``'s token for token on SmolLM2 in fp32
-    (tests/test_decoder.py): the prefill is that call's (without prefix reuse its first-step
-    log-probabilities are bitwise equal); a decoding step of ``B`` rows may round its matmuls
-    otherwise than a step of one row, so later logits are equal up to floating-point rounding
-    and a near-tie within it could flip a token. ``Generation.seconds`` is the row's time from
-    :meth:`add` to its end.
-
-    Memory: ``B x W`` tokens of keys and values in every layer (``W``: the longest row's prompt
-    plus answer so far; SmolLM2-135M in fp32: 45 KiB a token), besides one prefill's cache.
-    """
-
-    continuous = True
-
-    def __init__(self, backend: HFBackend, prefix_reuse: bool = False):
-        super().__init__(backend, prefix_reuse)
-        self.hf = backend
-        self._rows: dict[int, _Row] = {}
-        self._order: list[int] = []  # the rows in the cache, in batch order
-        self._done: dict[int, Generation] = {}  # finished when added (first token stops)
-        self._cache = None
-        self._mask: torch.Tensor | None = None  # [B, W]: 1 on real tokens, 0 on left padding
-
-    def __len__(self) -> int:
-        return len(self._order) + len(self._done)
-
-    @torch.no_grad()
-    def add(
-        self,
-        prompt: Prompt,
-        max_new_tokens: int | None = None,
-        stop_at_newline: bool | None = None,
-        first_logprobs: bool = False,
-        cancel: Cancel | None = None,
-    ) -> int:
-        """See :meth:`Decoder.add`: the prompt is read and prefilled here (``cancel`` is not
-        asked: drop the row)."""
-        hf, start = self.hf, time.perf_counter()
-        ids = hf.encode(prompt)
-        budget, stop = answer_rules(prompt, max_new_tokens, stop_at_newline)
-        if self.prefix_reuse:
-            common = hf._crop_reuse_cache(ids[:-1])
-            cache = hf._reuse_cache
-        else:
-            common, cache = 0, full_cache()
-        pos = torch.arange(common, len(ids), device=hf.device)[None]
-        inp = torch.tensor([ids[common:]], device=hf.device)
-        logits = hf.model(input_ids=inp, position_ids=pos, cache=cache, logits_to_keep=1).logits
-        if self.prefix_reuse:
-            hf._reuse_ids = ids
-        last = logits[0, -1].float()
-        tok = int(last.argmax())
-        first = torch.log_softmax(last, dim=-1).cpu() if first_logprobs else None
-        row_id = self._new_row()
-        row = _Row(ids, budget, stop, first, len(ids) - common, start, [tok])
-        self._rows[row_id] = row
-        if budget <= 1 or hf._stops(tok, stop):
-            self._done[row_id] = self._generation(row)
-        else:
-            self._insert(row_id, cache)
-        return row_id
-
-    def _insert(self, row_id: int, cache) -> None:
-        """Append the row whose keys and values ``cache`` holds (batch 1) to the batch cache,
-        right aligned (the shorter side padded on the left)."""
-        n = cache.get_seq_length()
-        width = 0 if self._mask is None else self._mask.shape[1]
-        grow, pad = max(n - width, 0), max(width - n, 0)
-        if self._cache is None:
-            self._cache = full_cache()
-        for i, layer in enumerate(cache.layers):
-            k, v = layer.keys, layer.values
-            if i >= len(self._cache.layers) or not self._cache.layers[i].is_initialized:
-                self._cache.update(k.clone(), v.clone(), i)
-                continue
-            dest = self._cache.layers[i]
-            dest.keys = torch.cat([_left(dest.keys, grow), _left(k, pad)])
-            dest.values = torch.cat([_left(dest.values, grow), _left(v, pad)])
-        row_mask = torch.ones(1, n, dtype=torch.long, device=self.hf.device)
-        if self._mask is None:
-            self._mask = row_mask
-        else:
-            self._mask = torch.cat([_left(self._mask, grow), _left(row_mask, pad)])
-        self._order.append(row_id)
-
-    def drop(self, row: int) -> None:
-        """See :meth:`Decoder.drop`: the row leaves the cache now."""
-        self._done.pop(row, None)
-        if row in self._order:
-            self._keep([r for r in self._order if r != row])
-        self._rows.pop(row, None)
-
-    def _keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in the cache's order) in the cache, and cut the left padding
-        they all share."""
-        if not rows:
-            self._order, self._cache, self._mask = [], None, None
-            return
-        index = torch.tensor([self._order.index(r) for r in rows], device=self.hf.device)
-        self._cache.batch_select_indices(index)
-        self._mask = self._mask[index]
-        cut = self._mask.shape[1] - int(self._mask.sum(1).max())
-        if cut > 0:
-            self._mask = self._mask[:, cut:]
-            for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[..., cut:, :], layer.values[..., cut:, :]
-        self._order = rows
-
-    def tokens(self, row: int) -> list[int]:
-        """See :meth:`Decoder.tokens`."""
-        return list(self._rows[row].tokens) if row in self._rows else []
-
-    @torch.no_grad()
-    def step(self) -> dict[int, Generation | Exception]:
-        """See :meth:`Decoder.step`: one forward pass over every row in the cache (one token
-        each); the rows finished when added come back too. A failed pass ends every row with
-        its exception."""
-        out: dict[int, Generation | Exception] = dict(self._done)
-        self._done.clear()
-        if not self._order:
-            for r in out:
-                self._rows.pop(r, None)
-            return out
-        rows = [self._rows[r] for r in self._order]
-        dev = self.hf.device
-        try:
-            inp = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
-            pos = torch.tensor([[len(r.ids) + len(r.tokens) - 1] for r in rows], device=dev)
-            mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
-            logits = self.hf.model(
-                input_ids=inp, attention_mask=mask, position_ids=pos, cache=self._cache
-            ).logits
-        except Exception as e:
-            for r in self._order:
-                out[r] = e
-                self._rows.pop(r, None)
-            self._order, self._cache, self._mask = [], None, None
-            return out
-        self._mask = mask
-        stay = []
-        for r, row, tok in zip(self._order, rows, logits[:, -1].argmax(-1).tolist(), strict=True):
-            row.tokens.append(tok)
-            if len(row.tokens) >= row.budget or self.hf._stops(tok, row.stop):
-                out[r] = self._generation(row)
-            else:
-                stay.append(r)
-        if len(stay) < len(self._order):
-            self._keep(stay)
-        for r in out:
-            self._rows.pop(r, None)
-        return out
-
-    def _generation(self, row: _Row) -> Generation:
-        text, new, flags = self.hf._decode_answer(row.tokens, row.stop)
-        return Generation(
-            text=text,
-            prompt_tokens=len(row.ids),
-            new_tokens=len(new),
-            token_ids=new,
-            prefill_tokens=row.prefill,
-            seconds=time.perf_counter() - row.start,
-            first_logprobs=row.first,
-            flags=list(flags),
-            reasons=flags,
-        )
-
-
-def _left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``x`` (keys, values ``[B, H, T, D]`` or a mask ``[B, T]``) with ``n`` zero slots added
-    on the left of its token axis."""
-    if n == 0:
-        return x
-    axis = -2 if x.dim() == 4 else -1
-    shape = list(x.shape)
-    shape[axis] = n
-    return torch.cat([x.new_zeros(shape), x], dim=axis)
-
-
 def batch_groups(items: list[tuple], order: list[int], size: int) -> Iterator[list[int]]:
     """Consecutive runs of ``order`` of at most ``size`` items sharing a budget and stop rule
     (``items[i] = (ids, max_new_tokens, stop_at_newline)``)."""
@@ -1181,8 +826,6 @@ def batch_groups(items: list[tuple], order: list[int], size: int) -> Iterator[li
 
 __all__ = [
     "HFBackend",
-    "LayoutBackend",
-    "StepDecoder",
     "batch_groups",
     "byte_level_token_bytes",
     "chat_text",

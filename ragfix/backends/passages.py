@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ragfix.backends.base import Prompt
-from ragfix.backends.hf import HFBackend, LayoutBackend, chat_text
+from ragfix.backends.hf import HFBackend, chat_text
+from ragfix.backends.layout import LayoutBackend
 from ragfix.errors import RagfixError
 from ragfix.prompts import TaskPrompt
 

@@ -70,7 +70,8 @@ from ragfix.backends.family import (
     project_qkv,
     window_band,
 )
-from ragfix.backends.hf import LayoutBackend, chat_text
+from ragfix.backends.hf import chat_text
+from ragfix.backends.layout import LayoutBackend
 from ragfix.backends.passages import OUTSIDE, PAD, passage_tokens, spans_required
 from ragfix.backends.patching import attention_modules, routed
 from ragfix.errors import RagfixError
@@ -415,7 +416,7 @@ class CalibratedAttentionBackend(LayoutBackend):
         return logits, step
 
     def _run(self, layouts: Sequence[ReaderLayout], extra: Sequence[Sequence[int]] = ()):
-        """See :meth:`~ragfix.backends.hf.LayoutBackend._run`: the logits of the last
+        """See :meth:`~ragfix.backends.layout.LayoutBackend._run`: the logits of the last
         ``1 + max(len(extra))`` positions of the calibrated prefill (:meth:`_forward`)."""
         return self._forward(layouts, extra, keep=1 + max((len(e) for e in extra), default=0))
 
