@@ -103,8 +103,8 @@ def bench_lora_gguf(
     merged_type: str = "f16",
     progress: Callable[[str], object] = lambda _: None,
 ) -> tuple[list[TableSpec], dict]:
-    """The adapter in ragfix (unmerged, fp32, on the dequantized GGUF) and in llama.cpp (the base
-    GGUF plus the exported GGUF LoRA; the merged GGUF) on ``prompts`` KV prompts.
+    """The adapter in ragfix (merged into the dequantized GGUF's weights, fp32) and in llama.cpp
+    (the base GGUF plus the exported GGUF LoRA; the merged GGUF) on ``prompts`` KV prompts.
 
     Args:
         adapter: the LoRA folder.
