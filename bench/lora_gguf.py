@@ -149,9 +149,7 @@ def bench_lora_gguf(
         answers[f"ragfix {label}"] = [g.text for g in generated]
         if label == "base":
             ids = [backend.encode(p) for p in prompt_list]
-            tokenizer = backend
-        else:
-            del backend
+            del backend  # the adapted one is kept: it decodes llama.cpp's answers
     arch = load_config(model).architectures[0]
     theirs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,10 +173,10 @@ def bench_lora_gguf(
             theirs[label], tokens = _llama_cpp(Path(gguf_file), lora, ids, max_new)
             if label != "control":
                 answers[f"llama.cpp {label}"] = [
-                    final_answer(tokenizer.detokenize(t), p.stop_at_newline)[0]
+                    final_answer(backend.detokenize(t), p.stop_at_newline)[0]
                     for t, p in zip(tokens, prompt_list, strict=True)
                 ]
-    del tokenizer
+    del backend
     shift = ours["adapted"] - ours["base"]
     top = ours["adapted"].topk(TOP, dim=-1).indices
     rows = [

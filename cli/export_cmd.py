@@ -98,7 +98,8 @@ def register(app: typer.Typer) -> None:
                 raise ConfigError(
                     f"--merged-type {merged_type}: one of {', '.join(MERGED_GGUF_TYPES)}"
                 )
-            base = vllm_base or checkpoint_dir(resolve_model(model))
+            spec = resolve_model(model)
+            base = vllm_base or checkpoint_dir(spec)
             report = {"adapter": str(adapter), "model": model}
             report["vllm"] = vllm_recipe(adapter, base, name)
             if gguf:
@@ -106,10 +107,14 @@ def register(app: typer.Typer) -> None:
             if merged:
                 with console.status("merging and comparing with the unmerged adapter"):
                     report["merged"] = export_merged(adapter, model, out / "merged")
-                if resolve_model(model).source == "gguf":
+                if spec.source == "gguf":
                     with console.status("merging into the base GGUF"):
                         report["merged_gguf"] = export_merged_gguf(
-                            adapter, model, out / "merged.gguf", tensor_type=merged_type
+                            adapter,
+                            model,
+                            out / "merged.gguf",
+                            base_gguf=spec.path,
+                            tensor_type=merged_type,
                         )
             path = write_export_report(out, report)
         if merged:

@@ -269,6 +269,7 @@ def export_merged_gguf(
     if missing:
         raise ConfigError(f"{base_gguf}: no tensor {', '.join(sorted(missing))} to merge into")
     qtype = gguf.GGMLQuantizationType[tensor_type.upper()]
+    written = {}  # the merged tensors, by name
     with atomic_path(out_file) as tmp:
         writer = gguf.GGUFWriter(str(tmp), name)
         for field in reader.fields.values():
@@ -295,13 +296,13 @@ def export_merged_gguf(
                 merged = merged.astype(np.float16)
             elif tensor_type == "q8_0":
                 merged = gguf.quants.quantize(merged, qtype)
-            deltas[t.name] = merged
+            written[t.name] = merged
             writer.add_tensor_info(t.name, merged.shape, merged.dtype, merged.nbytes, qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for t in reader.tensors:
-            writer.write_tensor_data(deltas.get(t.name, t.data), tensor_endianess=reader.endianess)
+            writer.write_tensor_data(written.get(t.name, t.data), tensor_endianess=reader.endianess)
         writer.close()
     return {
         "file": str(out_file),
