@@ -263,6 +263,47 @@ def test_a_killed_worker_is_one_line_and_exit_2(tmp_path, model_dir):
     assert "Traceback" not in err
 
 
+def _gone(pid: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, model_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(model_dir),
+           "--num-docs", "2", "--no-references", "--workers", "2",
+           "--device", "cpu", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    start = time.time()
+    shards = []
+    while not shards and p.poll() is None and time.time() - start < 240:
+        time.sleep(0.2)
+        shards = [f for f in out.glob("results.rank*.jsonl") if f.read_text().strip()]
+    assert shards and p.poll() is None
+    children = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    workers = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    assert len(workers) == 2
+    os.kill(p.pid, signal.SIGKILL)  # no handler runs: the workers must notice by themselves
+    p.wait()
+    deadline = time.time() + 30
+    while not all(_gone(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(w) for w in workers)
+    sizes = [f.stat().st_size for f in out.glob("results.rank*.jsonl")]
+    time.sleep(1.0)
+    assert [f.stat().st_size for f in out.glob("results.rank*.jsonl")] == sizes
+    done = {
+        (r["sample_id"], r["position"]) for f in out.glob("results.rank*.jsonl") for r in _lines(f)
+    }
+    assert 0 < len(done) < 120  # the bundled sample's 60 questions, the gold at 2 positions
+    summary, seen = _sweep(out, model_dir, limit=None)  # resumes: only the missing cells
+    assert summary["cells"] == 120 and len(seen) == 120 - len(done)
+    assert not done & {(r.sample_id, r.position) for r in seen}
+
+
 # ------------------------------------------------------------------ pipeline sweep
 @pytest.fixture
 def small_corpus(tmp_path):
