@@ -54,6 +54,17 @@ def case_file(name: str) -> Path:
     return p
 
 
+def run_records(folder: Path) -> list[dict]:
+    """The records of a run folder's ``results.jsonl``, in the file's order."""
+    text = (Path(folder) / "results.jsonl").read_text()
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
+def random_ids(n: int, seed: int = 1) -> list[int]:
+    """``n`` seeded token ids in [3, 256): the input of the tiny models' mechanism tests."""
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 @pytest.fixture(scope="session")
 def smol():
     """The real SmolLM2-135M-Instruct as a vanilla backend on the CPU (loaded once)."""

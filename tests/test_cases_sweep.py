@@ -8,7 +8,7 @@ import gzip
 import json
 
 import pytest
-from conftest import BUNDLED, case_file, data_file, tiny_folder
+from conftest import BUNDLED, case_file, data_file, run_records, tiny_folder
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -17,10 +17,6 @@ from ragfix.metrics import best_subspan_em, degenerate_gold, normalize_answer
 
 NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
 runner = CliRunner()
-
-
-def _records(out):
-    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +61,7 @@ def test_case12_overflow_is_flagged_before_the_model_runs_and_counted(tiny_2048,
     args += ["--positions", "0,14,29", "--device", "cpu", "--out", str(out)]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    every = _records(out)
+    every = run_records(out)
     recs = [r for r in every if r["reference"] is None]
     over = [r for r in recs if "overflow" in r["flags"]]
     fit = [r for r in recs if "overflow" not in r["flags"]]
@@ -142,7 +138,7 @@ def test_case12_pipeline_sweep_flags_overflow_without_running(tmp_path):
         retriever="bm25",
         device="cpu",
     )
-    recs = _records(out)
+    recs = run_records(out)
     assert len(recs) == 4 and all(r["flags"] == ["overflow"] for r in recs)
     assert all(r["new_tokens"] == 0 and r["prompt_tokens"] + 32 > 600 for r in recs)
     assert summary["flags"] == {"overflow": {"0": 2, "9": 2}}
@@ -178,7 +174,7 @@ def test_case09_sweep_counts_degenerate_gold_cells_in_summary_and_table(tmp_path
         + ["--out", str(out)],
     )
     assert res.exit_code == 0, res.output
-    recs = _records(out)
+    recs = run_records(out)
     assert len(recs) == 4 and all(r["flags"] == ["degenerate_gold"] for r in recs)
     reasons = sorted(r["extra"]["degenerate_gold"][0] for r in recs)
     assert reasons == sorted(c["expected_flag"] for c in src)

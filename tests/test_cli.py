@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from conftest import BUNDLED
+from conftest import BUNDLED, run_records
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -17,16 +17,12 @@ NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
 runner = CliRunner()
 
 
-def _records(out):
-    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-
-
 def test_demo_on_one_sample_writes_a_real_summary(tmp_path):
     out = tmp_path / "demo"
     res = runner.invoke(app, ["demo", "--limit", "1", "--device", "cpu", "--out", str(out)])
     assert res.exit_code == 0, res.output
     summary = json.loads((out / "summary.json").read_text())
-    recs = _records(out)
+    recs = run_records(out)
     assert summary["cells"] == len(recs) == 8 and summary["task"] == "kv"
     curve = summary["curves"]["vanilla"]
     assert [p["position"] for p in curve["positions"]] == list(range(8))
@@ -119,7 +115,7 @@ def test_a_failed_first_run_does_not_block_the_corrected_rerun(tmp_path):
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     config = json.loads((out / "config.json").read_text())
-    assert config["backend_options"] == {} and len(_records(out)) == 1
+    assert config["backend_options"] == {} and len(run_records(out)) == 1
 
 
 def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
@@ -138,7 +134,7 @@ def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
             on_record=seen[reuse].append,
         )
         assert summary == json.loads((out / "summary.json").read_text())
-        runs[reuse] = {r["cell_id"]: r for r in _records(out)}
+        runs[reuse] = {r["cell_id"]: r for r in run_records(out)}
     on, off = runs[True], runs[False]
     assert len(on) == 5 and set(on) == set(off)  # same cells, same ids (2 reference points)
     assert {k: r["answer"] for k, r in on.items()} == {k: r["answer"] for k, r in off.items()}
@@ -168,7 +164,7 @@ def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(t
     args += ["--no-references"]
     res = runner.invoke(app, [*args, "--records", "1:3", "--limit", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    [rec] = _records(out)
+    [rec] = run_records(out)
     assert rec["sample_id"] == load_samples(NQ, 3, limit=2)[1].id
     assert json.loads((out / "config.json").read_text())["records"] == "1:3"
     res = runner.invoke(app, [*args, "--records", "3:5", "--out", str(out)])

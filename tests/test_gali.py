@@ -8,7 +8,14 @@ import json
 
 import pytest
 import torch
-from conftest import BUNDLED, data_file, fractional_queries, gali_query_positions, tiny_model
+from conftest import (
+    BUNDLED,
+    data_file,
+    fractional_queries,
+    gali_query_positions,
+    random_ids,
+    tiny_model,
+)
 from pydantic import ValidationError
 from transformers.models.llama.modeling_llama import repeat_kv
 
@@ -29,10 +36,6 @@ from ragfix.prompts import TaskPrompt
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 BUNDLED_KV = BUNDLED / "kv_16pairs_sample.jsonl.gz"
-
-
-def _ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _vanilla_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -131,7 +134,7 @@ def test_chunk_sizes():
 def test_within_window_equals_vanilla(arch, tok):
     model = tiny_model(arch, seed=0)
     b = GaliBackend(model, tok, train_window=256, query_block=7)
-    ids = _ids(60)
+    ids = random_ids(60)
     assert torch.allclose(b.token_logprobs(ids), _vanilla_logprobs(model, ids), atol=1e-5)
 
 
@@ -139,7 +142,7 @@ def test_within_window_equals_vanilla(arch, tok):
 def test_beyond_window_equals_direct_reference(arch, tok):
     model = tiny_model(arch, seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=5, local_window=3, noise=False)
-    ids = _ids(57)
+    ids = random_ids(57)
     got = b.token_logprobs(ids)
     ref = _reference_logprobs(model, ids, 16, 3, 5)
     assert torch.allclose(got, ref, atol=1e-5)
@@ -151,7 +154,7 @@ def test_sliding_window_follows_gali_positions(tok):
     """Mistral with an 8-token window: within L the model's own window (vanilla), beyond L the
     window over GALI's positions, as the direct reference computes it."""
     model = tiny_model("mistral", seed=0, sliding_window=8)
-    ids = _ids(57)
+    ids = random_ids(57)
     inside = GaliBackend(model, tok, train_window=256, query_block=7)
     assert torch.allclose(inside.token_logprobs(ids), _vanilla_logprobs(model, ids), atol=1e-5)
     b = GaliBackend(model, tok, train_window=16, chunk_size=5, local_window=3, noise=False)
@@ -183,7 +186,7 @@ def test_paper_logits_are_the_key_interpolation():
 
 def test_blocked_equals_unblocked(tok):
     model = tiny_model("qwen2", seed=3)
-    ids = _ids(70, seed=4)
+    ids = random_ids(70, seed=4)
     opts = dict(train_window=16, chunk_size=9, local_window=2, noise=False)
     blocked = GaliBackend(model, tok, query_block=3, **opts).token_logprobs(ids)
     whole = GaliBackend(model, tok, query_block=None, **opts).token_logprobs(ids)
@@ -192,7 +195,7 @@ def test_blocked_equals_unblocked(tok):
 
 def test_noise_off_deterministic_noise_seeded(tok):
     model = tiny_model("llama", seed=0)
-    ids = _ids(50)
+    ids = random_ids(50)
     base = dict(train_window=16, chunk_size=6, local_window=2)
     off = GaliBackend(model, tok, noise=False, **base)
     assert torch.equal(off.token_logprobs(ids), off.token_logprobs(ids))
@@ -209,7 +212,7 @@ def test_noise_off_deterministic_noise_seeded(tok):
 def test_generate_batch_matches_single(tok):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=6, noise=False)
-    p1, p2, p3 = _ids(30, 1), _ids(30, 2), _ids(23, 3)
+    p1, p2, p3 = random_ids(30, 1), random_ids(30, 2), random_ids(23, 3)
     batch = b._generate_ids([p1, p2, p3], 5, False)
     singles = [b._generate_ids([p], 5, False)[0] for p in (p1, p2, p3)]
     assert [g.text for g in batch] == [g.text for g in singles]
@@ -224,7 +227,7 @@ def test_decode_steps_equal_chunked_prefill(tok):
     # greedy continuation of ids + [t1] must be t2, t3, ... (positions recomputed every step)
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=1, local_window=2, noise=False)
-    ids = torch.tensor([_ids(20)])
+    ids = torch.tensor([random_ids(20)])
     toks = [t[0] for t, _, _ in b._greedy(ids, 4, stop_at_newline=False)]
     again = [t[0] for t, _, _ in b._greedy(torch.cat([ids, torch.tensor([toks[:1]])], 1), 3, False)]
     assert again == toks[1:]
@@ -272,7 +275,7 @@ def test_smollm2_beyond_window_perplexity(smol):
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn"])
 def test_rope_scaled_baselines(rope_type, tok):
     model = tiny_model("llama", seed=0)
-    ids = _ids(40)
+    ids = random_ids(40)
     ref = _vanilla_logprobs(model, ids)
     b = RopeScaledBackend(model, tok, rope_type=rope_type, factor=4, train_window=16)
     assert b.context_window == 64
@@ -299,7 +302,7 @@ def test_truncate_middle():
 def test_truncated_backend_reads_the_cut_prompt(tok):
     model = tiny_model("llama", seed=0)
     t = TruncatedBackend(model, tok, train_window=24)
-    ids = _ids(40)
+    ids = random_ids(40)
     got = t._generate_ids([ids], 4, False, first_logprobs=True)[0]
     cut = truncate_middle(ids, 20)
     ref = t._generate_ids([cut], 4, False, first_logprobs=True)[0]
@@ -312,7 +315,7 @@ def test_truncated_backend_reads_the_cut_prompt(tok):
 def test_gali_first_logprobs_beyond_window_equal_next_token_logprobs(tok):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=6, noise=False)
-    ids = _ids(30, 4)
+    ids = random_ids(30, 4)
     [gen] = b._generate_ids([ids], 3, False, first_logprobs=True)
     torch.testing.assert_close(gen.first_logprobs, b._next_logprobs_ids([ids])[0])
 
@@ -322,7 +325,7 @@ def test_gali_first_logprobs_beyond_window_equal_next_token_logprobs(tok):
 def test_token_logprobs_with_positions(tok, n, big_l, w, s):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=big_l, chunk_size=s, local_window=w, noise=False)
-    ids = _ids(n)
+    ids = random_ids(n)
     logp, pos = b.token_logprobs_with_positions(ids)
     assert torch.equal(logp, b.token_logprobs(ids))
     # token t is predicted from query t - 1, at the position its chunk gave it
@@ -393,7 +396,7 @@ def test_prefill_logits_is_the_last_row_of_the_scored_text(tok):
     # last token of ids is computed exactly as in the prefill of ids alone
     model = tiny_model("qwen2", seed=1)
     b = GaliBackend(model, tok, train_window=16, chunk_size=6, local_window=2, noise=False)
-    ids = _ids(34, 2)
+    ids = random_ids(34, 2)
     last = torch.log_softmax(b.prefill_logits(ids).float(), dim=-1)[7]
     assert torch.allclose(last, b.token_logprobs(ids + [7])[-1], atol=1e-5)
 
@@ -411,7 +414,7 @@ def test_truncated_scores_each_token_within_the_window(tok, stride):
     model = tiny_model("llama", seed=0)
     big_l, n = 12, 12 + 9 * stride  # targets L..n-1: the last window scores `stride` of them
     t = TruncatedBackend(model, tok, train_window=big_l, score_stride=stride)
-    ids = _ids(n)
+    ids = random_ids(n)
     got = t.token_logprobs(ids)
     # token t >= L lies in the window ending at b = L + stride * ceil((t - L + 1) / stride)
     contexts = [tt if tt < big_l else big_l - stride + (tt - big_l) % stride for tt in range(1, n)]

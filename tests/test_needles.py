@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import run_records
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -88,10 +89,6 @@ def _listing(d):
     return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
 
-def _records(out):
-    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-
-
 def _content(node):
     from llama_index.core.schema import MetadataMode
 
@@ -156,7 +153,7 @@ def test_needle_sweep_records_natural_rank_and_refuses_other_needles(folder, tmp
     kw = dict(strategies=["none"], top_k=3, positions="0,2", device="cpu")
     summary = run_pipeline_sweep(folder, None, out, needles=NeedleSettings(count=2), **kw)
     assert _listing(folder) == before
-    recs = _records(out)
+    recs = run_records(out)
     assert len(recs) == 2 * 2 and summary["question_source"] == "needles"
     config = json.loads((out / "config.json").read_text())
     assert config["needles"] == {"count": 2, "seed": 0} and config["questions"] is None
@@ -282,7 +279,7 @@ def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     assert "3 needles" in said and "retrieval-weighted" in said
-    recs = _records(out)
+    recs = run_records(out)
     assert len(recs) == 3 and {r["sample_id"] for r in recs} == {
         "needle-000",
         "needle-001",
@@ -324,7 +321,7 @@ def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path
     assert "written: questions written by openai:fake, 1 of 7 kept; dropped: unparsed 0, " in (
         " ".join(merit.lines)
     )
-    assert {r["extra"]["natural_rank"] for r in _records(out)} <= {0, 1, 2, None}
+    assert {r["extra"]["natural_rank"] for r in run_records(out)} <= {0, 1, 2, None}
     assert _listing(folder) == before
 
 

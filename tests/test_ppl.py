@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import data_file, fractional_queries, tiny_model
+from conftest import data_file, fractional_queries, random_ids, tiny_model
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -217,15 +217,11 @@ def test_method_variants_grid_order_and_options():
 
 
 # ---------------------------------------------------------------- tiny seeded models
-def _ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("n,big_l,w,s", [(57, 16, 3, 5), (64, 16, 1, 12), (33, 16, 2, 16)])
 def test_query_kind_split_has_the_counts_of_gali_positions(smol, n, big_l, w, s):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, smol.tokenizer, train_window=big_l, chunk_size=s, local_window=w)
-    windows = [window_stats(*score_window(b, _ids(n, seed))) for seed in (1, 2)]
+    windows = [window_stats(*score_window(b, random_ids(n, seed))) for seed in (1, 2)]
     st = length_stats(windows)
     expected = fractional_queries(n, big_l, w, s)
     assert expected > 0
@@ -241,7 +237,7 @@ def test_whole_number_ppl_of_gali_within_the_window_is_vanilla(smol):
     model = tiny_model("qwen2", seed=2)
     gali = GaliBackend(model, smol.tokenizer, train_window=32, chunk_size=5, local_window=2)
     vanilla = HFBackend(model, smol.tokenizer)
-    texts = [_ids(32, seed) for seed in (1, 2, 3)]
+    texts = [random_ids(32, seed) for seed in (1, 2, 3)]
     g = length_stats([window_stats(*score_window(gali, ids)) for ids in texts])
     v = length_stats([window_stats(*score_window(vanilla, ids)) for ids in texts])
     assert g["tokens_interp"] == 0 and g["ppl_interp"] is None and g["tokens_whole"] == 3 * 31

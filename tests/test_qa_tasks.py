@@ -4,7 +4,7 @@ reference points (closed-book, oracle), on the real SmolLM2 and the bundled SQuA
 import json
 
 import pytest
-from conftest import data_file, tiny_folder
+from conftest import data_file, run_records, tiny_folder
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -120,13 +120,9 @@ def squad_run(tmp_path_factory):
     return out, args, res.output
 
 
-def _records(out):
-    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-
-
 def test_a_qa_sweep_reports_closed_book_and_oracle_before_its_curve(squad_run):
     out, _, output = squad_run
-    recs = _records(out)
+    recs = run_records(out)
     refs = [r for r in recs if r["reference"]]
     assert sorted((r["reference"], r["num_docs"]) for r in refs) == sorted(
         [(CLOSED_BOOK, 0), (ORACLE, 1)] * 2

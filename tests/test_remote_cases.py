@@ -13,7 +13,7 @@ import struct
 import time
 
 import pytest
-from conftest import data_file
+from conftest import data_file, run_records
 from fake_openai import FakeOpenAI, ctrl_c
 from typer.testing import CliRunner
 
@@ -34,10 +34,6 @@ SWEEP = ["kv-sample", "--num-docs", "4", "--positions", "0,3", "--limit", "2"]
 def _eval(fake: FakeOpenAI, out, *extra: str):
     args = ["eval", *SWEEP, "--model", "openai:fake", "--api-base", fake.url, "--out", str(out)]
     return CliRunner().invoke(app, [*args, *extra])
-
-
-def _records(out) -> list[dict]:
-    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
 
 
 def _summary(out) -> dict:
@@ -73,7 +69,7 @@ def test_c21_content_null_answers_are_flagged_with_the_servers_reason_and_not_sc
     with FakeOpenAI("contentnull") as fake:
         res = _eval(fake, tmp_path / "run")
     assert res.exit_code == 0, res.output
-    recs = _records(tmp_path / "run")
+    recs = run_records(tmp_path / "run")
     reason = "content null, finish_reason stop, reasoning_content present"
     assert len(recs) == 4
     for r in recs:
@@ -97,7 +93,7 @@ def test_c21_an_empty_answer_leaves_its_sample_out_at_every_position_only(tmp_pa
     with FakeOpenAI("contentnull", only={2}) as fake:
         res = _eval(fake, tmp_path / "run", "--concurrency", "1")
     assert res.exit_code == 0, res.output
-    recs = _records(tmp_path / "run")
+    recs = run_records(tmp_path / "run")
     assert [r["flags"] for r in recs] == [[], [EMPTY_ANSWER], [], []]
     assert [r["correct"] for r in recs] == [True, False, True, True]
     s = _summary(tmp_path / "run")
@@ -139,7 +135,7 @@ def test_c20_a_prompt_the_server_cut_is_not_scored(tmp_path):
     with FakeOpenAI(prompt_tokens=lambda body: 40) as fake:
         res = _eval(fake, tmp_path / "run", "--tokenizer", "smollm2")
     assert res.exit_code == 0, res.output
-    recs = _records(tmp_path / "run")
+    recs = run_records(tmp_path / "run")
     for r in recs:
         assert r["flags"] == [PROMPT_CUT] and r["correct"] is False and r["answer"]
         assert r["prompt_tokens"] > 400 and r["extra"]["usage"]["prompt_tokens"] == 40
@@ -162,7 +158,7 @@ def test_c20_a_count_within_the_tolerance_stays_a_scored_cell(tmp_path):
     with FakeOpenAI(prompt_tokens=lambda body: exact(body) + 1) as fake:
         res = _eval(fake, tmp_path / "bos", "--tokenizer", "smollm2")
     assert res.exit_code == 0, res.output
-    recs = _records(tmp_path / "bos")
+    recs = run_records(tmp_path / "bos")
     assert all(r["flags"] == [TOKEN_COUNT_MISMATCH] and r["correct"] for r in recs)
     assert all(r["extra"]["usage"]["prompt_tokens"] == r["prompt_tokens"] + 1 for r in recs)
     s = _summary(tmp_path / "bos")
@@ -171,10 +167,10 @@ def test_c20_a_count_within_the_tolerance_stays_a_scored_cell(tmp_path):
         with FakeOpenAI(prompt_tokens=lambda body, k=fewer: exact(body) - k) as fake:
             res = _eval(fake, tmp_path / f"fewer{fewer}", "--tokenizer", "smollm2")
         assert res.exit_code == 0, res.output
-        assert {f for r in _records(tmp_path / f"fewer{fewer}") for f in r["flags"]} == {flag}
+        assert {f for r in run_records(tmp_path / f"fewer{fewer}") for f in r["flags"]} == {flag}
     with FakeOpenAI(prompt_tokens=exact) as fake:  # the same count: no flag
         res = _eval(fake, tmp_path / "same", "--tokenizer", "smollm2")
-    assert res.exit_code == 0 and all(not r["flags"] for r in _records(tmp_path / "same"))
+    assert res.exit_code == 0 and all(not r["flags"] for r in run_records(tmp_path / "same"))
 
 
 # ------------------------------------------------------------------ C19: error bodies
@@ -257,13 +253,13 @@ def test_c18_ctrl_c_stops_at_once_and_keeps_the_answers_that_arrived(tmp_path):
             "interrupted: 1 cell(s) computed by this run are stored"
         ), stop.said
         assert len(fake.received) == 4 and fake.answered == [1], (fake.received, fake.answered)
-    [kept] = _records(out)
+    [kept] = run_records(out)
     assert kept["correct"] and not kept["flags"]
     with FakeOpenAI() as fake:
         res = _eval(fake, out)
         assert res.exit_code == 0, res.output
         assert "resuming: 1 of 4 cells already done" in res.output and len(fake.received) == 3
-    assert len(_records(out)) == 4
+    assert len(run_records(out)) == 4
 
 
 def _judgments(out) -> list[dict]:
@@ -336,12 +332,12 @@ def test_c18_pipeline_ctrl_c_stores_the_cells_that_finished(tmp_path):
         said = " ".join(stop.said[0][1].split())
         assert said.startswith(f"interrupted: 2 cell(s) computed by this run are stored in {out}")
         assert fake.received == [1, 2, 3] and fake.answered == [1, 2]
-    assert len(_records(out)) == 2
+    assert len(run_records(out)) == 2
     with FakeOpenAI() as fake:
         res = CliRunner().invoke(app, args(fake))
         assert res.exit_code == 0, res.output
         assert "resuming: 2 of 4 cells already done" in res.output and len(fake.received) == 2
-    assert len(_records(out)) == 4
+    assert len(run_records(out)) == 4
 
 
 def test_c21_a_judge_that_answers_content_null_says_why_its_verdicts_are_invalid(tmp_path):
@@ -394,7 +390,7 @@ def test_a_reasoning_models_thinking_is_never_scored(tmp_path):
     with FakeOpenAI("think") as fake:
         res = _eval(fake, tmp_path / "think")
     assert res.exit_code == 0, res.output
-    recs = _records(tmp_path / "think")
+    recs = run_records(tmp_path / "think")
     assert [(r["answer"], r["correct"], r["flags"]) for r in recs] == [
         ("I do not know.", False, [])
     ] * 4
@@ -403,7 +399,7 @@ def test_a_reasoning_models_thinking_is_never_scored(tmp_path):
         res = _eval(fake, tmp_path / "open")
     assert res.exit_code == 0, res.output
     why = "<think> opened and never closed: no final answer"
-    for r in _records(tmp_path / "open"):
+    for r in run_records(tmp_path / "open"):
         assert r["flags"] == [REASONING_UNFINISHED] and r["answer"] == ""
         assert r["extra"][REASONING_UNFINISHED] == why
     s = _summary(tmp_path / "open")
@@ -420,13 +416,13 @@ def test_an_answer_from_another_model_is_flagged_and_a_dated_snapshot_is_not(tmp
         res = _eval(fake, tmp_path / "other")
     assert res.exit_code == 0, res.output
     why = "the server answered as 'other-model', asked for 'fake'"
-    for r in _records(tmp_path / "other"):
+    for r in run_records(tmp_path / "other"):
         assert r["flags"] == [SERVED_MODEL_MISMATCH] and r["extra"][SERVED_MODEL_MISMATCH] == why
     assert _summary(tmp_path / "other")["scored_cells"] == 0
     with FakeOpenAI("dated") as fake:
         res = _eval(fake, tmp_path / "dated")
     assert res.exit_code == 0, res.output
-    assert [(r["flags"], r["correct"]) for r in _records(tmp_path / "dated")] == [([], True)] * 4
+    assert [(r["flags"], r["correct"]) for r in run_records(tmp_path / "dated")] == [([], True)] * 4
     from ragfix.backends.remote import same_model
 
     assert same_model("llama3", "llama3:latest") and same_model("gpt-4o", "gpt-4o-2024-08-06")
@@ -440,7 +436,7 @@ def test_a_lone_surrogate_in_an_answer_is_a_flag_and_the_run_finishes(tmp_path):
     with FakeOpenAI("surrogate", only={2}) as fake:
         res = _eval(fake, tmp_path / "run", "--concurrency", "1")
     assert res.exit_code == 0, res.output
-    recs = _records(tmp_path / "run")
+    recs = run_records(tmp_path / "run")
     assert len(recs) == 4 and [r["flags"] for r in recs] == [[], [INVALID_TEXT], [], []]
     assert recs[1]["answer"].endswith("\ufffd")
     why = "1 lone UTF-16 surrogate(s) in the server's answer, not text (each replaced by U+FFFD)"
@@ -510,7 +506,7 @@ def test_a_server_without_prompt_log_probabilities_is_refused_not_scored_zero(mo
             remote.loglikelihood([("Key: k. Value:", " v")])
         res = _eval(fake, tmp_path / "r", "--tokenizer", "smollm2", "--orders", "2")
     assert res.exit_code == 2 and "gave no log-probability for any" in res.output, res.output
-    assert not (tmp_path / "r" / "results.jsonl").exists() or not _records(tmp_path / "r")
+    assert not (tmp_path / "r" / "results.jsonl").exists() or not run_records(tmp_path / "r")
 
 
 def test_a_partial_usage_object_is_read_as_none_and_said_in_one_line():

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import BUNDLED, data_file, tiny_folder
+from conftest import BUNDLED, data_file, run_records, tiny_folder
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -30,10 +30,6 @@ from ragfix.types import JudgePair
 NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
 REBUILT = "rebuilt from nq_10docs_sample.jsonl.gz, fingerprint checked"
 runner = CliRunner()
-
-
-def _records(folder: Path) -> list[dict]:
-    return [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines()]
 
 
 def _payload(html: str) -> dict:
@@ -62,7 +58,7 @@ def model_dir(tmp_path):
 
 def test_sweep_cells_keep_the_prompt_their_model_read(smol_run):
     samples = {s.id: s for s in load_samples(NQ, 3, 2)}
-    records = _records(smol_run)
+    records = run_records(smol_run)
     assert len(records) == 6
     for r in records:
         s = samples[r["sample_id"]]
@@ -80,7 +76,7 @@ def test_prompts_left_out_keep_the_cells_and_are_never_mixed_with_kept_ones(tmp_
     common = dict(model=str(model_dir), num_docs=2, limit=1, workers=1, device="cpu")
     run_sweep(NQ, kept, **common)
     run_sweep(NQ, bare, log_prompts=False, **common)
-    a, b = _records(kept), _records(bare)
+    a, b = run_records(kept), run_records(bare)
     assert [r["cell_id"] for r in a] == [r["cell_id"] for r in b]  # the same cells
     assert all(r["prompt"] is None and r["question"] and r["gold_answers"] for r in b)
     assert [r["answer"] for r in a] == [r["answer"] for r in b]
@@ -99,7 +95,7 @@ def test_a_folder_from_before_prompts_resumes_without_them_and_still_reports(tmp
     del config["log_prompts"]
     (old / "config.json").write_text(json.dumps(config))
     lines = []
-    for r in _records(old):
+    for r in run_records(old):
         for k in ("prompt", "question", "gold_answers"):
             del r[k]
         lines.append(json.dumps(r) + "\n")
@@ -121,7 +117,7 @@ def _old_folder(run: Path, to: Path, **config) -> Path:
     stored = json.loads((to / "config.json").read_text())
     del stored["log_prompts"]
     (to / "config.json").write_text(json.dumps({**stored, **config}))
-    records = [{k: v for k, v in r.items() if k != "prompt"} for r in _records(to)]
+    records = [{k: v for k, v in r.items() if k != "prompt"} for r in run_records(to)]
     (to / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return to
 
@@ -132,7 +128,7 @@ def _cells(folder: Path) -> tuple[dict, dict[str, dict], str]:
     page = render_report(runs, compare_loaded(runs), [])
     payload = _payload(page)
     rows = payload["groups"][0]["rows"]
-    ids = {(r["sample_id"], r["position"]): r["cell_id"] for r in _records(folder)}
+    ids = {(r["sample_id"], r["position"]): r["cell_id"] for r in run_records(folder)}
     cells = {ids[(row["key"], row["pos"])]: c for row in rows for c in row["cells"]}
     return payload, cells, page
 
@@ -143,7 +139,7 @@ def test_a_sweep_from_before_prompts_shows_the_prompts_its_sweep_stores(smol_run
     gold passage, assistant prefix), labelled as rebuilt."""
     old = _old_folder(smol_run, tmp_path / "old")
     payload, cells, page = _cells(old)
-    stored = {r["cell_id"]: r["prompt"] for r in _records(smol_run)}
+    stored = {r["cell_id"]: r["prompt"] for r in run_records(smol_run)}
     assert set(cells) == set(stored) and len(cells) == 6
     for cid, cell in cells.items():
         p = stored[cid]
@@ -217,7 +213,7 @@ def test_the_page_escapes_every_text(tmp_path, model_dir):
     common = dict(model=str(model_dir), num_docs=2, limit=1, workers=1, device="cpu")
     run_sweep(NQ, run, **common)
     hostile = "</script><script>alert(1)</script><b>bold</b> & &amp;"
-    records = _records(run)
+    records = run_records(run)
     for r in records:
         r["answer"] = hostile
         r["prompt"]["text"] = hostile + r["prompt"]["text"]
@@ -254,7 +250,7 @@ def test_pipeline_cells_keep_the_text_sent_with_the_gold_chunk(tmp_path, model_d
         model=str(model_dir),
         device="cpu",
     )
-    records = _records(out)
+    records = run_records(out)
     q = json.loads(questions.read_text())
     assert len(records) == 2
     for r in records:
@@ -348,7 +344,7 @@ def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
     worst = json.loads((smol_run / "summary.json").read_text())["curves"]["vanilla"][
         "worst_position"
     ]
-    records = {(r["sample_id"], r["position"]): r for r in _records(smol_run)}
+    records = {(r["sample_id"], r["position"]): r for r in run_records(smol_run)}
     errors: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])

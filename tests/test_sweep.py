@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import BUNDLED, ROOT, tiny_model
+from conftest import BUNDLED, ROOT, run_records, tiny_model
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
@@ -46,10 +46,6 @@ def _eval(out, *extra):
     )
 
 
-def _lines(out):
-    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x.strip()]
-
-
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "nq3"
@@ -60,7 +56,7 @@ def finished_run(tmp_path_factory):
 
 def test_cli_sweep_writes_results_summary_and_plot(finished_run):
     out, output = finished_run
-    every = _lines(out)
+    every = run_records(out)
     assert len(every) == 15 and len({r["cell_id"] for r in every}) == 15
     recs = [r for r in every if r["reference"] is None]  # QA: closed-book and oracle besides
     assert len(recs) == 9 and sorted({r["position"] for r in recs}) == [0, 1, 2]
@@ -95,14 +91,14 @@ def test_rerun_skips_finished_cells_and_resumes_after_a_crash(finished_run, tmp_
     assert summary["curves"] == json.loads(before)["curves"]
     # a rerun of a finished run computes nothing and loads no model
     res = _eval(out)
-    assert "resuming: 15 of 15" in res.output and len(_lines(out)) == 15
+    assert "resuming: 15 of 15" in res.output and len(run_records(out)) == 15
 
 
 def test_report_compares_runs_cell_by_cell(finished_run, tmp_path):
     out, _ = finished_run
     other = tmp_path / "other"
     other.mkdir()
-    recs = _lines(out)
+    recs = run_records(out)
     curve = [r for r in recs if r["reference"] is None]
     flipped = {curve[0]["cell_id"], curve[4]["cell_id"]}
     for r in recs:  # a second system that differs from the first on two cells
