@@ -137,26 +137,6 @@ class _WorkerJob:
     shard: Shard | None = None
 
 
-def _exit_with_parent() -> None:
-    """End this worker process as soon as its parent is gone (killed by a signal, ``kill -9``
-    or out of memory), so no orphan keeps appending to the run folder after the run stopped: a
-    daemon thread waits on the parent's sentinel, then ``os._exit(1)``."""
-    import multiprocessing
-    import os
-    import threading
-    from multiprocessing.connection import wait
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="ragfix-parent-watch", daemon=True).start()
-
-
 def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) -> None:
     """One worker process of a CPU sweep (:func:`_compute_in_workers`): ``job.threads`` torch
     threads, its own backend, its cells appended to ``results.rank{rank}.jsonl`` (a job shard's
@@ -165,9 +145,9 @@ def _worker(rank: int, world: int, todo: list[Cell], job: _WorkerJob, messages) 
     ``("error", (exception, traceback text))`` when it fails."""
     import os
 
-    from ragfix.models.device import THREADS_ENV
+    from ragfix.models.device import THREADS_ENV, exit_with_parent
 
-    _exit_with_parent()
+    exit_with_parent()
     os.environ[THREADS_ENV] = str(job.threads)
     try:
         backend = job.config.backend_ref.load(shared=False)

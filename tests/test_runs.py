@@ -304,6 +304,29 @@ def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, model_di
     assert not done & {(r.sample_id, r.position) for r in seen}
 
 
+def test_the_thread_benchmark_spinners_end_with_a_killed_bench():
+    script = (
+        "import multiprocessing as mp, time\n"
+        "from ragfix.bench.threads import _spin\n"
+        "p = mp.get_context('fork').Process(target=_spin, daemon=True)\n"
+        "p.start()\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    spinner = bench.stdout.readline().strip()
+    assert not _gone(spinner)
+    os.kill(bench.pid, signal.SIGKILL)
+    bench.wait()
+    deadline = time.time() + 20
+    while not _gone(spinner) and time.time() < deadline:
+        time.sleep(0.1)
+    ended = _gone(spinner)
+    if not ended:
+        os.kill(int(spinner), signal.SIGKILL)
+    assert ended
+
+
 # ------------------------------------------------------------------ pipeline sweep
 @pytest.fixture
 def small_corpus(tmp_path):

@@ -26,6 +26,26 @@ def resolve_device(device: str = "auto") -> torch.device:
 THREADS_ENV = "RAGFIX_THREADS"
 
 
+def exit_with_parent() -> None:
+    """In a child process (``multiprocessing``, any start method): end it with ``os._exit(1)``
+    as soon as its parent is gone (killed by a signal, ``kill -9`` or out of memory), so no
+    orphan keeps computing or writing after the job that started it. A daemon thread waits on
+    the parent's sentinel; in a process without a ``multiprocessing`` parent this does nothing."""
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ragfix-parent-watch", daemon=True).start()
+
+
 def usable_cpu_cores() -> int:
     """Cores this process may run on (its CPU affinity where the OS has one), at least 1."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
