@@ -126,6 +126,7 @@ def test_chat_model_streams_and_refuses_other_turns(smol):
         chat.invoke([SystemMessage("Be brief."), HumanMessage(prompt)])
 
 
+@pytest.mark.processes
 def test_core_import_stays_light_and_a_missing_extra_is_one_line():
     code = (
         "import sys, ragfix, ragfix.correction, ragfix.answering, ragfix.integrations; "

@@ -314,6 +314,7 @@ def test_the_bottom_floor_and_the_model_modules_import_only_below():
     assert "ragfix.models.load" in graph["ragfix.models"]  # the lazy names count
 
 
+@pytest.mark.processes
 def test_the_floor_rule_catches_an_upward_import():
     graph = _graph()
     graph["ragfix.fingerprint"] = graph["ragfix.fingerprint"] | {"ragfix.models.resolve"}

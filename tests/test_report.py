@@ -322,6 +322,7 @@ def test_malformed_record_ranges_are_named(tmp_path, bad):
     assert f"config.json: tuned_on: {bad!r} is not a record range" in " ".join(res.output.split())
 
 
+@pytest.mark.processes
 def test_render_round_trip_and_check(tmp_path):
     base = _run(tmp_path / "runs" / "base", BASE_COUNTS)
     other = _run(tmp_path / "runs" / "lora", OTHER_COUNTS, backend="pos2distill")

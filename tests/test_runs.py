@@ -239,6 +239,7 @@ def test_uneven_positions_are_named():
     assert uneven_positions({("a", 0): True, ("a", 1): False}) is None
 
 
+@pytest.mark.processes
 def test_a_killed_worker_is_one_line_and_exit_2(tmp_path, model_dir):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(model_dir),
@@ -270,6 +271,7 @@ def _gone(pid: str) -> bool:
         return True
 
 
+@pytest.mark.processes
 def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, model_dir):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(model_dir),
@@ -304,6 +306,7 @@ def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, model_di
     assert not done & {(r.sample_id, r.position) for r in seen}
 
 
+@pytest.mark.processes
 def test_the_thread_benchmark_spinners_end_with_a_killed_bench():
     script = (
         "import multiprocessing as mp, time\n"

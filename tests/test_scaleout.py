@@ -51,6 +51,7 @@ def test_merge_tolerates_a_torn_last_line_and_duplicates(tmp_path):
     assert not list(tmp_path.glob("results.rank*"))
 
 
+@pytest.mark.processes
 def test_torchrun_two_processes_equals_single_process(tmp_path):
     single = tmp_path / "single"
     res = CliRunner().invoke(app, [*ARGS, "--out", str(single)])
@@ -94,6 +95,7 @@ def test_torchrun_two_processes_equals_single_process(tmp_path):
     assert set(_records(dist)) == set(one)
 
 
+@pytest.mark.processes
 def test_worker_processes_equal_single_process(tmp_path):
     single, workers = tmp_path / "single", tmp_path / "workers"
     res = CliRunner().invoke(app, [*ARGS, "--workers", "1", "--out", str(single)])
@@ -147,6 +149,7 @@ def test_data_errors_cross_process_boundaries_intact():
     assert (str(e), e.path, e.line, e.field) == ("f.jsonl:3: ctxs: too few", "f.jsonl", 3, "ctxs")
 
 
+@pytest.mark.processes
 def test_bench_processes_runs_each_setting_from_scratch_and_compares_answers(tmp_path):
     from ragfix.bench.scaleout import bench_processes, parse_settings
 

@@ -1127,6 +1127,7 @@ def test_one_client_address_cannot_take_every_connection_nor_hold_an_unread_answ
         assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
+@pytest.mark.processes
 def test_limits_are_settings_and_the_open_files_they_need_are_reserved(tmp_path):
     """The limits are validated when built; ``reserve_open_files`` raises the soft limit on open
     files to what ``max_connections`` needs (here, in this process, from a lowered soft limit),

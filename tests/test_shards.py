@@ -91,6 +91,7 @@ def test_sweep_shards_in_their_own_folders_merge_to_the_single_run(single, tmp_p
     assert "no shard manifest" in _cli("merge", tmp_path / "m6", single, code=2)
 
 
+@pytest.mark.processes
 def test_sweep_shards_in_one_folder_with_worker_processes(single, tmp_path):
     """Jobs on a shared file system write one folder; a shard's worker processes write their own
     files; the unsharded command over the folder summarises it without merging first."""
