@@ -367,7 +367,6 @@ def run_judge(
             pairs this run stored and where. A rerun judges only the others.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from ragfix.backends import validate_backend
     from ragfix.connectors.pairwise import detect_format
     from ragfix.models.resolve import resolve_model
 
@@ -379,9 +378,6 @@ def run_judge(
     span = parse_records(records) if records is not None else None
     if len(mtbench_models) != 2:
         raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
-    opts = validate_backend(backend, adapter, model=model, **(backend_options or {}))
-    resolve_model(model)
-    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, span, kv_wrong)
     ref = BackendRef(
         name=backend,
         model=model,
@@ -389,7 +385,10 @@ def run_judge(
         options=dict(backend_options or {}),
         device=device,
         dtype=dtype,
-    )
+    ).check()
+    opts = ref.validated
+    resolve_model(model)
+    pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, span, kv_wrong)
     config = JudgeConfig(
         data=str(data.resolve()),
         format=fmt,

@@ -319,7 +319,9 @@ def run_pipeline_sweep(
         raise ConfigError(f"--framework: {framework!r} is not one of {', '.join(ENGINES)}")
     if framework != "llamaindex":
         require_extra(framework)
-    validated = validate_backend(backend, adapter, model=model, **options)
+    ref = BackendRef(
+        name=backend, model=model, adapter=adapter, options=options, device=device, dtype=dtype
+    ).check()
     require_plain_prompts(backend_class(backend, model), f"the {framework} pipeline", backend)
     order_options = None if orders is None else OrderOptions(**orders)
     if order_options is not None:
@@ -348,15 +350,7 @@ def run_pipeline_sweep(
     records = None
     if questions is not None:
         records = read_questions(questions, skip_invalid, skipped)  # fails before indexing
-    ref = BackendRef(
-        name=backend,
-        model=model,
-        adapter=adapter,
-        options=options,
-        orders=order_options.model_dump() if order_options else None,
-        device=device,
-        dtype=dtype,
-    )
+    ref = ref.model_copy(update={"orders": order_options.model_dump() if order_options else None})
     config = PipelineConfig(
         corpus=str(Path(corpus).resolve()),
         questions=None if asked is None else str(Path(asked).resolve()),
@@ -368,7 +362,7 @@ def run_pipeline_sweep(
         model=model,
         backend=backend,
         backend_options={
-            **result_options(options, validated),
+            **result_options(options, ref.validated),
             **({"adapter": adapter} if adapter else {}),
             **({"orders": order_options.model_dump()} if order_options else {}),
         },

@@ -486,7 +486,7 @@ def run_sweep(
         ModelNotFoundError: the model cannot be found.
         pydantic.ValidationError: an unknown or invalid backend option; ``num_docs`` < 1.
     """
-    from ragfix.backends import backend_class, result_options, validate_backend
+    from ragfix.backends import backend_class, result_options
     from ragfix.backends.orders import OrderOptions, check_orders
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models.resolve import resolve_model
@@ -498,20 +498,23 @@ def run_sweep(
     rng = parse_records(records) if records is not None else None
     path = _resolve_data(data)
     pool = Path(distractor_pool).resolve() if distractor_pool else None
-    validated = validate_backend(backend, str(adapter) if adapter else None, model=model, **options)
-    order_options = None if orders is None else OrderOptions(**orders)
-    if order_options is not None:
-        check_orders(order_options, num_docs)
-    resolve_model(model)  # unknown model / default not installed: fail before any work
-    state = distributed_state()
     ref = BackendRef(
         name=backend,
         model=model,
         adapter=str(adapter) if adapter else None,
         options=options,
-        orders=order_options.model_dump() if order_options else None,
-        device=str(state.device) if state is not None else device,
         dtype=dtype,
+    ).check()
+    order_options = None if orders is None else OrderOptions(**orders)
+    if order_options is not None:
+        check_orders(order_options, num_docs)
+    resolve_model(model)  # unknown model / default not installed: fail before any work
+    state = distributed_state()
+    ref = ref.model_copy(
+        update={
+            "orders": order_options.model_dump() if order_options else None,
+            "device": str(state.device) if state is not None else device,
+        }
     )
     reads = orders is not None or backend_class(backend, model).needs_passage_spans
     the_task = resolve_task(task, repeat, detect_format(path), reads_passages=reads)
@@ -523,7 +526,7 @@ def run_sweep(
         model=model,
         backend=backend,
         backend_options={
-            **result_options(options, validated),
+            **result_options(options, ref.validated),
             **({"adapter": str(adapter)} if adapter else {}),
             **({"orders": order_options.model_dump()} if order_options else {}),
         },

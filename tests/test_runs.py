@@ -471,6 +471,35 @@ def test_judge_refuses_a_finished_folder_after_new_weights_or_an_edited_pair_fil
     assert fresh.computed == 2 and len(_lines(out / "judgments.jsonl")) == 2
 
 
+def test_each_run_validates_its_backend_options_once(
+    tmp_path, model_dir, small_corpus, monkeypatch
+):
+    import ragfix.backends as backends
+
+    calls = []
+    real = backends.validate_backend
+    monkeypatch.setattr(
+        backends, "validate_backend", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        json.dumps({"question": "2 + 2?", "answer_a": "4", "answer_b": "5", "label": 1}) + "\n"
+    )
+    corpus, questions = small_corpus
+    runs = {
+        "sweep": lambda: _sweep(tmp_path / "sweep", model_dir, limit=1),
+        "pipeline": lambda: run_pipeline_sweep(
+            corpus=corpus, questions=questions, out=tmp_path / "pipe", strategies=["none"], top_k=2,
+            model=str(model_dir), device="cpu",
+        ),
+        "judge": lambda: run_judge(pairs, tmp_path / "judge", model=str(model_dir), device="cpu"),
+    }  # fmt: skip
+    for name, go in runs.items():
+        calls.clear()
+        go()
+        assert len(calls) == 1, name
+
+
 # ------------------------------------------------------------------ perplexity
 def test_perplexity_resumes_by_window_and_refuses_new_weights_or_text(tmp_path, model_dir):
     data = tmp_path / "texts.jsonl"

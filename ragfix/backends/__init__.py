@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ragfix.errors import ConfigError
 
@@ -312,16 +312,37 @@ class BackendRef(BaseModel):
             options=backend.options.model_dump(mode="json"),
         )
 
+    #: the options as :func:`validate_backend` returned them, and the (name, adapter, model,
+    #: options) they were validated for: a copy with other settings validates again
+    _validated: tuple[str, BackendOptions] | None = PrivateAttr(default=None)
+
+    def _settings_key(self) -> str:
+        what = [self.name, self.adapter, self.model, self.options]
+        return json.dumps(what, sort_keys=True, default=str)
+
     def check(self) -> BackendRef:
         """``self`` once the backend name, options and adapter requirement are valid (nothing is
-        loaded).
+        loaded); the validated options are kept (:attr:`validated`), so loading does not
+        validate them again.
 
         Raises:
             ConfigError: unknown backend or a missing adapter.
             pydantic.ValidationError: an unknown or invalid backend option.
         """
-        validate_backend(self.name, self.adapter, model=self.model, **self.options)
+        opts = validate_backend(self.name, self.adapter, model=self.model, **self.options)
+        self._validated = (self._settings_key(), opts)
         return self
+
+    @property
+    def validated(self) -> BackendOptions:
+        """The backend's options, validated once per settings (:meth:`check`).
+
+        Raises:
+            see :meth:`check`.
+        """
+        if self._validated is None or self._validated[0] != self._settings_key():
+            self.check()
+        return self._validated[1]
 
     def load(self, shared: bool = True) -> Backend:
         """The backend: with ``shared``, loaded once per reference in this process (the
@@ -344,7 +365,7 @@ class BackendRef(BaseModel):
         orders = None if self.orders is None else OrderOptions(**self.orders)
         return load_backend(
             self.name, self.model, self.device, self.dtype, self.adapter, orders=orders,
-            **self.options,
+            validated=self.validated,
         )  # fmt: skip
 
 
