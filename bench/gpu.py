@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ragfix.models.device import parent_death_signal
+
 #: the backends of the KV-8 sweep
 GPU_BACKENDS = ("vanilla", "attention-sort", "pine")
 #: the held-out KV-8 records (the README's held-out range)
@@ -65,7 +67,9 @@ def mechanism_tests(
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
         cmd += [*tests, *(["-k", select] if select else [])]
         env = {**os.environ, "RAGFIX_TEST_DEVICE": device}
-        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, preexec_fn=parent_death_signal()
+        )
         if not xml.exists():
             tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
             from ragfix.errors import ConfigError

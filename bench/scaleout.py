@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ragfix.errors import ConfigError
+from ragfix.models.device import parent_death_signal
 from ragfix.tables import TableSpec
 
 #: the ``ragfix eval`` flags of each mode
@@ -88,7 +89,13 @@ def bench_processes(
         cmd += ["--no-references"]  # the curve's cells: what the settings are compared on
         cmd += ["--model", model, "--device", "cpu", "--workers", str(procs), "--out", str(out)]
         t = time.perf_counter()
-        subprocess.run([*cmd, *MODE_FLAGS[mode]], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [*cmd, *MODE_FLAGS[mode]],
+            check=True,
+            capture_output=True,
+            text=True,
+            preexec_fn=parent_death_signal(),
+        )
         wall = time.perf_counter() - t
         recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
         runs[name] = {

@@ -67,7 +67,7 @@ def bench_threads(
         ``(table, details)``: the formatted table and the raw figures (seconds per cell and the
         answers of every setting, the number of cores).
     """
-    from ragfix.models.device import usable_cpu_cores
+    from ragfix.models.device import parent_death_signal, usable_cpu_cores
 
     cores = usable_cpu_cores()
     runs: dict[tuple[int, int], dict] = {}
@@ -79,7 +79,10 @@ def bench_threads(
             for t in threads:
                 cmd = [sys.executable, "-m", "ragfix.bench.threads", "--child", str(t)]
                 cmd += ["--limit", str(limit), "--num-docs", str(num_docs)]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                ends = parent_death_signal()
+                out = subprocess.run(
+                    cmd, check=True, capture_output=True, text=True, preexec_fn=ends
+                ).stdout
                 runs[b, t] = json.loads(out.strip().splitlines()[-1])
                 if on_progress is not None:
                     took = runs[b, t]["seconds_per_cell"]

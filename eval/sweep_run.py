@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ragfix.backends import BackendRef
+from ragfix.backends import Backend, BackendRef
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
@@ -368,7 +368,7 @@ def run_sweep(
     out: str | Path,
     *,
     model: str = "smollm2",
-    backend: str = "vanilla",
+    backend: str | Backend = "vanilla",
     adapter: str | Path | None = None,
     backend_options: dict | None = None,
     orders: dict | None = None,
@@ -405,7 +405,12 @@ def run_sweep(
             served model; ``backend_options`` then holds
             :class:`~ragfix.backends.remote.RemoteOptions`, whose call settings are left out
             of the configuration so a rerun with other ones resumes).
-        backend: a registered backend (:func:`ragfix.backends.backend_names`).
+        backend: a registered backend (:func:`ragfix.backends.backend_names`), or a loaded
+            backend (as lm-eval's ``simple_evaluate`` takes a loaded model), computed in this
+            process: its model, options, adapter and orders are its own
+            (:meth:`BackendRef.of <ragfix.backends.BackendRef.of>`), so ``model``,
+            ``adapter``, ``backend_options``, ``orders``, ``device`` and ``dtype`` are not given
+            with it; a folder it wrote resumes under the backend's name, and the reverse.
         adapter: a LoRA adapter folder applied under any backend.
         backend_options: the backend's options (validated before anything is loaded); they and
             the adapter path are part of the cell ids.
@@ -491,6 +496,22 @@ def run_sweep(
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models.resolve import resolve_model
 
+    loaded = None
+    if not isinstance(backend, str):
+        loaded, of = backend, BackendRef.of(backend)
+        given = {
+            "model": model != "smollm2",
+            "adapter": adapter,
+            "backend_options": backend_options,
+        }
+        given |= {"orders": orders, "device": device != "auto", "dtype": dtype != "auto"}
+        if any(given.values()):
+            named = ", ".join(k for k, v in given.items() if v)
+            raise ConfigError(f"a loaded backend brings its own settings: {named} not with it")
+        if workers not in (None, 1):
+            raise ConfigError("a loaded backend runs in this process: no worker processes")
+        backend, model, adapter, orders = of.name, of.model, of.adapter, of.orders
+        backend_options, workers = of.options, 1
     out, options = Path(out), dict(backend_options or {})
     for name, value in (("--limit", limit), ("--batch-size", batch_size)):
         if value is not None and value < 1:
@@ -557,7 +578,7 @@ def run_sweep(
     )
     return run(
         kind,
-        ref,
+        ref if loaded is None else loaded,
         out,
         restart=restart,
         batch_size=batch_size,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BUNDLED, tiny_folder
+from conftest import BUNDLED, run_records, tiny_folder
 
-from ragfix.errors import ConfigMismatchError, DataError
+from ragfix.errors import ConfigError, ConfigMismatchError, DataError
 from ragfix.eval import run_judge, run_sweep
 from ragfix.eval.compare import compare_runs, load_run, uneven_positions
 from ragfix.eval.pipeline import run_pipeline_sweep
@@ -330,6 +330,30 @@ def test_the_thread_benchmark_spinners_end_with_a_killed_bench():
     assert ended
 
 
+@pytest.mark.processes
+def test_a_subprocess_started_with_the_parent_death_signal_ends_with_its_parent():
+    script = (
+        "import subprocess, sys, time\n"
+        "from ragfix.models.device import parent_death_signal\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                         preexec_fn=parent_death_signal())\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = bench.stdout.readline().strip()
+    assert not _gone(child)
+    os.kill(bench.pid, signal.SIGKILL)
+    bench.wait()
+    deadline = time.time() + 20
+    while not _gone(child) and time.time() < deadline:
+        time.sleep(0.1)
+    ended = _gone(child)
+    if not ended:
+        os.kill(int(child), signal.SIGKILL)
+    assert ended
+
+
 # ------------------------------------------------------------------ pipeline sweep
 @pytest.fixture
 def small_corpus(tmp_path):
@@ -469,6 +493,33 @@ def test_judge_refuses_a_finished_folder_after_new_weights_or_an_edited_pair_fil
         run_judge(pairs, out, model=str(model_dir), device="cpu")
     fresh = run_judge(pairs, out, model=str(model_dir), device="cpu", restart=True)
     assert fresh.computed == 2 and len(_lines(out / "judgments.jsonl")) == 2
+
+
+def test_a_loaded_backend_runs_the_sweep_as_its_name_does(tmp_path, model_dir):
+    from ragfix.backends import BackendRef, load_backend
+    from ragfix.backends.orders import OrderOptions, marginalize_orders
+
+    loaded = load_backend("vanilla", model=str(model_dir), device="cpu")
+    by_name, _ = _sweep(tmp_path / "name", model_dir, limit=2)
+    seen = []
+    by_backend = run_sweep(
+        NQ, tmp_path / "loaded", backend=loaded, num_docs=2, limit=2, references=False,
+        on_record=seen.append,
+    )  # fmt: skip
+    keep = ("cell_id", "answer", "correct", "prompt")
+    mine, theirs = (run_records(tmp_path / d) for d in ("loaded", "name"))
+    assert len(seen) == 4 and [{k: r[k] for k in keep} for r in mine] == [
+        {k: r[k] for k in keep} for r in theirs
+    ]
+    assert by_backend["curves"] == by_name["curves"]
+    assert _sweep(tmp_path / "loaded", model_dir, limit=2)[1] == []  # resumed under its name
+    for settings, named in (({"adapter": "a"}, "adapter"), ({"dtype": "float32"}, "dtype")):
+        with pytest.raises(ConfigError, match=f"brings its own settings: {named} not with it"):
+            run_sweep(NQ, tmp_path / "x", backend=loaded, **settings)
+    with pytest.raises(ConfigError, match="no worker processes"):
+        run_sweep(NQ, tmp_path / "x", backend=loaded, workers=2)
+    ref = BackendRef.of(marginalize_orders(loaded, OrderOptions(orders=2)))
+    assert (ref.name, ref.orders["orders"], ref.options) == ("vanilla", 2, {})
 
 
 def test_each_run_validates_its_backend_options_once(

@@ -303,13 +303,20 @@ class BackendRef(BaseModel):
     @classmethod
     def of(cls, backend: Backend) -> BackendRef:
         """The reference of a loaded backend (its name, model, options and adapter path, from
-        :meth:`Backend.identity`; device and dtype ``auto``)."""
+        :meth:`Backend.identity`; an order-marginalized backend's orders and the backend it
+        wraps; device and dtype ``auto``)."""
+        from ragfix.backends.orders import OrderMarginalBackend
+
+        orders = None
+        if isinstance(backend, OrderMarginalBackend):
+            orders, backend = backend.options.model_dump(mode="json"), backend.inner
         adapter = backend.identity().get("adapter") or {}
         return cls(
             name=backend.name,
             model=backend.model_name,
             adapter=adapter.get("path"),
             options=backend.options.model_dump(mode="json"),
+            orders=orders,
         )
 
     #: the options as :func:`validate_backend` returned them, and the (name, adapter, model,

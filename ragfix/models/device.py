@@ -5,6 +5,7 @@ need it, so the thread settings (:data:`THREADS_ENV`, :func:`usable_cpu_cores`) 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ragfix.errors import ConfigError
@@ -44,6 +45,28 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="ragfix-parent-watch", daemon=True).start()
+
+
+def parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :mod:`subprocess` that ends the child with SIGTERM when the process
+    that started it ends, however it ends (Linux ``prctl(PR_SET_PDEATHSIG)``); a child whose
+    parent was already gone exits at once. ``None`` (no effect) on other systems. For
+    ``multiprocessing`` children, :func:`exit_with_parent`."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def usable_cpu_cores() -> int:

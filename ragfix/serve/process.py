@@ -31,10 +31,18 @@ def serving(*args: str, host: str = "127.0.0.1", timeout: float = 180.0) -> Iter
     import urllib.error
     import urllib.request
 
+    from ragfix.models.device import parent_death_signal
+
     port = free_port(host)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "ragfix.cli", "serve", *args, "--host", host, "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=parent_death_signal(),
+    )
     url = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + timeout
