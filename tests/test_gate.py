@@ -5,8 +5,14 @@ threshold."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -67,3 +73,27 @@ def test_a_gate_on_a_real_sweep_exits_1_naming_the_figure_and_its_interval(tmp_p
     wide = runner.invoke(app, [*args, "--gate", f"diff>={ci['low'] - 0.01:.3f}"])
     assert wide.exit_code == 0 and "gate passed" in wide.output  # resumed: every cell done
     assert runner.invoke(app, ["eval", *SWEEP, "--baseline", str(base)]).exit_code == 2
+
+
+@pytest.mark.processes
+def test_the_documented_pytest_gate_runs_and_fails_a_run_too_small_for_its_threshold(tmp_path):
+    """docs/eval.md's pytest example, run by pytest in a project whose ``docs/`` is two pages of
+    ragfix's docs, with 3 needles instead of 50 (9 cells on SmolLM2): the gate cannot pass on 3
+    questions, so the example's test fails with the gate's line in its message."""
+    text = (ROOT / "docs" / "eval.md").read_text()
+    code = re.search(r"In a pytest suite.*?```python\n(.*?)```", text, re.S).group(1)
+    assert '"--needles",\n            "50",' in code
+    (tmp_path / "docs").mkdir()
+    for page in ("development.md", "scale-out.md"):
+        shutil.copy(ROOT / "docs" / page, tmp_path / "docs" / page)
+    (tmp_path / "test_gate_example.py").write_text(code.replace('"50"', '"3"'))
+    path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": path}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_gate_example.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "1 failed" in res.stdout and "gate worst>=0.5 failed: " in res.stdout, res.stdout[-3000:]
+    summary = json.loads((tmp_path / "runs" / "gate" / "summary.json").read_text())
+    assert summary["cells"] == 9 and summary["questions"] == 3
