@@ -25,7 +25,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 from rich.console import Console
 
-from ragfix.backends import BackendRef
+from ragfix.backends import Backend, BackendRef
 from ragfix.connectors.records import format_records, parse_records
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.run import (
@@ -34,6 +34,7 @@ from ragfix.eval.run import (
     RunKind,
     default_batch_size,
     input_fingerprints,
+    loaded_reference,
     run,
 )
 from ragfix.eval.shard import Shard
@@ -293,7 +294,7 @@ def run_judge(
     out: str | Path,
     *,
     model: str = "smollm2",
-    backend: str = "vanilla",
+    backend: str | Backend = "vanilla",
     adapter: str | None = None,
     backend_options: dict | None = None,
     style: str = "verdict",
@@ -332,6 +333,9 @@ def run_judge(
         out: the run folder (created).
         model, backend, adapter, backend_options: what judges (:func:`ragfix.backends.
             load_backend`).
+            A loaded backend instead of a name is used in this process; its settings are its
+            own (:func:`~ragfix.eval.run.loaded_reference`), so ``model``, ``adapter``,
+            ``backend_options``, ``device`` and ``dtype`` are not given with it.
         style, repeats, max_new_tokens, tie_margin, swap, labels, calibrate, batch_size: see
             :class:`ragfix.judge.PairwiseJudge` (``batch_size`` default: 32 on CUDA, 4 on CPU).
         limit: judge the first ``limit`` pairs (of ``records`` when given).
@@ -370,6 +374,13 @@ def run_judge(
     from ragfix.connectors.pairwise import detect_format
     from ragfix.models.resolve import resolve_model
 
+    loaded = None
+    if not isinstance(backend, str):
+        loaded, of = backend, loaded_reference(
+            backend, model=model != "smollm2", adapter=adapter, backend_options=backend_options,
+            device=device != "auto", dtype=dtype != "auto",
+        )  # fmt: skip
+        backend, model, adapter, backend_options = of.name, of.model, of.adapter, of.options
     data, out = Path(data), Path(out)
     fmt = detect_format(data)
     if fmt == "swap_judgments":
@@ -426,7 +437,14 @@ def run_judge(
         "kv_wrong": kv_wrong if fmt == "kv" else None,
     }
     kind = JudgeRun(config, pairs, settings, extra, skipped)
-    return run(kind, ref, out, restart=restart, shard=Shard.parse(shard), console=console)
+    return run(
+        kind,
+        ref if loaded is None else loaded,
+        out,
+        restart=restart,
+        shard=Shard.parse(shard),
+        console=console,
+    )
 
 
 def compare_runs(baseline: str | Path, other: str | Path, field: str = "verdict_original") -> dict:

@@ -56,7 +56,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 from rich.console import Console
 
-from ragfix.backends import BackendRef
+from ragfix.backends import Backend, BackendRef
 from ragfix.backends.base import require_plain_prompts
 from ragfix.connectors.corpus import (
     DEFAULT_CHUNK_SIZE,
@@ -79,7 +79,15 @@ from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
 from ragfix.eval.merit import retrieval_weighted_merit
 from ragfix.eval.progress import RunTally
-from ragfix.eval.run import RunConfig, RunFolder, RunKind, Store, input_fingerprints, run
+from ragfix.eval.run import (
+    RunConfig,
+    RunFolder,
+    RunKind,
+    Store,
+    input_fingerprints,
+    loaded_reference,
+    run,
+)
 from ragfix.eval.shard import Shard
 from ragfix.eval.sweep import LEGACY_TASK_FORMS, parse_positions, summary_counts, sweep_folder
 from ragfix.eval.sweep_summary import build_summary, cells_by_curve, natural_ranks, write_summary
@@ -188,7 +196,7 @@ def run_pipeline_sweep(
     positions: str = "all",
     limit: int | None = None,
     model: str = "smollm2",
-    backend: str = "vanilla",
+    backend: str | Backend = "vanilla",
     adapter: str | Path | None = None,
     backend_options: dict | None = None,
     profile: Path | None = None,
@@ -239,7 +247,10 @@ def run_pipeline_sweep(
             :func:`ragfix.backends.load_backend`); the options (but a remote model's call
             settings) and the adapter path are part of the cell ids. A remote model
             (``openai:NAME``) needs a ``tokenizer`` option here: passages are fitted to the
-            window by counting their tokens.
+            window by counting their tokens. A loaded backend instead of a name is used in
+            this process; its settings are its own
+            (:func:`~ragfix.eval.run.loaded_reference`), so ``model``, ``adapter``,
+            ``backend_options``, ``orders``, ``device`` and ``dtype`` are not given with it.
         profile: ``summary.json`` for ``bias-profile`` (same model, ``top_k`` documents).
         retriever: ``faiss`` or ``bm25``.
         skip_invalid: skip and count malformed questions and unreadable files.
@@ -302,6 +313,14 @@ def run_pipeline_sweep(
     from ragfix.backends.orders import OrderOptions, check_orders
     from ragfix.models import resolve_model
 
+    loaded = None
+    if not isinstance(backend, str):
+        loaded, of = backend, loaded_reference(
+            backend, model=model != "smollm2", adapter=adapter, backend_options=backend_options,
+            orders=orders, device=device != "auto", dtype=dtype != "auto",
+        )  # fmt: skip
+        backend, model, adapter, orders = of.name, of.model, of.adapter, of.orders
+        backend_options = of.options
     options = dict(backend_options or {})
     adapter = str(adapter) if adapter else None
     corpus = resolve_demo(Path(corpus), "corpus")
@@ -395,7 +414,14 @@ def run_pipeline_sweep(
         written=written if write_now else None,
         writer_options=writer_options,
     )
-    return run(kind, ref, out, restart=restart, shard=Shard.parse(shard), console=console)
+    return run(
+        kind,
+        ref if loaded is None else loaded,
+        out,
+        restart=restart,
+        shard=Shard.parse(shard),
+        console=console,
+    )
 
 
 class _PipelineTally(RunTally):

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
-from ragfix.backends import BackendRef
+from ragfix.backends import Backend, BackendRef
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, ConfigMismatchError, DataError, Interrupted
 from ragfix.eval.progress import RunTally, progress_bar
@@ -375,6 +375,22 @@ class RunKind(ABC):
     def summarize(self, folder: RunFolder | None, records: list[dict]) -> Any:
         """The run's result from its records (in cell order; every stored one of this run's
         cells), writing its summary files."""
+
+
+def loaded_reference(backend: Backend, **given: object) -> BackendRef:
+    """The reference of a loaded backend handed to a run function (as lm-eval's
+    ``simple_evaluate`` takes a loaded model): its name, model, options, adapter and orders are
+    its own (:meth:`BackendRef.of <ragfix.backends.BackendRef.of>`), so none of them may be given
+    beside it. ``given``: each such setting of the call, truthy when the caller set it.
+
+    Raises:
+        ConfigError: a setting given beside the loaded backend (every one named).
+    """
+    named = [k for k, v in given.items() if v]
+    if named:
+        named_list = ", ".join(named)
+        raise ConfigError(f"a loaded backend brings its own settings: {named_list} not with it")
+    return BackendRef.of(backend)
 
 
 def default_batch_size(backend, device: str, kind: RunKind) -> int:

@@ -28,7 +28,14 @@ from ragfix.backends import Backend, BackendRef
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.connectors.records import parse_records
 from ragfix.errors import ConfigError, DataError, RagfixError, WorkerError
-from ragfix.eval.run import RunFolder, RunKind, Store, input_fingerprints, run
+from ragfix.eval.run import (
+    RunFolder,
+    RunKind,
+    Store,
+    input_fingerprints,
+    loaded_reference,
+    run,
+)
 from ragfix.eval.shard import (
     Shard,
     assign_groups,
@@ -498,16 +505,10 @@ def run_sweep(
 
     loaded = None
     if not isinstance(backend, str):
-        loaded, of = backend, BackendRef.of(backend)
-        given = {
-            "model": model != "smollm2",
-            "adapter": adapter,
-            "backend_options": backend_options,
-        }
-        given |= {"orders": orders, "device": device != "auto", "dtype": dtype != "auto"}
-        if any(given.values()):
-            named = ", ".join(k for k, v in given.items() if v)
-            raise ConfigError(f"a loaded backend brings its own settings: {named} not with it")
+        loaded, of = backend, loaded_reference(
+            backend, model=model != "smollm2", adapter=adapter, backend_options=backend_options,
+            orders=orders, device=device != "auto", dtype=dtype != "auto",
+        )  # fmt: skip
         if workers not in (None, 1):
             raise ConfigError("a loaded backend runs in this process: no worker processes")
         backend, model, adapter, orders = of.name, of.model, of.adapter, of.orders

@@ -522,6 +522,36 @@ def test_a_loaded_backend_runs_the_sweep_as_its_name_does(tmp_path, model_dir):
     assert (ref.name, ref.orders["orders"], ref.options) == ("vanilla", 2, {})
 
 
+def test_a_loaded_backend_runs_the_pipeline_and_the_judge_as_its_name_does(
+    tmp_path, model_dir, small_corpus
+):
+    from ragfix.backends import load_backend
+
+    loaded = load_backend("vanilla", model=str(model_dir), device="cpu")
+    corpus, questions = small_corpus
+    pipe = dict(corpus=corpus, questions=questions, strategies=["none"], top_k=2)
+    run_pipeline_sweep(out=tmp_path / "p-name", model=str(model_dir), device="cpu", **pipe)
+    run_pipeline_sweep(out=tmp_path / "p-loaded", backend=loaded, **pipe)
+    keep = ("cell_id", "answer", "correct", "prompt")
+    mine, theirs = (run_records(tmp_path / d) for d in ("p-loaded", "p-name"))
+    assert len(mine) == 2 and [{k: r[k] for k in keep} for r in mine] == [
+        {k: r[k] for k in keep} for r in theirs
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"question": "2 + 2?", "answer_a": "4", "answer_b": "5", "label": 1}]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_judge(pairs, tmp_path / "j-name", model=str(model_dir), device="cpu")
+    run_judge(pairs, tmp_path / "j-loaded", backend=loaded)
+    mine, theirs = (_lines(tmp_path / d / "judgments.jsonl") for d in ("j-loaded", "j-name"))
+    for r in (*mine, *theirs):
+        r.pop("seconds", None)
+    assert len(mine) == 1 and mine == theirs
+    with pytest.raises(ConfigError, match="brings its own settings: model, dtype not with it"):
+        run_judge(pairs, tmp_path / "x", backend=loaded, model="other", dtype="float32")
+    with pytest.raises(ConfigError, match="brings its own settings: orders not with it"):
+        run_pipeline_sweep(out=tmp_path / "x", backend=loaded, orders={"orders": 2}, **pipe)
+
+
 def test_each_run_validates_its_backend_options_once(
     tmp_path, model_dir, small_corpus, monkeypatch
 ):
