@@ -37,17 +37,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
-from ragfix.backends import Backend, BackendRef
+from ragfix.backends import BackendRef
 from ragfix.connectors.jsonl import SkipCounter
 from ragfix.errors import ConfigError, ConfigMismatchError, DataError, Interrupted
 from ragfix.eval.progress import RunTally, progress_bar
 from ragfix.eval.shard import Shard, assign_groups, shard_manifests, write_manifest
 from ragfix.io import CONFIG_FILE, JsonlStore, atomic_write_json, read_run_config
+
+if TYPE_CHECKING:
+    from ragfix.backends import Backend
 
 #: the version of the run folder layout; a ``config.json`` without it predates identity binding
 RUN_FORMAT = 2
