@@ -377,8 +377,8 @@ def run_judge(
     loaded = None
     if not isinstance(backend, str):
         loaded, of = backend, loaded_reference(
-            backend, model=model != "smollm2", adapter=adapter, backend_options=backend_options,
-            device=device != "auto", dtype=dtype != "auto",
+            backend, model=model, adapter=adapter, backend_options=backend_options,
+            device=device, dtype=dtype,
         )  # fmt: skip
         backend, model, adapter, backend_options = of.name, of.model, of.adapter, of.options
     data, out = Path(data), Path(out)

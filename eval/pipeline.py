@@ -316,8 +316,8 @@ def run_pipeline_sweep(
     loaded = None
     if not isinstance(backend, str):
         loaded, of = backend, loaded_reference(
-            backend, model=model != "smollm2", adapter=adapter, backend_options=backend_options,
-            orders=orders, device=device != "auto", dtype=dtype != "auto",
+            backend, model=model, adapter=adapter, backend_options=backend_options,
+            orders=orders, device=device, dtype=dtype,
         )  # fmt: skip
         backend, model, adapter, orders = of.name, of.model, of.adapter, of.orders
         backend_options = of.options

@@ -380,16 +380,22 @@ class RunKind(ABC):
         cells), writing its summary files."""
 
 
-def loaded_reference(backend: Backend, **given: object) -> BackendRef:
+#: the run functions' defaults of the settings a loaded backend brings itself (any other such
+#: setting: ``None``)
+_UNSET = {"model": "smollm2", "device": "auto", "dtype": "auto"}
+
+
+def loaded_reference(backend: Backend, **settings: object) -> BackendRef:
     """The reference of a loaded backend handed to a run function (as lm-eval's
     ``simple_evaluate`` takes a loaded model): its name, model, options, adapter and orders are
-    its own (:meth:`BackendRef.of <ragfix.backends.BackendRef.of>`), so none of them may be given
-    beside it. ``given``: each such setting of the call, truthy when the caller set it.
+    its own (:meth:`BackendRef.of <ragfix.backends.BackendRef.of>`), so none of ``settings``
+    (the call's ``model``, ``adapter``, ``backend_options``, ``orders``, ``device``,
+    ``dtype``) may differ from the run function's default.
 
     Raises:
         ConfigError: a setting given beside the loaded backend (every one named).
     """
-    named = [k for k, v in given.items() if v]
+    named = [k for k, v in settings.items() if v != _UNSET.get(k) and v]
     if named:
         named_list = ", ".join(named)
         raise ConfigError(f"a loaded backend brings its own settings: {named_list} not with it")

@@ -506,8 +506,8 @@ def run_sweep(
     loaded = None
     if not isinstance(backend, str):
         loaded, of = backend, loaded_reference(
-            backend, model=model != "smollm2", adapter=adapter, backend_options=backend_options,
-            orders=orders, device=device != "auto", dtype=dtype != "auto",
+            backend, model=model, adapter=adapter, backend_options=backend_options,
+            orders=orders, device=device, dtype=dtype,
         )  # fmt: skip
         if workers not in (None, 1):
             raise ConfigError("a loaded backend runs in this process: no worker processes")

@@ -306,6 +306,24 @@ def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, model_di
     assert not done & {(r.sample_id, r.position) for r in seen}
 
 
+def _child_outlives_a_killed_parent(script: str) -> bool:
+    """Run ``script`` (it starts a child and prints the child's pid) as a process, kill that
+    process with SIGKILL (no handler of it runs) and say whether the child is still there 20 s
+    later (then it is killed here)."""
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = parent.stdout.readline().strip()
+    assert not _gone(child)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 20
+    while not _gone(child) and time.time() < deadline:
+        time.sleep(0.1)
+    if _gone(child):
+        return False
+    os.kill(int(child), signal.SIGKILL)
+    return True
+
+
 @pytest.mark.processes
 def test_the_thread_benchmark_spinners_end_with_a_killed_bench():
     script = (
@@ -316,18 +334,7 @@ def test_the_thread_benchmark_spinners_end_with_a_killed_bench():
         "print(p.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    spinner = bench.stdout.readline().strip()
-    assert not _gone(spinner)
-    os.kill(bench.pid, signal.SIGKILL)
-    bench.wait()
-    deadline = time.time() + 20
-    while not _gone(spinner) and time.time() < deadline:
-        time.sleep(0.1)
-    ended = _gone(spinner)
-    if not ended:
-        os.kill(int(spinner), signal.SIGKILL)
-    assert ended
+    assert not _child_outlives_a_killed_parent(script)
 
 
 @pytest.mark.processes
@@ -340,18 +347,7 @@ def test_a_subprocess_started_with_the_parent_death_signal_ends_with_its_parent(
         "print(child.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    child = bench.stdout.readline().strip()
-    assert not _gone(child)
-    os.kill(bench.pid, signal.SIGKILL)
-    bench.wait()
-    deadline = time.time() + 20
-    while not _gone(child) and time.time() < deadline:
-        time.sleep(0.1)
-    ended = _gone(child)
-    if not ended:
-        os.kill(int(child), signal.SIGKILL)
-    assert ended
+    assert not _child_outlives_a_killed_parent(script)
 
 
 # ------------------------------------------------------------------ pipeline sweep
