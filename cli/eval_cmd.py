@@ -212,15 +212,42 @@ def register(app: typer.Typer) -> None:
         limit: Annotated[int, typer.Option(help="samples")] = 6,
         device: DeviceOpt = "auto",
     ) -> None:
-        """The lost-in-the-middle curve in a few minutes on a CPU: the embedded SmolLM2 on the
-        bundled KV-retrieval sample (8 pairs, gold at every position)."""
+        """Lost in the middle and its fix, in a few minutes on a CPU: the embedded SmolLM2 on
+        the bundled KV-retrieval sample (8 pairs, the gold pair at every position), vanilla and
+        the calibrated attention-sort on the same cells (OUT/vanilla, OUT/attention-sort), then
+        both curves in one plot (OUT/curve.png) with the paired test per position (every number in
+        OUT/comparison.json, as ``ragfix report --json`` writes it)."""
         from ragfix.eval import run_sweep
+        from ragfix.eval.compare import (
+            compare_loaded,
+            comparison_tables,
+            load_runs,
+            write_comparison,
+        )
+        from ragfix.tables import print_tables
 
         with user_errors():
-            summary = run_sweep(
-                "kv-sample", out, num_docs=8, limit=limit, device=device, console=console
+            folders = []
+            for backend in ("vanilla", "attention-sort"):
+                folder = out / backend
+                summary = run_sweep(
+                    "kv-sample",
+                    folder,
+                    num_docs=8,
+                    limit=limit,
+                    backend=backend,
+                    device=device,
+                    console=console,
+                )
+                print_run(summary, folder, f"smollm2 · {backend} · 8 KV pairs")
+                folders.append(folder)
+            plot = out / "curve.png"
+            comparison = compare_loaded(
+                load_runs(folders), plot=plot, title="smollm2 · 8 KV pairs · the fix"
             )
-            print_run(summary, out, "smollm2 · vanilla · 8 KV pairs")
+            write_comparison(out / "comparison.json", comparison)
+            print_tables(comparison_tables(comparison), console)
+            console.print(f"plot: {plot}", soft_wrap=True, highlight=False)
 
     def show_model_check(name: str) -> None:
         from ragfix.eval.families import check_model

@@ -17,19 +17,33 @@ NQ = BUNDLED / "nq_10docs_sample.jsonl.gz"
 runner = CliRunner()
 
 
-def test_demo_on_one_sample_writes_a_real_summary(tmp_path):
+def test_demo_on_one_sample_shows_the_bias_and_the_fix_on_the_same_cells(tmp_path):
     out = tmp_path / "demo"
     res = runner.invoke(app, ["demo", "--limit", "1", "--device", "cpu", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    summary = json.loads((out / "summary.json").read_text())
-    recs = run_records(out)
-    assert summary["cells"] == len(recs) == 8 and summary["task"] == "kv"
-    curve = summary["curves"]["vanilla"]
-    assert [p["position"] for p in curve["positions"]] == list(range(8))
-    assert [p["n"] for p in curve["positions"]] == [1] * 8
-    assert curve["mean"] == pytest.approx(sum(r["correct"] for r in recs) / 8)
-    assert summary["prefill_tokens"] > 0 and all(r["answer"] for r in recs)
-    assert "gap" in res.output and str(out / "summary.json") in " ".join(res.output.split())
+    correct = {}
+    for backend in ("vanilla", "attention-sort"):
+        summary = json.loads((out / backend / "summary.json").read_text())
+        recs = run_records(out / backend)
+        assert summary["cells"] == len(recs) == 8 and summary["task"] == "kv"
+        curve = summary["curves"][backend]
+        assert [p["position"] for p in curve["positions"]] == list(range(8))
+        assert [p["n"] for p in curve["positions"]] == [1] * 8
+        assert curve["mean"] == pytest.approx(sum(r["correct"] for r in recs) / 8)
+        assert summary["prefill_tokens"] > 0 and all(r["answer"] for r in recs)
+        correct[backend] = {r["position"]: r["correct"] for r in recs}
+    cells = [{(r["sample_id"], r["position"]) for r in run_records(out / b)} for b in correct]
+    assert cells[0] == cells[1]  # the same sample at the same positions
+    comparison = json.loads((out / "comparison.json").read_text())
+    (pair,) = comparison["paired"]
+    assert (pair["baseline"], pair["other"]) == ("vanilla:vanilla", "attention-sort:attention-sort")
+    only_sort = sum(correct["attention-sort"][p] > correct["vanilla"][p] for p in range(8))
+    only_vanilla = sum(correct["vanilla"][p] > correct["attention-sort"][p] for p in range(8))
+    assert (pair["only_other"], pair["only_baseline"]) == (only_sort, only_vanilla)
+    assert only_sort > only_vanilla  # the sort finds the gold pair where vanilla misses it
+    assert (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    text = " ".join(res.output.split())
+    assert "McNemar p" in text and str(out / "curve.png") in text
 
 
 def test_models_lists_the_embedded_model_with_whole_paths():
