@@ -9,7 +9,9 @@
   answers decoded in one batch, each row stopping at its own stop rule
   (:meth:`ragfix.backends.hf.HFBackend._generate_trie`).
 
-The modes alternate sample by sample, so they see the same machine load. For each: prefill
+With several dtypes (``--dtype float32,bfloat16``) every mode runs in each, over one model
+loaded per dtype, and the first dtype's ``naive`` is the reference of every row. The modes (and
+dtypes) alternate sample by sample, so they see the same machine load. For each: prefill
 tokens, decoded tokens, wall seconds, cells per second, peak memory (resident set on the CPU,
 allocated on CUDA), and the correctness labels, the answers and the generated token ids compared
 with ``naive`` cell by cell (every cell whose tokens differ is listed, with the first differing
@@ -19,6 +21,7 @@ wall-time ratio of the fastest exact mode (naive's label on every cell) against 
 the README by ``ragfix render``).
 
     ragfix bench sweep --data nq-sample --num-docs 10 --limit 2
+    ragfix bench sweep --data kv-sample --num-docs 8 --limit 2 --dtype float32,bfloat16
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def bench_sweep(
     model: str = "smollm2",
     device: str = "auto",
     on_progress=None,
+    dtypes: tuple[str, ...] = ("auto",),
 ) -> tuple[TableSpec, dict]:
-    """Run the same cells in every mode of :data:`MODES` and compare them.
+    """Run the same cells in every mode of :data:`MODES`, in every dtype, and compare them.
 
     Args:
         data: a Lost-in-the-Middle QA or KV file, or a bundled sample name.
@@ -64,74 +68,99 @@ def bench_sweep(
         limit: samples (``limit x num_docs`` cells per mode).
         model, device: see :func:`ragfix.backends.load_backend` (the ``vanilla`` backend).
         on_progress: called with a short status line after each sample and mode.
+        dtypes: the model's dtypes (``"auto"``, ``"float32"``, ``"bfloat16"`` ...), one model
+            loaded per dtype; the first dtype's ``naive`` is the reference every row is compared
+            with (labels, answers, tokens).
 
     Returns:
-        ``(table, details)``: the formatted table and the raw figures (per mode: prefill and
-        decoded tokens, wall seconds, peak MiB, cells with naive's labels, answers and tokens;
-        the cells whose tokens differ).
+        ``(table, details)``: the formatted table (one row per dtype and mode) and the raw
+        figures (per row, keyed ``mode`` for one dtype and ``mode · dtype`` for several: prefill
+        and decoded tokens, wall seconds, peak MiB, cells with the reference's labels, answers
+        and tokens; the cells whose tokens differ). The lines end with each dtype's fastest
+        exact mode against its ``naive`` and, for several dtypes, each mode's wall time against
+        the first dtype's same mode.
 
     Raises:
         DataError, ModelNotFoundError: bad data or model (one line).
+        ConfigError: a dtype named twice.
     """
     from ragfix.backends import load_backend
     from ragfix.bundled import bundled_path
     from ragfix.connectors.litm import load_samples
+    from ragfix.errors import ConfigError
     from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
-    from ragfix.models.device import resolve_device
+    from ragfix.models.device import resolve_device, resolve_dtype
     from ragfix.tasks import task_prompt
 
     path = bundled_path(data) or Path(data)
     samples = load_samples(path, num_docs, limit)
-    backend = load_backend("vanilla", model=model, device=device)
     dev = resolve_device(device)
+    names = [str(resolve_dtype(d, dev)).removeprefix("torch.") for d in dtypes]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--dtype {','.join(dtypes)}: a dtype is named twice ({names})")
+    rows_of = [(mode, name) for name in names for mode in MODES]
+
+    def label(mode: str, name: str) -> str:
+        return mode if len(names) == 1 else f"{mode} · {name}"
+
+    loaded = {n: load_backend("vanilla", model=model, device=device, dtype=n) for n in names}
+    backend = loaded[names[0]]
     cfg = SweepConfig(
         data=str(path), task=samples[0].task, num_docs=num_docs, model=model, backend="vanilla"
     )
-    records: dict[str, dict] = {m: {} for m in MODES}
-    # the generated token ids of every cell, per mode, by prompt text (records keep only text)
-    tokens: dict[str, dict[str, list[int] | None]] = {m: {} for m in MODES}
-    # one backend per mode over the same model, each keeping its own prefix cache between
+    keys = [label(m, n) for m, n in rows_of]
+    records: dict[str, dict] = {k: {} for k in keys}
+    # the generated token ids of every cell, per row, by prompt text (records keep only text)
+    tokens: dict[str, dict[str, list[int] | None]] = {k: {} for k in keys}
+    # one backend per row over its dtype's model, each keeping its own prefix cache between
     # samples as it would over a whole sweep (a shared one would hand a mode the prefix another
     # mode left)
-    backends = {m: type(backend)(backend.model, backend.tokenizer) for m in MODES}
-    for mode, b in backends.items():
-        b.generate = _recording(b, tokens[mode])
+    backends = {
+        label(m, n): type(loaded[n])(loaded[n].model, loaded[n].tokenizer) for m, n in rows_of
+    }
+    for key, b in backends.items():
+        b.generate = _recording(b, tokens[key])
     text_of: dict[str, str] = {}
-    wall = dict.fromkeys(MODES, 0.0)
-    peak: dict[str, float | None] = dict.fromkeys(MODES)
+    wall = dict.fromkeys(keys, 0.0)
+    peak: dict[str, float | None] = dict.fromkeys(keys)
     for i, s in enumerate(samples):
         cells = plan_cells(cfg, [s], list(range(num_docs)))
         for c in cells:
             text_of[c.cell_id] = backend.format_prompt(
                 task_prompt(s, s.passages_with_gold_at(c.position))
             )
-        for mode, (reuse, size) in MODES.items():
+        for mode, name in rows_of:
+            key = label(mode, name)
+            reuse, size = MODES[mode]
             reset_peak(dev)
             t = time.perf_counter()
             run_cells(
-                backends[mode],
+                backends[key],
                 cells,
-                lambda r, m=mode: records[m].setdefault(r.cell_id, r),
+                lambda r, k=key: records[k].setdefault(r.cell_id, r),
                 prefix_reuse=reuse,
                 batch_size=size or len(cells),
             )
-            wall[mode] += time.perf_counter() - t
+            wall[key] += time.perf_counter() - t
             mib = peak_mib(dev)
             if mib is not None:
-                peak[mode] = max(peak[mode] or 0.0, mib)
+                peak[key] = max(peak[key] or 0.0, mib)
             if on_progress is not None:
-                on_progress(f"sample {i + 1}/{len(samples)}: {mode} done")
+                on_progress(f"sample {i + 1}/{len(samples)}: {key} done")
 
-    naive = records["naive"]
+    reference = keys[0]
+    naive = records[reference]
     details: dict = {"data": str(path), "num_docs": num_docs, "samples": len(samples)}
-    details.update(model=model, device=str(dev), threads=torch.get_num_threads(), modes={})
+    details.update(model=model, device=str(dev), threads=torch.get_num_threads())
+    details.update(dtypes=names, modes={})
     rows, lines = [], []
-    for mode, recs in records.items():
+    for (mode, name), key in zip(rows_of, keys, strict=True):
+        recs = records[key]
         same_answer = sum(recs[k].answer == naive[k].answer for k in naive)
         same_label = sum(recs[k].correct == naive[k].correct for k in naive)
         diffs = []
         for k, r in recs.items():
-            mine, ref = tokens[mode].get(text_of[k]), tokens["naive"].get(text_of[k])
+            mine, ref = tokens[key].get(text_of[k]), tokens[reference].get(text_of[k])
             if mine != ref:
                 step = next(
                     (
@@ -154,25 +183,28 @@ def bench_sweep(
                 )
         prefill = sum(r.prefill_tokens for r in recs.values())
         decoded = sum(r.new_tokens for r in recs.values())
-        mem = "n/a" if peak[mode] is None else f"{peak[mode]:,.0f}"
+        mem = "n/a" if peak[key] is None else f"{peak[key]:,.0f}"
         rows.append(
             [
                 mode,
+                name,
                 f"{prefill:,}",
                 f"{decoded:,}",
-                f"{wall[mode]:.1f}",
-                f"{len(recs) / wall[mode]:.3f}",
+                f"{wall[key]:.1f}",
+                f"{len(recs) / wall[key]:.3f}",
                 mem,
                 f"{same_label}/{len(naive)}",
                 f"{same_answer}/{len(naive)}",
                 f"{len(naive) - len(diffs)}/{len(naive)}",
             ]
         )
-        details["modes"][mode] = {
+        details["modes"][key] = {
+            "mode": mode,
+            "dtype": name,
             "prefill_tokens": prefill,
             "decoded_tokens": decoded,
-            "wall_s": round(wall[mode], 2),
-            "peak_mib": peak[mode],
+            "wall_s": round(wall[key], 2),
+            "peak_mib": peak[key],
             "identical_labels": same_label,
             "identical_answers": same_answer,
             "identical_tokens": len(naive) - len(diffs),
@@ -180,22 +212,35 @@ def bench_sweep(
         }
         for d in diffs:
             lines.append(
-                f"{mode} differs at position {d['position']} of {d['sample_id']} from token "
-                f"{d['first_step']}: {d['answer']!r} ({len(d['tokens'] or [])} tokens) vs naive "
-                f"{d['naive_answer']!r} ({len(d['naive_tokens'] or [])} tokens)"
+                f"{key} differs at position {d['position']} of {d['sample_id']} from token "
+                f"{d['first_step']}: {d['answer']!r} ({len(d['tokens'] or [])} tokens) vs "
+                f"{reference} {d['naive_answer']!r} ({len(d['naive_tokens'] or [])} tokens)"
             )
-    exact = [
-        m for m in MODES if m != "naive" and details["modes"][m]["identical_labels"] == len(naive)
-    ]
-    best = min(exact, key=lambda m: wall[m]) if exact else None
-    if best is not None:
-        lines.append(f"wall time: {wall['naive'] / wall[best]:.2f}x less than naive ({best})")
-    else:
-        lines.append("wall time: no mode gave naive's labels on every cell")
+    for name in names:
+        own = records[label("naive", name)]
+        exact = [
+            m
+            for m in MODES
+            if m != "naive"
+            and all(records[label(m, name)][k].correct == own[k].correct for k in own)
+        ]
+        best = min(exact, key=lambda m: wall[label(m, name)]) if exact else None
+        where = "" if len(names) == 1 else f"{name}: "
+        if best is not None:
+            ratio = wall[label("naive", name)] / wall[label(best, name)]
+            lines.append(f"{where}wall time: {ratio:.2f}x less than naive ({best})")
+        else:
+            lines.append(f"{where}wall time: no mode gave naive's labels on every cell")
+    if len(names) > 1:
+        lines.append(f"labels, answers and tokens compared with {reference}")
+    for name in names[1:]:
+        for mode in MODES:
+            ratio = wall[label(mode, names[0])] / wall[label(mode, name)]
+            lines.append(f"{mode}: {name} {ratio:.2f}x less wall time than {names[0]}")
     title = (
         f"sweep modes · {model} · {path.name} · {num_docs} docs · {len(naive)} cells · {dev} "
         f"· {torch.get_num_threads()} threads"
     )
-    headers = ["mode", "prefill tokens", "decoded tokens", "wall s", "cells/s", "peak MiB"]
-    headers += ["labels as naive", "answers as naive", "tokens as naive"]
+    headers = ["mode", "dtype", "prefill tokens", "decoded tokens", "wall s", "cells/s"]
+    headers += ["peak MiB", "labels as naive", "answers as naive", "tokens as naive"]
     return TableSpec(title, headers, rows, lines), details

@@ -24,15 +24,25 @@ def sweep_cmd(
     limit: Annotated[int, typer.Option(help="samples (x num-docs cells per mode)")] = 2,
     model: Annotated[str, typer.Option(help="model (vanilla backend)")] = "smollm2",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda ...")] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="the model's dtypes, comma separated (float32,bfloat16: every mode in each, "
+            "compared with the first's naive)"
+        ),
+    ] = "auto",
     json_out: JsonOpt = None,
 ) -> None:
     """The same sweep cells naive, with KV-cache prefix reuse, and with prefix reuse then the
-    answers of a sample decoded in one batch: tokens, wall time, cells/s, peak memory, labels,
-    answers and generated tokens compared with naive."""
+    answers of a sample decoded in one batch, in each dtype: tokens, wall time, cells/s, peak
+    memory, labels, answers and generated tokens compared with the first dtype's naive."""
     from ragfix.bench.sweep import bench_sweep
 
+    dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     with user_errors(), console.status("benchmark") as status:
-        table, details = bench_sweep(data, num_docs, limit, model, device, status.update)
+        table, details = bench_sweep(
+            data, num_docs, limit, model, device, status.update, dtypes or ("auto",)
+        )
     show_tables(table, details, json_out)
 
 

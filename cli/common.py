@@ -153,7 +153,24 @@ TrainWindowOpt = Annotated[
     int | None, typer.Option(help="gali: the model's trained window L (override)")
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
-DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float16 ...")]
+
+
+def _dtype_option(value: str) -> str:
+    """``--dtype``'s callback: a dtype name :func:`~ragfix.models.device.check_dtype` accepts,
+    or exit 2 with one line naming the valid ones."""
+    from ragfix.models.device import check_dtype
+
+    with user_errors():
+        return check_dtype(value)
+
+
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16",
+        callback=_dtype_option,
+    ),
+]
 RestartOpt = Annotated[
     bool,
     typer.Option(

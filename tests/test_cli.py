@@ -46,6 +46,32 @@ def test_demo_on_one_sample_shows_the_bias_and_the_fix_on_the_same_cells(tmp_pat
     assert "McNemar p" in text and str(out / "curve.png") in text
 
 
+def test_an_unknown_dtype_is_refused_in_one_line_before_any_model_loads():
+    from ragfix.errors import ConfigError
+    from ragfix.models.device import resolve_dtype
+
+    commands = [
+        ["eval", "kv-sample"],
+        ["eval-pipeline"],
+        ["judge", "pairs.jsonl"],
+        ["eval-ppl", "texts.jsonl"],
+        ["serve"],
+        ["calibrate"],
+        ["distill", "r1", "adapter"],
+        ["distill", "r2", "adapter"],
+        ["tune", "attention-sort", "data.jsonl"],
+    ]
+    for command in commands:
+        res = runner.invoke(app, [*command, "--dtype", "float33"])
+        assert res.exit_code == 2, (command, res.output)
+        lines = res.output.strip().splitlines()
+        assert lines == ["error: dtype 'float33': expected auto, float32, bfloat16, float16"]
+    res = runner.invoke(app, ["bench", "sweep", "--dtype", "float32,float33"])
+    assert res.exit_code == 2 and "dtype 'float33': expected auto" in res.output
+    with pytest.raises(ConfigError, match="dtype 'Tensor': expected auto"):
+        resolve_dtype("Tensor")
+
+
 def test_models_lists_the_embedded_model_with_whole_paths():
     from ragfix.models.resolve import smollm2_gguf_path
 

@@ -1,6 +1,7 @@
 """End to end: the sweep CLI on real data with the real model, resume, prefix reuse."""
 
 import json
+import re
 
 import pytest
 from conftest import BUNDLED, ROOT, run_records, tiny_model
@@ -324,7 +325,11 @@ def test_bench_sweep_compares_the_three_modes_token_by_token(tmp_path):
     table, details = bench_sweep(
         "nq-sample", num_docs=3, limit=2, model=str(tmp_path), device="cpu"
     )
-    assert [r[0] for r in table.rows] == ["naive", "prefix reuse", "prefix + batched"]
+    assert [r[:2] for r in table.rows] == [
+        ["naive", "float32"],
+        ["prefix reuse", "float32"],
+        ["prefix + batched", "float32"],
+    ]
     assert table.headers[-3:] == ["labels as naive", "answers as naive", "tokens as naive"]
     modes = details["modes"]
     assert all(m["identical_tokens"] == 6 and not m["token_differences"] for m in modes.values())
@@ -333,3 +338,62 @@ def test_bench_sweep_compares_the_three_modes_token_by_token(tmp_path):
     assert modes["prefix + batched"]["prefill_tokens"] == modes["prefix reuse"]["prefill_tokens"]
     assert modes["prefix reuse"]["prefill_tokens"] < modes["naive"]["prefill_tokens"]
     assert table.lines[-1].startswith("wall time: ") and "x less than naive" in table.lines[-1]
+
+
+def test_bench_sweep_runs_every_mode_in_each_dtype_against_the_first(tmp_path):
+    """``--dtype float32,bfloat16``: the three modes in each dtype on the same cells, every row
+    compared with float32's naive; the tokens bf16 decodes are its own (its naive equals what
+    ``generate`` of a bf16 model gives), and the wall-time lines pair each mode across dtypes."""
+    from transformers import AutoTokenizer
+
+    from ragfix.backends import load_backend
+    from ragfix.bench.sweep import bench_sweep
+    from ragfix.errors import ConfigError
+    from ragfix.models.resolve import checkpoint_dir, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
+    tiny_model(
+        vocab_size=len(tok),
+        max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    ).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    table, details = bench_sweep(
+        "nq-sample", 3, 1, str(tmp_path), "cpu", dtypes=("float32", "bfloat16")
+    )
+    assert details["dtypes"] == ["float32", "bfloat16"]
+    assert [r[:2] for r in table.rows] == [
+        [mode, dtype]
+        for dtype in ("float32", "bfloat16")
+        for mode in ("naive", "prefix reuse", "prefix + batched")
+    ]
+    modes = details["modes"]
+    assert modes["naive · float32"]["identical_tokens"] == 3
+    bf16 = modes["naive · bfloat16"]
+    assert bf16["identical_tokens"] == 3 - len(bf16["token_differences"])
+    # the bf16 rows decode with the bf16 model: its naive answers are bf16 generate's
+    from ragfix.connectors.litm import load_samples
+    from ragfix.tasks import task_prompt
+
+    sample = load_samples(BUNDLED / "nq_10docs_sample.jsonl.gz", 3, 1)[0]
+    prompts = [task_prompt(sample, sample.passages_with_gold_at(p)) for p in range(3)]
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        b = load_backend("vanilla", model=str(tmp_path), device="cpu", dtype=dtype)
+        runs[dtype] = [b.generate([p])[0].token_ids for p in prompts]
+    diffs = {d["position"]: d["tokens"] for d in bf16["token_differences"]}
+    for p in range(3):  # bf16's own tokens wherever they differ from float32's
+        if runs["bfloat16"][p] == runs["float32"][p]:
+            assert p not in diffs
+        else:
+            assert diffs[p] == runs["bfloat16"][p]
+    assert table.lines[-4] == "labels, answers and tokens compared with naive · float32"
+    names = ("naive", "prefix reuse", "prefix + batched")
+    for line, mode in zip(table.lines[-3:], names, strict=True):
+        assert re.fullmatch(
+            rf"{re.escape(mode)}: bfloat16 \d+\.\d\dx less wall time than float32", line
+        )
+    with pytest.raises(ConfigError, match="a dtype is named twice"):
+        bench_sweep("nq-sample", 3, 1, str(tmp_path), "cpu", dtypes=("auto", "float32"))

@@ -129,12 +129,32 @@ def cpu_threads(threads: int | None = None) -> int:
     return n
 
 
+#: the dtypes a model may be loaded in, by name (``"auto"`` too)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(dtype: str) -> str:
+    """``dtype`` as given, when it is ``"auto"`` or a name in :data:`DTYPES`.
+
+    Raises:
+        ConfigError: any other name (the valid ones named).
+    """
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r}: expected auto, {', '.join(DTYPES)}")
+    return dtype
+
+
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None):
-    """``"auto"``: bfloat16 on CUDA, float32 elsewhere; names like ``"float16"`` work too."""
+    """``"auto"``: bfloat16 on CUDA, float32 elsewhere; a name of :data:`DTYPES`; or a torch
+    dtype as it is.
+
+    Raises:
+        ConfigError: a name that is not ``"auto"`` or one of :data:`DTYPES`.
+    """
     import torch
 
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
+    if check_dtype(dtype) == "auto":
         return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
