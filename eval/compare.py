@@ -413,7 +413,15 @@ def compare_loaded(
                     except RagfixError:
                         why = "no (sample, position) cell in common"
                     else:
-                        paired.append({"baseline": base, "other": other, **merit.model_dump()})
+                        same = _same_answers(base_run, base_curve, run, curve)
+                        paired.append(
+                            {
+                                "baseline": base,
+                                "other": other,
+                                **merit.model_dump(),
+                                "same_answers": same,
+                            }
+                        )
                 if why is not None:
                     notes.append(f"{other} not paired with {base}: {why}")
     if plot is not None:
@@ -450,6 +458,22 @@ def compare_loaded(
         **({"ceilings": ceilings} if ceilings else {}),
         "notes": notes,
     }
+
+
+def _same_answers(a: Run, curve_a: str, b: Run, curve_b: str) -> int:
+    """Cells of curve ``curve_a`` of ``a`` and ``curve_b`` of ``b`` (same sample and position)
+    whose answers are the same text (surrounding whitespace aside): what two runs that should
+    agree (another dtype, batch or engine) answered alike, beyond their labels."""
+
+    def answers(run: Run, curve: str) -> dict[tuple[str, int], str]:
+        return {
+            (r["sample_id"], int(r["position"])): r.get("answer", "").strip()
+            for r in run.records
+            if curve_label(r) == curve and (r["sample_id"], int(r["position"])) in run.curves[curve]
+        }
+
+    mine, theirs = answers(a, curve_a), answers(b, curve_b)
+    return sum(text == theirs.get(key) for key, text in mine.items())
 
 
 def _to_ceiling(oracle: dict[str, bool], cells: Cells) -> dict | None:
@@ -706,6 +730,8 @@ def _paired_table(pair: dict, comparison: dict) -> TableSpec:
         f"{other} {pair['only_other']}, only in {base} {pair['only_baseline']}, McNemar p = "
         f"{pair['p_value']:.3g} ({significance(pair['p_value'])} at {comparison['alpha']})"
     )
+    if "same_answers" in pair:  # not in result files written without the count
+        line += f"; the same answer text in {pair['same_answers']} of {pair['cells']} cells"
     return TableSpec(
         f"{other} paired with {base} (same samples and positions)", headers, rows, [line]
     )

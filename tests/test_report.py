@@ -143,6 +143,24 @@ def test_report_prints_merit_and_paired_tables_and_writes_json(tmp_path):
     assert "| 1 | 10 | 0.200 | 0.900 | +0.700 | 7 | 0 | 0.0156 | significant |" in md.output
 
 
+def test_a_paired_comparison_counts_the_cells_answered_with_the_same_text(tmp_path):
+    """Two runs that should agree (another dtype, batch or engine): the cells whose answers
+    are the same text, surrounding whitespace aside, beside the labels' McNemar test."""
+    base = _run(tmp_path / "fp32", BASE_COUNTS, answer=lambda sid, pos: f"answer {sid}")
+    other = _run(
+        tmp_path / "bf16",
+        BASE_COUNTS,
+        answer=lambda sid, pos: f" answer {sid}\n" if pos != 1 or sid < "s3" else "other",
+        dtype="bfloat16",
+    )
+    (pair,) = compare_runs([base, other])["paired"]
+    # position 1 differs for s3 .. s9 (7 cells); the other 23 agree (whitespace aside)
+    assert (pair["same_answers"], pair["cells"]) == (23, 30)
+    assert (pair["only_other"], pair["only_baseline"]) == (0, 0)
+    res = runner.invoke(app, ["report", str(base), str(other), "--out", str(tmp_path / "p.png")])
+    assert "the same answer text in 23 of 30 cells" in " ".join(res.output.split())
+
+
 def test_retrieval_weighted_accuracy_and_its_table(tmp_path):
     # BASE_COUNTS per swept rank: acc(0) = .8, acc(1) = .2, acc(2) = .5. The retriever itself
     # ranked the gold chunk of s0-s5 at 0, of s6-s7 at 2, missed it for s8-s9:
