@@ -231,6 +231,16 @@ def bench_sweep(
             lines.append(f"{where}wall time: {ratio:.2f}x less than naive ({best})")
         else:
             lines.append(f"{where}wall time: no mode gave naive's labels on every cell")
+        for mode in MODES if name != names[0] else ():  # the first dtype's are the table's
+            mine = tokens[label(mode, name)]
+            alike = sum(
+                mine.get(text_of[k]) == tokens[label("naive", name)].get(text_of[k]) for k in own
+            )
+            details["modes"][label(mode, name)]["tokens_as_own_naive"] = alike
+            if mode != "naive":
+                lines.append(
+                    f"{name}: {mode} gives {name} naive's tokens in {alike}/{len(own)} cells"
+                )
     if len(names) > 1:
         lines.append(f"labels, answers and tokens compared with {reference}")
     for name in names[1:]:

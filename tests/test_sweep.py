@@ -389,6 +389,10 @@ def test_bench_sweep_runs_every_mode_in_each_dtype_against_the_first(tmp_path):
             assert p not in diffs
         else:
             assert diffs[p] == runs["bfloat16"][p]
+    assert modes["naive · bfloat16"]["tokens_as_own_naive"] == 3
+    for mode in ("prefix reuse", "prefix + batched"):  # batch invariance within bf16
+        n = modes[f"{mode} · bfloat16"]["tokens_as_own_naive"]
+        assert f"bfloat16: {mode} gives bfloat16 naive's tokens in {n}/3 cells" in table.lines
     assert table.lines[-4] == "labels, answers and tokens compared with naive · float32"
     names = ("naive", "prefix reuse", "prefix + batched")
     for line, mode in zip(table.lines[-3:], names, strict=True):
