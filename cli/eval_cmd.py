@@ -289,6 +289,7 @@ def register(app: typer.Typer) -> None:
         """Show the installed and cached models; prepare the embedded default. With --check
         MODEL: the backends that model's family supports, and the reason for each refusal."""
         from ragfix.errors import ModelNotFoundError
+        from ragfix.models.device import auto_dtype_line
         from ragfix.models.gguf import ensure_converted
         from ragfix.models.resolve import installed_models, smollm2_gguf_path
 
@@ -313,3 +314,4 @@ def register(app: typer.Typer) -> None:
             console.print(t)
             for i, row in enumerate(rows, 1):  # whole paths, never cut to the terminal's width
                 console.print(f"{i}. {row['path']}", highlight=False, soft_wrap=True)
+            console.print(auto_dtype_line(), highlight=False, soft_wrap=True)

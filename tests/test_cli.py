@@ -80,6 +80,19 @@ def test_models_lists_the_embedded_model_with_whole_paths():
     rows = [line for line in res.output.splitlines() if "smollm2" in line]
     assert rows and "yes" in rows[0]  # installed
     assert f"1. {smollm2_gguf_path()}" in res.output.splitlines()  # never cut to the width
+    # what --dtype auto picks here, and the CPU's bf16 kernels as torch reports them
+    import torch
+
+    kernels = (
+        "amx"
+        if torch.cpu._is_amx_tile_supported()
+        else "avx512_bf16"
+        if torch.cpu._is_avx512_bf16_supported()
+        else None
+    )
+    line = " ".join(res.output.split()).split("dtype auto: ")[1]
+    assert line.startswith("float32 (CPU)")
+    assert (f"bf16 kernels ({kernels})" in line) if kernels else ("no bf16 kernels" in line)
 
 
 def test_threads_option_and_variable_set_torch_threads(monkeypatch):

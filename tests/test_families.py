@@ -110,6 +110,10 @@ def test_vanilla_equals_plain_transformers_on_every_path(tok, prompts, family, d
     want = torch.stack([_plain_logprobs(model, x) for x in ids])
     got = backend.next_token_logprobs(prompts, batch_size=3).cpu()  # left padded
     assert (got - want).abs().max().item() < TOLERANCE[dtype]
+    # log-probabilities are read from the logits in float32, whatever the model's dtype
+    (first,) = backend.generate(prompts[:1], max_new_tokens=1, first_logprobs=True)
+    assert got.dtype == first.first_logprobs.dtype == torch.float32
+    assert (first.first_logprobs.cpu() - want[0]).abs().max().item() < TOLERANCE[dtype]
     if dtype == torch.float32:  # greedy tokens: bf16 rounding may flip a random model's argmax
         plain = [_plain_greedy(model, tok, x, 4) for x in ids]
         for size, reuse in ((3, False), (1, True), (3, True)):

@@ -129,6 +129,34 @@ def cpu_threads(threads: int | None = None) -> int:
     return n
 
 
+def cpu_bf16_kernels() -> str | None:
+    """The CPU instructions that oneDNN's bf16 matrix kernels run on here: ``"amx"`` (AMX
+    tiles), ``"avx512_bf16"``, or ``None`` (bf16 is emulated: slower than float32)."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16"
+    return None
+
+
+def auto_dtype_line() -> str:
+    """What ``--dtype auto`` picks on this machine and why, in one line (``ragfix models``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "dtype auto: bfloat16 (CUDA)"
+    kernels = cpu_bf16_kernels()
+    why = (
+        f"the CPU has bf16 kernels ({kernels}), but bf16 answers differ from float32's "
+        "(docs/results.md#bf16-on-the-cpu); --dtype bfloat16 to use them"
+        if kernels
+        else "the CPU has no bf16 kernels (no AMX, no avx512_bf16): bf16 would be emulated"
+    )
+    return f"dtype auto: float32 (CPU): {why}"
+
+
 #: the dtypes a model may be loaded in, by name (``"auto"`` too)
 DTYPES = ("float32", "bfloat16", "float16")
 
