@@ -243,7 +243,9 @@ def register(app: typer.Typer) -> None:
                 folders.append(folder)
             plot = out / "curve.png"
             comparison = compare_loaded(
-                load_runs(folders), plot=plot, title="smollm2 · 8 KV pairs · the fix"
+                load_runs(folders),
+                plot=plot,
+                title="smollm2 · 8 KV pairs · vanilla and attention-sort",
             )
             write_comparison(out / "comparison.json", comparison)
             print_tables(comparison_tables(comparison), console)
