@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from conftest import BUNDLED, ROOT, run_records, tiny_model
+from conftest import BUNDLED, ROOT, run_records, tiny_folder
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
@@ -308,20 +308,9 @@ def test_positions_out_of_range_name_both_values():
 def test_bench_sweep_compares_the_three_modes_token_by_token(tmp_path):
     # issue 17: ``ragfix bench sweep`` runs the same cells naive, with prefix reuse and with the
     # trie prefill plus batched decode, and compares their generated tokens with naive's
-    from transformers import AutoTokenizer
-
     from ragfix.bench.sweep import bench_sweep
-    from ragfix.models.resolve import checkpoint_dir, resolve_model
 
-    tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
-    tiny_model(
-        vocab_size=len(tok),
-        max_position_embeddings=2048,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    ).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    tiny_folder(tmp_path)
     table, details = bench_sweep(
         "nq-sample", num_docs=3, limit=2, model=str(tmp_path), device="cpu"
     )
@@ -344,22 +333,11 @@ def test_bench_sweep_runs_every_mode_in_each_dtype_against_the_first(tmp_path):
     """``--dtype float32,bfloat16``: the three modes in each dtype on the same cells, every row
     compared with float32's naive; the tokens bf16 decodes are its own (its naive equals what
     ``generate`` of a bf16 model gives), and the wall-time lines pair each mode across dtypes."""
-    from transformers import AutoTokenizer
-
     from ragfix.backends import load_backend
     from ragfix.bench.sweep import bench_sweep
     from ragfix.errors import ConfigError
-    from ragfix.models.resolve import checkpoint_dir, resolve_model
 
-    tok = AutoTokenizer.from_pretrained(checkpoint_dir(resolve_model("smollm2")))
-    tiny_model(
-        vocab_size=len(tok),
-        max_position_embeddings=2048,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    ).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    tiny_folder(tmp_path)
     table, details = bench_sweep(
         "nq-sample", 3, 1, str(tmp_path), "cpu", dtypes=("float32", "bfloat16")
     )
