@@ -25,7 +25,12 @@ memoised sort, the prefix KV cache), so that both times are those of a new promp
   tokens (the prompt's stop rule applies; the generated counts are in the details);
 * peak MiB: growth of memory during the prefill over the memory in use before it
   (:func:`ragfix.bench.memory.measure`): the resident set on the CPU (run with
-  ``MALLOC_MMAP_THRESHOLD_=65536``), allocated memory on CUDA.
+  ``MALLOC_MMAP_THRESHOLD_=65536``), allocated memory on CUDA;
+* decode ms/token: ``(generate - prefill) / (new tokens - 1)``, the generation's time after its
+  prefill per later token (none for an answer of one token).
+
+With several dtypes (``--dtype float32,bfloat16``) every backend is loaded in each, its rows
+named ``backend · dtype``, and every ratio is to vanilla in the first dtype.
 
 A row is one backend at one number of passages: the median over the prompts of both times, the
 largest peak, and the mean of ``len(backend.encode(prompt))`` (a backend's own layout of the
@@ -111,12 +116,14 @@ def _measure_prompt(backend, prompt, device: torch.device) -> dict:
     generate_s, _ = measure(
         lambda: gens.extend(backend.generate([prompt], max_new_tokens=NEW_TOKENS)), device
     )
+    new = gens[0].new_tokens
     return {
         "prompt_tokens": len(backend.encode(prompt)),
         "prefill_s": prefill_s,
         "generate_s": generate_s,
-        "generated_tokens": gens[0].new_tokens,
+        "generated_tokens": new,
         "prefill_mib": prefill_mib,
+        "decode_ms": (generate_s - prefill_s) / (new - 1) * 1000 if new > 1 else None,
     }
 
 
@@ -133,6 +140,7 @@ def bench_methods(
     task: str | None = None,
     repeats: list[str] | None = None,
     finished: Callable[[list[TableSpec], dict], object] | None = None,
+    dtypes: tuple[str, ...] = ("auto",),
 ) -> tuple[list[TableSpec], dict]:
     """Prefill seconds, generation seconds and prefill peak MiB of ``backends`` (default
     :data:`BACKENDS`; vanilla always, first) at each of ``num_docs`` passages (default
@@ -152,20 +160,25 @@ def bench_methods(
     prompts (:func:`ragfix.tasks.repeated`), named ``vanilla --repeat MODE``. ``finished``, when
     given, is called with the tables and details of the passage counts measured so far after
     each one (``details["num_docs_done"]``), so that a long benchmark cut short keeps them.
+    ``dtypes``: the model's dtypes (:func:`~ragfix.models.device.dtype_axis`); with several,
+    every backend is loaded in each, named ``backend · dtype``, and the ratios are to vanilla
+    in the first.
 
     Returns:
         ``(table, details)``: one row per (number of passages, backend), in that order;
         ``details`` = ``{"data", "model", "device", "threads", "limit", "new_tokens",
         "measurements"}``, a measurement per row with its per-prompt figures (``prompt_tokens``,
-        ``prefill_s``, ``generate_s``, ``generated_tokens``, ``prefill_mib``: lists in prompt
-        order), the row's figures (``prompt_tokens_mean``, ``prefill_s_median``,
-        ``generate_s_median``, ``peak_mib``) and their ratios to vanilla (``prefill_x``,
-        ``generate_x``, ``peak_x``; ``None`` where a figure is unknown or vanilla's is 0).
+        ``prefill_s``, ``generate_s``, ``generated_tokens``, ``prefill_mib``, ``decode_ms``:
+        lists in prompt order), its ``method`` and ``dtype``, the row's figures
+        (``prompt_tokens_mean``, ``prefill_s_median``, ``generate_s_median``, ``peak_mib``,
+        ``decode_ms_median``) and their ratios to vanilla (``prefill_x``, ``generate_x``,
+        ``peak_x``, ``decode_x``; ``None`` where a figure is unknown or vanilla's is 0).
 
     Raises:
         ConfigError: an unknown backend, one that needs an adapter, ``limit`` below 1,
             ``orders`` below 2, ``aggregates`` without ``orders``, an unknown task or
-            repetition, or a task of the other data format (before the model is loaded).
+            repetition, a task of the other data format, an unknown dtype or one named twice,
+            ``orders`` or ``repeats`` with several dtypes (before the model is loaded).
         pydantic.ValidationError: a backend whose options have no defaults, or an unknown
             aggregator (likewise).
         DataError: a missing or malformed data file, or too few passages for ``num_docs``.
@@ -176,12 +189,16 @@ def bench_methods(
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.errors import ConfigError
     from ragfix.eval.sweep import parse_positions
-    from ragfix.models.device import resolve_device
+    from ragfix.models.device import dtype_axis, resolve_device
     from ragfix.tasks import repeated, resolve_task
 
     names = check_backends(list(backends or BACKENDS), model)
     if limit < 1:
         raise ConfigError(f"--limit {limit}: must be at least 1")
+    dev = resolve_device(device)
+    kinds = dtype_axis(dtypes, dev)
+    if len(kinds) > 1 and (orders is not None or repeats):
+        raise ConfigError("--orders and --repeat are measured in one dtype: give one --dtype")
     marginal = []
     if aggregates and orders is None:
         raise ConfigError("--orders-aggregate is a setting of --orders K: give --orders too")
@@ -216,21 +233,25 @@ def bench_methods(
         }
         for n in counts
     }
-    loaded = {}
-    for name in names:
-        progress(f"loading {name}")
-        loaded[name] = load_backend(name, model=model, device=device)
+    loaded, method_of, dtype_of = {}, {}, {}
+    for kind in kinds:
+        for name in names:
+            label = name if len(kinds) == 1 else f"{name} · {kind}"
+            progress(f"loading {label}")
+            loaded[label] = load_backend(name, model=model, device=device, dtype=kind)
+            method_of[label], dtype_of[label] = name, kind
+            for n in counts:
+                prompts[n][label] = prompts[n][name]
+    names = list(loaded)
     for label, options in marginal:  # over the vanilla already loaded: its weights, loaded once
         loaded[label] = marginalize_orders(loaded["vanilla"], options)
         tasks[label] = task_read
         names = [*names, label]
         for n in counts:
             prompts[n][label] = prompts[n]["vanilla"]
-    for label in tasks:  # a repeated prompt is read by the vanilla backend
-        if label not in loaded:
-            loaded[label] = loaded["vanilla"]
-            names = [*names, label]
-    dev = resolve_device(device)
+    for mode in repeats or []:  # a repeated prompt is read by the vanilla backend
+        loaded[f"vanilla --repeat {mode}"] = loaded["vanilla"]
+        names = [*names, f"vanilla --repeat {mode}"]
     measured = len(samples[counts[0]])
     for name, b in loaded.items():
         progress(f"warm-up: {name}")
@@ -239,7 +260,9 @@ def bench_methods(
         b.generate([first], max_new_tokens=NEW_TOKENS)
 
     keys = ("prompt_tokens", "prefill_s", "generate_s", "generated_tokens", "prefill_mib")
+    keys += ("decode_ms",)
     settings = {"model": model, "path": path, "task_read": task_read, "dev": dev, "limit": limit}
+    settings["dtypes"] = kinds
     rows = []
     for n in counts:
         cells = {name: {k: [] for k in keys} for name in names}
@@ -251,22 +274,27 @@ def bench_methods(
         for name in names:
             c = cells[name]
             mibs = c["prefill_mib"]
+            decode = [x for x in c["decode_ms"] if x is not None]
             rows.append(
                 {
                     "backend": name,
+                    "method": method_of.get(name, "vanilla"),
+                    "dtype": dtype_of.get(name, kinds[0]),
                     "num_docs": n,
                     **c,
                     "prompt_tokens_mean": statistics.mean(c["prompt_tokens"]),
                     "prefill_s_median": statistics.median(c["prefill_s"]),
                     "generate_s_median": statistics.median(c["generate_s"]),
                     "peak_mib": None if None in mibs else max(mibs),
+                    "decode_ms_median": statistics.median(decode) if decode else None,
                 }
             )
-        base = next(r for r in rows if r["num_docs"] == n and r["backend"] == "vanilla")
+        base = rows[-len(names)]  # vanilla, first dtype
         for r in rows[-len(names) :]:
             r["prefill_x"] = _ratio(r["prefill_s_median"], base["prefill_s_median"])
             r["generate_x"] = _ratio(r["generate_s_median"], base["generate_s_median"])
             r["peak_x"] = _ratio(r["peak_mib"], base["peak_mib"])
+            r["decode_x"] = _ratio(r["decode_ms_median"], base["decode_ms_median"])
 
         if finished is not None and n != counts[-1]:
             done = counts[: counts.index(n) + 1]
@@ -283,13 +311,13 @@ def _methods_tables(
 ) -> tuple[list[TableSpec], dict]:
     """The benchmark's tables and details from its rows (those of ``counts``, measured on
     ``measured`` prompts each); ``settings``: ``model``, ``path``, ``task_read``, ``dev``,
-    ``limit`` of :func:`bench_methods`."""
+    ``limit``, ``dtypes`` of :func:`bench_methods`."""
     model, path, task_read, dev = (settings[k] for k in ("model", "path", "task_read", "dev"))
     table = TableSpec(
         f"methods vs vanilla · {model} · {path.name} ({task_read.name}) · gold at the middle "
         f"· {dev} · {torch.get_num_threads()} threads",
         ["backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s"]
-        + ["×vanilla", "peak MiB", "×vanilla"],
+        + ["×vanilla", "peak MiB", "×vanilla", "decode ms/token", "×vanilla"],
         [
             [
                 r["backend"],
@@ -301,6 +329,8 @@ def _methods_tables(
                 _fmt(r["generate_x"], ".2f"),
                 _fmt(r["peak_mib"], ",.1f"),
                 _fmt(r["peak_x"], ".2f"),
+                _fmt(r["decode_ms_median"], ".1f"),
+                _fmt(r["decode_x"], ".2f"),
             ]
             for r in rows
         ],
@@ -308,7 +338,8 @@ def _methods_tables(
             f"Median of {measured} prompt(s) after a warm-up; prefill: "
             f"next_token_logprobs, one forward pass; generate: up to {NEW_TOKENS} new tokens; "
             "peak: largest growth of the resident set (CPU) or of allocated CUDA memory during "
-            "the prefill; ×vanilla: ratio to vanilla at the same number of passages."
+            "the prefill; decode: (generate - prefill) / (new tokens - 1); ×vanilla: ratio to "
+            f"{names[0]} at the same number of passages."
         ],
     )
     details = {
@@ -317,6 +348,7 @@ def _methods_tables(
         "task": task_read.name,
         "model": model,
         "device": str(dev),
+        "dtypes": settings["dtypes"],
         "threads": torch.get_num_threads(),
         "limit": settings["limit"],
         "num_docs_done": counts,
@@ -358,7 +390,7 @@ def growth_table(rows: list[dict], names: list[str], counts: list[int]) -> Table
         last = next(r for r in mine if r["num_docs"] == top)
         t = last["prompt_tokens_mean"]
         kv = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * t * 2 / 2**20
-        what, size = QUADRATIC.get(name, ("none", None))
+        what, size = QUADRATIC.get(last["method"], ("none", None))
         out.append(
             [
                 name,

@@ -87,17 +87,14 @@ def bench_sweep(
     from ragfix.backends import load_backend
     from ragfix.bundled import bundled_path
     from ragfix.connectors.litm import load_samples
-    from ragfix.errors import ConfigError
     from ragfix.eval.sweep import SweepConfig, plan_cells, run_cells
-    from ragfix.models.device import resolve_device, resolve_dtype
+    from ragfix.models.device import dtype_axis, resolve_device
     from ragfix.tasks import task_prompt
 
     path = bundled_path(data) or Path(data)
     samples = load_samples(path, num_docs, limit)
     dev = resolve_device(device)
-    names = [str(resolve_dtype(d, dev)).removeprefix("torch.") for d in dtypes]
-    if len(set(names)) < len(names):
-        raise ConfigError(f"--dtype {','.join(dtypes)}: a dtype is named twice ({names})")
+    names = dtype_axis(dtypes, dev)
     rows_of = [(mode, name) for name in names for mode in MODES]
 
     def label(mode: str, name: str) -> str:

@@ -17,6 +17,22 @@ JsonOpt = Annotated[
 ]
 
 
+#: ``--dtype`` of the benchmarks that compare dtypes in one run
+DtypeAxisOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="the model's dtypes, comma separated (float32,bfloat16: every row in each, "
+        "compared with the first)",
+    ),
+]
+
+
+def dtype_list(dtype: str) -> tuple[str, ...]:
+    """``--dtype``'s comma list as a tuple (``("auto",)`` when empty)."""
+    return tuple(d.strip() for d in dtype.split(",") if d.strip()) or ("auto",)
+
+
 @bench.command("sweep")
 def sweep_cmd(
     data: Annotated[str, typer.Option(help="QA or KV file, nq-sample, kv-sample")] = "nq-sample",
@@ -24,13 +40,7 @@ def sweep_cmd(
     limit: Annotated[int, typer.Option(help="samples (x num-docs cells per mode)")] = 2,
     model: Annotated[str, typer.Option(help="model (vanilla backend)")] = "smollm2",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda ...")] = "auto",
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="the model's dtypes, comma separated (float32,bfloat16: every mode in each, "
-            "compared with the first's naive)"
-        ),
-    ] = "auto",
+    dtype: DtypeAxisOpt = "auto",
     json_out: JsonOpt = None,
 ) -> None:
     """The same sweep cells naive, with KV-cache prefix reuse, and with prefix reuse then the
@@ -38,10 +48,9 @@ def sweep_cmd(
     memory, labels, answers and generated tokens compared with the first dtype's naive."""
     from ragfix.bench.sweep import bench_sweep
 
-    dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     with user_errors(), console.status("benchmark") as status:
         table, details = bench_sweep(
-            data, num_docs, limit, model, device, status.update, dtypes or ("auto",)
+            data, num_docs, limit, model, device, status.update, dtype_list(dtype)
         )
     show_tables(table, details, json_out)
 
@@ -226,12 +235,13 @@ def methods_cmd(
             "prompt (comma separated)"
         ),
     ] = None,
+    dtype: DtypeAxisOpt = "auto",
     json_out: JsonOpt = None,
 ) -> None:
-    """Prefill time, 8-token generation time and prefill peak memory of each backend against
-    vanilla on the same prompts, gold passage in the middle (run with
-    MALLOC_MMAP_THRESHOLD_=65536 on the CPU). --json is rewritten after each number of passages:
-    a run cut short keeps those it finished."""
+    """Prefill time, 8-token generation time, decode time per token and prefill peak memory of
+    each backend against vanilla on the same prompts, gold passage in the middle, in each dtype
+    (run with MALLOC_MMAP_THRESHOLD_=65536 on the CPU). --json is rewritten after each number of
+    passages: a run cut short keeps those it finished."""
     from functools import partial
 
     from ragfix.bench.methods import bench_methods
@@ -254,6 +264,7 @@ def methods_cmd(
             task,
             [m.strip() for m in repeat.split(",") if m.strip()] if repeat else None,
             None if json_out is None else partial(write_benchmark, json_out),
+            dtype_list(dtype),
         )
     show_tables(table, details, json_out, keep_all=True)
 

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from conftest import data_file
+from conftest import data_file, tiny_folder
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -51,7 +51,7 @@ def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
     assert growth.rows[1][6] == f"{more[1]['prompt_tokens_mean'] ** 2 * 2 / 2**20:,.0f}"
     assert table.headers == [
         "backend", "passages", "prompt tokens", "prefill s", "×vanilla", "generate s",
-        "×vanilla", "peak MiB", "×vanilla",
+        "×vanilla", "peak MiB", "×vanilla", "decode ms/token", "×vanilla",
     ]  # fmt: skip
     vanilla, set_based = rows
     assert vanilla["prefill_x"] == vanilla["generate_x"] == 1.0
@@ -129,3 +129,48 @@ def test_bench_methods_adds_order_marginalization_as_one_more_row(smol):
         bench_methods(["vanilla"], [4], data="missing.jsonl", orders=1)
     with pytest.raises(ConfigError, match="give --orders"):
         bench_methods(["vanilla"], [4], data="missing.jsonl", aggregates=["max"])
+
+
+def test_bench_methods_measures_each_backend_in_each_dtype_against_the_first(tmp_path):
+    """``dtypes=("float32", "bfloat16")``: every backend loaded in each dtype, rows named
+    ``backend · dtype`` with their method and dtype, every ratio to vanilla in float32, the
+    decode time per token from the prompt's own figures; a dtype named twice, and orders with
+    several dtypes, refused before anything is loaded."""
+    from ragfix.bench.methods import bench_methods
+
+    folder = str(tiny_folder(tmp_path / "tiny"))
+    (table, growth), details = bench_methods(
+        ["vanilla", "set-based"], [4], limit=2, model=folder, device="cpu",
+        data=data_file(KV), dtypes=("float32", "bfloat16"),
+    )  # fmt: skip
+    rows = details["measurements"]
+    labels = ["vanilla · float32", "set-based · float32", "vanilla · bfloat16"]
+    labels += ["set-based · bfloat16"]
+    assert [r["backend"] for r in rows] == [row[0] for row in table.rows] == labels
+    assert [(r["method"], r["dtype"]) for r in rows] == [
+        (m, d) for d in ("float32", "bfloat16") for m in ("vanilla", "set-based")
+    ]
+    assert details["dtypes"] == ["float32", "bfloat16"]
+    base = rows[0]
+    for r, row in zip(rows, table.rows, strict=True):
+        for p in range(2):
+            new, gen, pre = r["generated_tokens"][p], r["generate_s"][p], r["prefill_s"][p]
+            want = (gen - pre) / (new - 1) * 1000 if new > 1 else None
+            assert r["decode_ms"][p] == want
+        known = [x for x in r["decode_ms"] if x is not None]
+        assert r["decode_ms_median"] == (sorted(known)[0] + sorted(known)[-1]) / 2
+        assert r["decode_x"] == r["decode_ms_median"] / base["decode_ms_median"]
+        assert r["prefill_x"] == r["prefill_s_median"] / base["prefill_s_median"]
+        assert row[9:] == [f"{r['decode_ms_median']:.1f}", f"{r['decode_x']:.2f}"]
+    assert "ratio to vanilla · float32" in table.lines[0]
+    # set-based's quadratic mask is read from its method, whatever its row's name
+    assert [row[5] for row in growth.rows] == ["none", "block mask [T, T] bf16"] * 2
+    with pytest.raises(ConfigError, match="named twice"):
+        bench_methods(
+            ["vanilla"], [4], data="missing.jsonl", device="cpu", dtypes=("auto", "float32")
+        )
+    with pytest.raises(ConfigError, match="one dtype"):
+        bench_methods(
+            ["vanilla"], [4], data="missing.jsonl", device="cpu", orders=2,
+            dtypes=("float32", "bfloat16"),
+        )  # fmt: skip

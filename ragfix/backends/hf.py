@@ -277,16 +277,19 @@ class HFBackend(Backend):
 
     def identity(self) -> dict:
         """Model identity (:func:`~ragfix.models.load.model_identity`: weights fingerprint), the
-        weights' dtype (``"torch.float32"``: another dtype computes other answers), backend
-        name, options, the chat template used (a hash, or :data:`NO_CHAT_TEMPLATE`), the
-        tokenizer (:func:`tokenizer_id`), the generation settings (:func:`generation_id`) and
-        the applied adapter (if any)."""
+        weights' dtype (``"torch.float32"``: another dtype computes other answers), the attention
+        implementation when it is not ``"sdpa"`` (e.g. float32 decode steps in bf16 on the CPU,
+        :mod:`ragfix.models.attention`), backend name, options, the chat template used (a
+        hash, or :data:`NO_CHAT_TEMPLATE`), the tokenizer (:func:`tokenizer_id`), the
+        generation settings (:func:`generation_id`) and the applied adapter (if any)."""
         out = {
             "model": model_identity(self.model),
             "dtype": str(next(self.model.parameters()).dtype),
             "backend": self.name,
             "options": self.options.model_dump(mode="json"),
         }
+        if (attention := self.model.config._attn_implementation) != "sdpa":
+            out["attention"] = attention
         out["chat_template"] = template_id(self.tokenizer)
         out["tokenizer"] = tokenizer_id(self.tokenizer)
         out["generation_config"] = generation_id(self.model)

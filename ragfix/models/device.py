@@ -5,7 +5,7 @@ need it, so the thread settings (:data:`THREADS_ENV`, :func:`usable_cpu_cores`) 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ragfix.errors import ConfigError
@@ -186,3 +186,16 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     if check_dtype(dtype) == "auto":
         return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+def dtype_axis(dtypes: Sequence[str], device: torch.device) -> list[str]:
+    """A benchmark's dtype axis: each of ``dtypes`` resolved on ``device``
+    (:func:`resolve_dtype`) and named without ``torch.`` (``["float32", "bfloat16"]``).
+
+    Raises:
+        ConfigError: an unknown dtype, or one named twice (``auto`` and what it picks too).
+    """
+    names = [str(resolve_dtype(d, device)).removeprefix("torch.") for d in dtypes]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--dtype {','.join(dtypes)}: a dtype is named twice ({names})")
+    return names

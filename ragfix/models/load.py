@@ -59,8 +59,9 @@ def load_model(
         device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; on the CPU torch's thread
             count is set by :func:`cpu_threads`.
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU) or a torch dtype / its name.
-        attn_implementation: passed to transformers (``"sdpa"`` by default, ``"eager"`` when a
-            method needs attention weights).
+        attn_implementation: passed to transformers (``"eager"`` when a method needs
+            attention weights); by default ``"sdpa"``, or for a bf16 or fp16 model on the CPU
+            SDPA with float32 decode steps (:mod:`ragfix.models.attention`).
 
     Returns:
         ``(model, tokenizer)``; the tokenizer pads on the left and has a pad token.
@@ -71,15 +72,18 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    from ragfix.models.attention import default_attention
+
     dev = resolve_device(device)
     if dev.type == "cpu":
         cpu_threads()
     tok, where = _tokenizer_at(name)
+    the_dtype = resolve_dtype(dtype, dev)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where,
-            dtype=resolve_dtype(dtype, dev),
-            attn_implementation=attn_implementation or "sdpa",
+            dtype=the_dtype,
+            attn_implementation=attn_implementation or default_attention(dev, the_dtype),
         )
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e

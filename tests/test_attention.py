@@ -1,0 +1,112 @@
+"""SDPA with float32 decode steps (ragfix.models.attention): checked against attention computed
+by hand in float64, and chosen by load_model for bf16 on the CPU only."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_folder
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from ragfix.backends.hf import HFBackend
+from ragfix.models.attention import SDPA_FP32_DECODE, sdpa_fp32_decode
+from ragfix.models.load import load_model
+
+
+class _Heads(torch.nn.Module):
+    """The attributes transformers' attention functions read from the attention module."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+        self.training = False
+
+
+def by_hand(query, key, value, mask, scaling):
+    """softmax(q k^T * scaling + mask) v in float64, grouped-query heads repeated, a boolean mask
+    read as True = attend; returns (batch, q_len, heads, head_dim)."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(groups, dim=1)
+    v = value.double().repeat_interleave(groups, dim=1)
+    scores = query.double() @ k.transpose(-1, -2) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def _inputs(q_len: int, kv_len: int = 37, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, q_len, 16, generator=g).to(dtype)
+    k = torch.randn(2, 2, kv_len, 16, generator=g).to(dtype)
+    v = torch.randn(2, 2, kv_len, 16, generator=g).to(dtype)
+    mask = torch.ones(2, 1, q_len, kv_len, dtype=torch.bool)
+    mask[0, :, :, :5] = False  # the first row is left-padded by 5 tokens
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+def test_a_bf16_decode_step_is_the_float32_attention_rounded_once(mask_kind):
+    q, k, v, mask = _inputs(1)
+    if mask_kind == "additive":
+        mask = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, -1e30)
+    elif mask_kind == "none":
+        mask = None
+    scaling = 16**-0.5
+    out, weights = sdpa_fp32_decode(_Heads(2), q, k, v, mask, scaling=scaling, dropout=0.0)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 1, 4, 16) and weights is None
+    exact = by_hand(q, k, v, mask.double() if mask_kind == "additive" else mask, scaling)
+    # one rounding to bf16 of a float32 result: within half a bf16 ulp (unit roundoff 2^-8) of the
+    # float64 attention, plus float32's own error
+    assert torch.allclose(out.double(), exact, rtol=2**-8 + 1e-6, atol=1e-6)
+    # bf16's own kernel on the same inputs is further from the exact value
+    plain, _ = sdpa_attention_forward(_Heads(2), q, k, v, mask, scaling=scaling, dropout=0.0)
+    assert (out.double() - exact).abs().mean() <= (plain.double() - exact).abs().mean()
+
+
+def test_prefill_rows_and_float32_go_to_sdpa_unchanged():
+    for q_len, dtype in ((6, torch.bfloat16), (1, torch.float32)):
+        q, k, v, mask = _inputs(q_len, dtype=dtype)
+        mask = mask & torch.ones(q_len, 37, dtype=torch.bool).tril(37 - q_len)
+        ours, _ = sdpa_fp32_decode(_Heads(2), q, k, v, mask, scaling=0.25, dropout=0.0)
+        plain, _ = sdpa_attention_forward(_Heads(2), q, k, v, mask, scaling=0.25, dropout=0.0)
+        assert ours.dtype == dtype and torch.equal(ours, plain)
+
+
+def _by_hand_decode(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kwargs
+        )
+    out = by_hand(query, key, value, attention_mask, scaling)
+    return out.to(query.dtype), None
+
+
+AttentionInterface.register("ragfix_test_by_hand", _by_hand_decode)
+AttentionMaskInterface.register("ragfix_test_by_hand", sdpa_mask)
+
+
+@pytest.mark.parametrize("arch, window", [("llama", None), ("mistral", 6)])
+def test_bf16_models_on_the_cpu_decode_with_float32_steps_and_say_so(tmp_path, arch, window):
+    folder = tiny_folder(tmp_path / arch, arch=arch)
+    if window:  # Mistral's sliding window, shorter than the prompts
+        import json
+
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(cfg | {"sliding_window": window}))
+    fp32, tok = load_model(str(folder), device="cpu", dtype="float32")
+    bf16, _ = load_model(str(folder), device="cpu", dtype="bfloat16")
+    hand, _ = load_model(
+        str(folder), device="cpu", dtype="bfloat16", attn_implementation="ragfix_test_by_hand"
+    )
+    assert fp32.config._attn_implementation == "sdpa"
+    assert bf16.config._attn_implementation == SDPA_FP32_DECODE
+    assert "attention" not in HFBackend(fp32, tok).identity()
+    assert HFBackend(bf16, tok).identity()["attention"] == SDPA_FP32_DECODE
+    prompts = ["a b c d e f g h i j", "one two three"]  # left-padded in one batch
+    ours = HFBackend(bf16, tok).generate(prompts, max_new_tokens=8, stop_at_newline=False)
+    ref = HFBackend(hand, tok).generate(prompts, max_new_tokens=8, stop_at_newline=False)
+    assert [g.token_ids for g in ours] == [g.token_ids for g in ref]
+    assert all(len(g.token_ids) == 8 for g in ours)
