@@ -242,7 +242,6 @@ def methods_cmd(
     each backend against vanilla on the same prompts, gold passage in the middle, in each dtype
     (run with MALLOC_MMAP_THRESHOLD_=65536 on the CPU). --json is rewritten after each number of
     passages: a run cut short keeps those it finished."""
-    from functools import partial
 
     from ragfix.bench.methods import bench_methods
     from ragfix.cli.common import parse_numbers
@@ -263,7 +262,9 @@ def methods_cmd(
             else None,
             task,
             [m.strip() for m in repeat.split(",") if m.strip()] if repeat else None,
-            None if json_out is None else partial(write_benchmark, json_out),
+            None
+            if json_out is None
+            else lambda tables, details: write_benchmark(json_out, tables, **details),
             dtype_list(dtype),
         )
     show_tables(table, details, json_out, keep_all=True)

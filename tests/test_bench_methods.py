@@ -174,3 +174,22 @@ def test_bench_methods_measures_each_backend_in_each_dtype_against_the_first(tmp
             ["vanilla"], [4], data="missing.jsonl", device="cpu", orders=2,
             dtypes=("float32", "bfloat16"),
         )  # fmt: skip
+
+
+def test_the_command_keeps_each_number_of_passages_in_its_json_and_takes_dtypes(tmp_path):
+    """``--num-docs 4,6 --json F --dtype float32,bfloat16``: the file is rewritten after 4
+    passages and at the end (the rows of both, in both dtypes); a dtype typo is one line."""
+    folder = str(tiny_folder(tmp_path / "tiny"))
+    out = tmp_path / "bench.json"
+    args = ["bench", "methods", "--backends", "vanilla", "--num-docs", "4,6", "--limit", "1"]
+    args += ["--model", folder, "--device", "cpu", "--data", str(data_file(KV)), "--json"]
+    res = CliRunner().invoke(app, [*args, str(out), "--dtype", "float32,bfloat16"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert result["num_docs_done"] == [4, 6] and result["dtypes"] == ["float32", "bfloat16"]
+    assert [(r[0], r[1]) for r in result["rows"]] == [
+        (f"vanilla · {d}", n) for n in ("4", "6") for d in ("float32", "bfloat16")
+    ]
+    res = CliRunner().invoke(app, [*args, str(out), "--dtype", "float32,bf16"])
+    assert res.exit_code == 2
+    assert res.output.strip() == "error: dtype 'bf16': expected auto, float32, bfloat16, float16"
