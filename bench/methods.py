@@ -26,8 +26,11 @@ memoised sort, the prefix KV cache), so that both times are those of a new promp
 * peak MiB: growth of memory during the prefill over the memory in use before it
   (:func:`ragfix.bench.memory.measure`): the resident set on the CPU (run with
   ``MALLOC_MMAP_THRESHOLD_=65536``), allocated memory on CUDA;
-* decode ms/token: ``(generate - prefill) / (new tokens - 1)``, the generation's time after its
-  prefill per later token (none for an answer of one token).
+* decode ms/token: the mean time of one decoding step of batch 1 over the prompt's KV cache,
+  :data:`DECODE_STEPS` steps of the backend's step decoder (:meth:`Backend.decoder`:
+  ``add`` prefills, each ``step`` decodes one token; greedy, no stop rule but EOS, timed from
+  the first step to the last); none for a backend without step decoding
+  (:attr:`~ragfix.backends.hf.HFBackend.supports_step_decoding`).
 
 With several dtypes (``--dtype float32,bfloat16``) every backend is loaded in each, its rows
 named ``backend · dtype``, and every ratio is to vanilla in the first dtype.
@@ -56,6 +59,8 @@ BACKENDS = ("vanilla", "set-based", "pine")
 NUM_DOCS = (10, 20)
 #: the generation's token budget
 NEW_TOKENS = 8
+#: decoding steps timed per prompt for ``decode ms/token``
+DECODE_STEPS = 32
 #: the projection's model: Meta-Llama-3-8B's attention (its config.json: 32 layers, 32 query
 #: heads over 8 KV heads of 128 channels), in bf16
 LLAMA3_8B = {"name": "Llama-3-8B bf16", "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
@@ -116,15 +121,40 @@ def _measure_prompt(backend, prompt, device: torch.device) -> dict:
     generate_s, _ = measure(
         lambda: gens.extend(backend.generate([prompt], max_new_tokens=NEW_TOKENS)), device
     )
-    new = gens[0].new_tokens
     return {
         "prompt_tokens": len(backend.encode(prompt)),
         "prefill_s": prefill_s,
         "generate_s": generate_s,
-        "generated_tokens": new,
+        "generated_tokens": gens[0].new_tokens,
         "prefill_mib": prefill_mib,
-        "decode_ms": (generate_s - prefill_s) / (new - 1) * 1000 if new > 1 else None,
+        **_decode_steps(backend, prompt, device),
     }
+
+
+def _decode_steps(backend, prompt, device: torch.device) -> dict:
+    """``decode_ms`` (mean wall milliseconds of one step, CUDA synchronised) and
+    ``decode_steps`` (steps timed) of up to :data:`DECODE_STEPS` batch-1 decoding steps after
+    the prompt's prefill; both None without step decoding or when the first token ends it."""
+    import time
+
+    none = {"decode_ms": None, "decode_steps": None}
+    if not getattr(backend, "supports_step_decoding", False):
+        return none
+    backend.forget_prompts()
+    decoder = backend.decoder()
+    row = decoder.add(prompt, max_new_tokens=DECODE_STEPS + 1, stop_at_newline=False)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
+    start, done = time.perf_counter(), {}
+    while row not in done:
+        done.update(decoder.step())
+    sync()
+    seconds = time.perf_counter() - start
+    answer = done[row]
+    if isinstance(answer, Exception):
+        raise answer
+    steps = answer.new_tokens - 1  # the first token is the prefill's
+    return {"decode_ms": seconds / steps * 1000, "decode_steps": steps} if steps else none
 
 
 def bench_methods(
@@ -168,8 +198,8 @@ def bench_methods(
         ``(table, details)``: one row per (number of passages, backend), in that order;
         ``details`` = ``{"data", "model", "device", "threads", "limit", "new_tokens",
         "measurements"}``, a measurement per row with its per-prompt figures (``prompt_tokens``,
-        ``prefill_s``, ``generate_s``, ``generated_tokens``, ``prefill_mib``, ``decode_ms``:
-        lists in prompt order), its ``method`` and ``dtype``, the row's figures
+        ``prefill_s``, ``generate_s``, ``generated_tokens``, ``prefill_mib``, ``decode_ms``,
+        ``decode_steps``: lists in prompt order), its ``method`` and ``dtype``, the row's figures
         (``prompt_tokens_mean``, ``prefill_s_median``, ``generate_s_median``, ``peak_mib``,
         ``decode_ms_median``) and their ratios to vanilla (``prefill_x``, ``generate_x``,
         ``peak_x``, ``decode_x``; ``None`` where a figure is unknown or vanilla's is 0).
@@ -260,7 +290,7 @@ def bench_methods(
         b.generate([first], max_new_tokens=NEW_TOKENS)
 
     keys = ("prompt_tokens", "prefill_s", "generate_s", "generated_tokens", "prefill_mib")
-    keys += ("decode_ms",)
+    keys += ("decode_ms", "decode_steps")
     settings = {"model": model, "path": path, "task_read": task_read, "dev": dev, "limit": limit}
     settings["dtypes"] = kinds
     rows = []
@@ -338,7 +368,8 @@ def _methods_tables(
             f"Median of {measured} prompt(s) after a warm-up; prefill: "
             f"next_token_logprobs, one forward pass; generate: up to {NEW_TOKENS} new tokens; "
             "peak: largest growth of the resident set (CPU) or of allocated CUDA memory during "
-            "the prefill; decode: (generate - prefill) / (new tokens - 1); ×vanilla: ratio to "
+            f"the prefill; decode: mean of up to {DECODE_STEPS} batch-1 decoding steps after the "
+            "prefill (none without step decoding); ×vanilla: ratio to "
             f"{names[0]} at the same number of passages."
         ],
     )
