@@ -6,7 +6,8 @@ sweep. The capability table (``ragfix bench families``) adds the proof: every fa
 random-config model (2 layers, hidden 64, grouped-query attention; Mistral's and Gemma 3's
 sliding window 128 tokens, shorter than the probe's prompts), every backend run on it in fp32
 and bf16 with ``sdpa`` and ``eager`` attention through every path (batched generation, prefix
-reuse one prompt at a time and batched, next-token log-probabilities, log-likelihood); a cell
+reuse one prompt at a time and batched, next-token log-probabilities, log-likelihood, streaming
+the generated answer); a cell
 says ``works`` only when all of them ran, and a refusal is the backend's one-line reason.
 """
 
@@ -162,6 +163,10 @@ def probe_cell(backend: str, model, tokenizer, prompts: Sequence) -> None:
     b.generate(prompts, batch_size=len(prompts), max_new_tokens=3, prefix_reuse=True)
     b.next_token_logprobs(prompts)
     b.loglikelihood([(prompts[0], " value")])
+    streamed = "".join(b.stream(prompts[0], max_new_tokens=3, stop_at_newline=False))
+    [answer] = b.generate(prompts[:1], max_new_tokens=3, stop_at_newline=False)
+    if streamed.strip() != answer.text.strip():
+        raise AssertionError(f"streamed {streamed!r}, generated {answer.text!r}")
 
 
 def probe_prompts() -> list:

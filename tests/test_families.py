@@ -140,7 +140,7 @@ def test_vanilla_equals_plain_transformers_on_every_path(tok, prompts, family, d
     # echo scoring (what ragfix serve answers): rows shared with the call before are reused
     for p, c in pairs:
         x = backend.encode(p) + backend.tokenize(c)
-        got, want = backend.token_scores(x, 3), backend._token_scores_ids(x, 3)
+        got, want = backend.token_scores(x, 3), backend.token_scores_ids(x, 3)
         assert (got.logprobs - want.logprobs).abs().max().item() < TOLERANCE[dtype]
         assert got.top_ids.shape == want.top_ids.shape == (len(x) - 1, 3)
 

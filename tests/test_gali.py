@@ -19,7 +19,7 @@ from conftest import (
 from pydantic import ValidationError
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from ragfix.backends import load_backend
+from ragfix.backends import backend_names, load_backend
 from ragfix.backends.gali import (
     GaliBackend,
     chunk_sizes,
@@ -29,6 +29,7 @@ from ragfix.backends.gali import (
     paper_logits,
     paper_setting,
 )
+from ragfix.backends.hf import HFBackend
 from ragfix.backends.rope_scaled import RopeScaledBackend
 from ragfix.backends.truncated import TruncatedBackend, truncate_middle
 from ragfix.errors import UnsupportedModelError
@@ -213,8 +214,8 @@ def test_generate_batch_matches_single(tok):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=6, noise=False)
     p1, p2, p3 = random_ids(30, 1), random_ids(30, 2), random_ids(23, 3)
-    batch = b._generate_ids([p1, p2, p3], 5, False)
-    singles = [b._generate_ids([p], 5, False)[0] for p in (p1, p2, p3)]
+    batch = b.generate_ids([p1, p2, p3], 5, False)
+    singles = [b.generate_ids([p], 5, False)[0] for p in (p1, p2, p3)]
     assert [g.text for g in batch] == [g.text for g in singles]
     assert all(
         g.new_tokens == 5 and g.prefill_tokens == len(p)
@@ -303,9 +304,9 @@ def test_truncated_backend_reads_the_cut_prompt(tok):
     model = tiny_model("llama", seed=0)
     t = TruncatedBackend(model, tok, train_window=24)
     ids = random_ids(40)
-    got = t._generate_ids([ids], 4, False, first_logprobs=True)[0]
+    got = t.generate_ids([ids], 4, False, first_logprobs=True)[0]
     cut = truncate_middle(ids, 20)
-    ref = t._generate_ids([cut], 4, False, first_logprobs=True)[0]
+    ref = t.generate_ids([cut], 4, False, first_logprobs=True)[0]
     assert got.text == ref.text and got.prompt_tokens == 40 and got.prefill_tokens == 20
     # the first-step log-probs (a judge's letter probabilities) come from the same cut prompt
     assert torch.equal(got.first_logprobs, ref.first_logprobs)
@@ -316,8 +317,8 @@ def test_gali_first_logprobs_beyond_window_equal_next_token_logprobs(tok):
     model = tiny_model("llama", seed=0)
     b = GaliBackend(model, tok, train_window=16, chunk_size=6, noise=False)
     ids = random_ids(30, 4)
-    [gen] = b._generate_ids([ids], 3, False, first_logprobs=True)
-    torch.testing.assert_close(gen.first_logprobs, b._next_logprobs_ids([ids])[0])
+    [gen] = b.generate_ids([ids], 3, False, first_logprobs=True)
+    torch.testing.assert_close(gen.first_logprobs, b.next_logprobs_ids([ids])[0])
 
 
 # ---------------------------------------------------------------- query positions of a scored text
@@ -465,3 +466,34 @@ def test_bench_gali_runs(tmp_path):
     # forward passes of the chunked prefill: [64] and [64, 16 x 4] / [64, 23, 23, 18]
     assert [(r["gali_passes"], r["paper_passes"]) for r in prefill] == [(1, 1), (5, 4)]
     assert all(r["paper_s"] > 0 for r in prefill)
+
+
+@pytest.mark.parametrize("name", ["truncated", "gali"])
+def test_a_streamed_answer_beyond_the_window_reads_what_a_generated_one_reads(tok, name):
+    # the streamed answer of a prompt longer than the window: the cut prompt (truncated), GALI's
+    # positions (gali); before stream_ids, HFBackend.stream read the whole prompt as vanilla
+    model = tiny_model("llama", seed=0)
+    cls = {"truncated": TruncatedBackend, "gali": GaliBackend}[name]
+    gali = {"chunk_size": 6, "noise": False} if name == "gali" else {}
+    b = cls(model, tok, train_window=16, **gali)
+    ids = random_ids(40, 5)
+    [want] = b.generate_ids([ids], 6, False)
+    got = "".join(b.stream_ids(ids, 6, False))
+    assert got.strip() == want.text.strip()
+    if name == "truncated":  # the cut changes the answer: reading the whole prompt would show
+        plain = HFBackend(model, tok).generate_ids([ids], 6, False)[0]
+        assert got.strip() != plain.text.strip()
+
+
+def test_every_backend_that_runs_the_model_its_own_way_streams_that_way():
+    from ragfix.backends import backend_spec
+
+    for name in backend_names():
+        cls = backend_spec(name).resolve()
+        if not issubclass(cls, HFBackend):
+            continue
+        for hook in ("generate_ids", "next_logprobs_ids", "token_scores_ids"):
+            if getattr(cls, hook) is not getattr(HFBackend, hook):
+                assert cls.stream_ids is not HFBackend.stream_ids or (
+                    cls.stream is not HFBackend.stream
+                ), (name, hook)

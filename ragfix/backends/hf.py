@@ -4,12 +4,13 @@
 with left padding through ``generate``, batched next-token log-probabilities, rolling token
 log-probabilities, streaming, and KV-cache prefix reuse. A method changes the model (an attention
 patch through :mod:`ragfix.backends.patching`, a RoPE variant) and, where it needs its own
-decoding loop (GALI) or its own input (truncation), overrides the protected ``_generate_ids`` /
-``_next_logprobs_ids`` / ``_token_scores_ids`` hooks; a method that reads each prompt through
-its own layout and runs its own forward pass (``set-based``, ``pine``, ``calibrated-attention``)
-builds on :class:`~ragfix.backends.layout.LayoutBackend`; ``ragfix serve`` steps
-:class:`~ragfix.backends.step_decoder.StepDecoder` over it. Consumers use only the public
-:class:`~ragfix.backends.base.Backend` methods.
+decoding loop (GALI) or its own input (truncation), overrides the extension points
+:meth:`HFBackend.generate_ids`, :meth:`HFBackend.next_logprobs_ids`,
+:meth:`HFBackend.token_scores_ids` and :meth:`HFBackend.stream_ids`; a method that reads each
+prompt through its own layout and runs its own forward pass (``set-based``, ``pine``,
+``calibrated-attention``) builds on :class:`~ragfix.backends.layout.LayoutBackend`;
+``ragfix serve`` steps :class:`~ragfix.backends.step_decoder.StepDecoder` over it. Consumers use
+only the public :class:`~ragfix.backends.base.Backend` methods.
 """
 
 from __future__ import annotations
@@ -198,6 +199,16 @@ class HFBackend(Backend):
             :func:`ragfix.backends.load_backend` passes them), or None to validate ``**kwargs``.
         **kwargs: the backend's options as keywords (when ``options`` is None).
 
+    Extension points, what a subclass overrides to change how the model is run on token ids
+    (every public method reaches the model through them, except prefix reuse, the trie and
+    the step decoder, which a subclass that overrides one of them turns off:
+    :attr:`supports_prefix_reuse`, :attr:`supports_step_decoding`):
+
+    * :meth:`generate_ids`: greedy answers to a left-padded batch of prompts;
+    * :meth:`next_logprobs_ids`: the next-token log-probabilities of a batch of prompts;
+    * :meth:`token_scores_ids`: the log-probability of each token of one sequence;
+    * :meth:`stream_ids`: one prompt's greedy answer, piece by piece.
+
     Raises:
         pydantic.ValidationError: an unknown or invalid option.
         TypeError: both ``options`` and keyword options, or ``options`` of another backend.
@@ -369,7 +380,7 @@ class HFBackend(Backend):
         )
 
     @torch.no_grad()
-    def _generate_ids(
+    def generate_ids(
         self,
         batch: list[list[int]],
         max_new_tokens: int,
@@ -377,9 +388,14 @@ class HFBackend(Backend):
         first_logprobs: bool = False,
         cancel: Cancel | None = None,
     ) -> list[Generation]:
-        """Greedy decoding of ``B`` token-id prompts in one left-padded batch (the hook a method
-        with its own decoding loop or its own input overrides); ``cancel`` stops it between
-        steps (the caller checks it)."""
+        """Extension point: greedy decoding of ``B`` token-id prompts in one left-padded batch
+        (what a method with its own decoding loop or its own input overrides); ``cancel`` stops
+        it between steps (the caller checks it).
+
+        Returns:
+            one :class:`Generation` per prompt, in order (``first_logprobs`` float32
+            ``[vocab]`` when asked for).
+        """
         start = time.perf_counter()
         ids, mask = self._left_pad(batch)
         cfg = self._generation_config(
@@ -560,7 +576,7 @@ class HFBackend(Backend):
             order, run = list(range(len(items))), self._generate_trie
         else:
             order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
-            run = self._generate_ids
+            run = self.generate_ids
         results: list[Generation | None] = [None] * len(items)
         for group in batch_groups(items, order, size):
             mnt, stop = items[group[0]][1:]
@@ -588,7 +604,7 @@ class HFBackend(Backend):
         is copied, right aligned, into a cache of ``B`` rows and ``W - 1`` slots (``W``: the
         longest prompt) that the decode extends. Decode: ``model.generate`` on
         the left-padded prompts ``[B, W]`` and that cache, one batch, each row stopping at its
-        own stop rule. Answers equal :meth:`_generate_ids` up to floating-point differences.
+        own stop rule. Answers equal :meth:`generate_ids` up to floating-point differences.
         ``cancel`` stops the decode between steps (the caller checks it).
 
         ``Generation.prefill_tokens`` of a row: its tokens after the prefix shared with the row
@@ -656,8 +672,25 @@ class HFBackend(Backend):
         stop_at_newline: bool = False,
         cancel: Cancel | None = None,
     ) -> Iterator[str]:
-        """Yield the greedy answer to one prompt piece by piece. Closing the iterator, the stop
-        rule or ``cancel`` stops the generation thread at its next token.
+        """Yield the greedy answer to one prompt piece by piece (:meth:`stream_ids` of its
+        tokens). Closing the iterator, the stop rule or ``cancel`` stops the generation thread
+        at its next token.
+
+        Raises:
+            Cancelled: ``cancel`` was set before the answer was complete.
+        """
+        yield from self.stream_ids(self.encode(prompt), max_new_tokens, stop_at_newline, cancel)
+
+    def stream_ids(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        cancel: Cancel | None = None,
+    ) -> Iterator[str]:
+        """Extension point: the greedy answer to one token-id prompt, yielded piece by piece
+        (a subclass that overrides :meth:`generate_ids` overrides this too, so that a streamed
+        answer reads what a generated one reads).
 
         Raises:
             Cancelled: ``cancel`` was set before the answer was complete.
@@ -665,7 +698,7 @@ class HFBackend(Backend):
         from transformers import TextIteratorStreamer
 
         closed = threading.Event()
-        ids = torch.tensor([self.encode(prompt)], device=self.device)
+        ids = torch.tensor([prompt_ids], device=self.device)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         thread = threading.Thread(
             target=self.model.generate,
@@ -702,9 +735,10 @@ class HFBackend(Backend):
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()
-    def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
-        """``[B, vocab]`` next-token log-probabilities, one left-padded forward pass with position
-        IDs counted from each prompt's first real token."""
+    def next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
+        """Extension point: float32 ``[B, vocab]`` next-token log-probabilities on the CPU, one
+        left-padded forward pass with position IDs counted from each prompt's first real
+        token."""
         ids, mask = self._left_pad(batch)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
@@ -715,14 +749,14 @@ class HFBackend(Backend):
         encoded = [self.encode(p) for p in prompts]
         size = batch_size if self.supports_batching else 1
         parts = [
-            self._next_logprobs_ids(encoded[i : i + size]) for i in range(0, len(encoded), size)
+            self.next_logprobs_ids(encoded[i : i + size]) for i in range(0, len(encoded), size)
         ]
         return torch.cat(parts)
 
     @torch.no_grad()
-    def _token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
-        """:class:`TokenScores` of ``ids`` (``n >= 2``) with ``top`` alternatives, one forward
-        pass."""
+    def token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
+        """Extension point: :class:`TokenScores` of ``ids`` (``n >= 2`` tokens: ``n - 1``
+        scores) with ``top`` alternatives, one forward pass."""
         x = torch.tensor([ids], device=self.device)
         logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), dim=-1)
         return TokenScores.of(logp, x[0, 1:], top)
@@ -786,7 +820,7 @@ class HFBackend(Backend):
         if len(ids) < 2:
             raise ValueError("token_logprobs needs at least two tokens")
         if not self.supports_prefix_reuse:
-            return self._token_scores_ids(list(ids), top)
+            return self.token_scores_ids(list(ids), top)
         return self._scores_reusing(list(ids), top)
 
     @torch.no_grad()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ragfix.backends.base import BackendOptions, Cancel, Prompt, TokenScores, check_cancel
+from ragfix.backends.base import BackendOptions, Cancel, TokenScores, check_cancel
 from ragfix.backends.family import Family, model_family, project_qkv
 from ragfix.backends.gali.options import GaliOptions, default_chunk_size
 from ragfix.backends.hf import HFBackend, greedy_steps
@@ -427,18 +427,18 @@ class GaliBackend(HFBackend):
         logp = torch.cat(parts)[:-1]
         return TokenScores.of(logp, x[0, 1:], top), torch.cat(positions)[:-1]
 
-    def _token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
+    def token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
         """:class:`TokenScores` of ``ids`` under GALI (rows ``t = 1..n-1``)."""
         return self._scores_with_positions(ids, top)[0]
 
     @torch.no_grad()
-    def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
+    def next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
         """``[B, vocab]`` next-token log-probabilities: the unmodified model (batched) for
         prompts within the trained window, GALI prefill (one prompt at a time) beyond it."""
         out: list[torch.Tensor | None] = [None] * len(batch)
         inside = [i for i, x in enumerate(batch) if len(x) <= self.train_window]
         if inside:
-            lps = super()._next_logprobs_ids([batch[i] for i in inside])
+            lps = super().next_logprobs_ids([batch[i] for i in inside])
             for i, lp in zip(inside, lps, strict=True):
                 out[i] = lp
         for i, x in enumerate(batch):
@@ -478,7 +478,7 @@ class GaliBackend(HFBackend):
             )
 
     @torch.no_grad()
-    def _generate_ids(
+    def generate_ids(
         self,
         batch: list[list[int]],
         max_new_tokens: int,
@@ -496,7 +496,7 @@ class GaliBackend(HFBackend):
         results: list[Generation | None] = [None] * len(batch)
         inside = [i for i, x in enumerate(batch) if len(x) + max_new_tokens <= self.train_window]
         if inside:
-            gens = super()._generate_ids(
+            gens = super().generate_ids(
                 [batch[i] for i in inside], max_new_tokens, stop_at_newline, first_logprobs, cancel
             )
             for i, g in zip(inside, gens, strict=True):
@@ -515,24 +515,23 @@ class GaliBackend(HFBackend):
                 results[i] = g
         return results  # type: ignore[return-value]
 
-    def stream(
+    def stream_ids(
         self,
-        prompt: Prompt,
-        max_new_tokens: int = 256,
-        stop_at_newline: bool = False,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_at_newline: bool,
         cancel: Cancel | None = None,
     ) -> Iterator[str]:
-        """Yield the answer to one prompt piece by piece (greedy; GALI beyond the window);
-        closing the iterator or ``cancel`` stops decoding at once.
+        """Yield the answer to one token-id prompt piece by piece (greedy; GALI beyond the
+        window); closing the iterator or ``cancel`` stops decoding at once.
 
         Raises:
             Cancelled: ``cancel`` was set before the answer was complete.
         """
-        ids = self.encode(prompt)
-        if len(ids) + max_new_tokens <= self.train_window:
-            yield from super().stream(prompt, max_new_tokens, stop_at_newline, cancel)
+        if len(prompt_ids) + max_new_tokens <= self.train_window:
+            yield from super().stream_ids(prompt_ids, max_new_tokens, stop_at_newline, cancel)
             return
-        x = torch.tensor([ids], device=self.device)
+        x = torch.tensor([prompt_ids], device=self.device)
         yield from self._stream_steps(self._greedy(x, max_new_tokens, stop_at_newline, cancel))
         check_cancel(cancel)
 

@@ -19,6 +19,8 @@ the visible keys carry information from further back.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ragfix.backends.base import Cancel, TokenScores
@@ -58,12 +60,12 @@ class TruncatedBackend(HFBackend):
     name = "truncated"
     options_model = TruncatedOptions
     supports_prefix_reuse = False  # the cut depends on the whole prompt
-    supports_step_decoding = False  # it reads the cut prompt (_generate_ids)
+    supports_step_decoding = False  # it reads the cut prompt (generate_ids)
     cuts_long_prompts = True  # the method: long prompts are cut to the window
 
     def __init__(self, model, tokenizer, *, adapter: dict | None = None, **options):
         super().__init__(model, tokenizer, adapter=adapter, **options)
-        #: targets scored per sliding window beyond the window (see :meth:`_token_scores_ids`)
+        #: targets scored per sliding window beyond the window (see :meth:`token_scores_ids`)
         self.score_stride = self.options.score_stride or max(1, self.context_window // 4)
         if self.score_stride >= self.context_window:
             raise ConfigError(
@@ -84,7 +86,7 @@ class TruncatedBackend(HFBackend):
             )
         return budget
 
-    def _generate_ids(
+    def generate_ids(
         self,
         batch: list[list[int]],
         max_new_tokens: int,
@@ -94,21 +96,21 @@ class TruncatedBackend(HFBackend):
     ) -> list[Generation]:
         """Greedy decoding of the middle-truncated prompts; ``prompt_tokens`` is the original
         length, ``prefill_tokens`` the length actually read (``cancel``: see
-        :meth:`HFBackend._generate_ids`).
+        :meth:`HFBackend.generate_ids`).
 
         Raises:
             ConfigError: ``max_new_tokens`` leaves no room in the window.
         """
         budget = self._budget(max_new_tokens)
         cut = [truncate_middle(ids, budget) for ids in batch]
-        gens = super()._generate_ids(cut, max_new_tokens, stop_at_newline, first_logprobs, cancel)
+        gens = super().generate_ids(cut, max_new_tokens, stop_at_newline, first_logprobs, cancel)
         return [
             g.model_copy(update={"prompt_tokens": len(ids), "prefill_tokens": len(c)})
             for g, ids, c in zip(gens, batch, cut, strict=True)
         ]
 
     @torch.no_grad()
-    def _token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
+    def token_scores_ids(self, ids: list[int], top: int = 0) -> TokenScores:
         """:class:`TokenScores` of ``log p(ids[t] | context)`` for ``t = 1..n-1`` (with ``top``
         alternatives from the same distributions), reading at most
         ``L`` = :attr:`context_window` tokens (context plus the token) per forward pass.
@@ -121,7 +123,7 @@ class TruncatedBackend(HFBackend):
         """
         big_l = self.context_window
         stride = self.score_stride
-        parts = [super()._token_scores_ids(ids[:big_l], top)]
+        parts = [super().token_scores_ids(ids[:big_l], top)]
         for a in range(big_l, len(ids), stride):
             b = min(a + stride, len(ids))
             x = torch.tensor([ids[b - big_l : b]], device=self.device)
@@ -130,7 +132,24 @@ class TruncatedBackend(HFBackend):
             parts.append(TokenScores.of(logp, x[0, big_l - (b - a) :], top))
         return TokenScores.cat(parts)
 
-    def _next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
+    def stream_ids(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_at_newline: bool,
+        cancel: Cancel | None = None,
+    ) -> Iterator[str]:
+        """The answer to the middle-truncated prompt, piece by piece (as :meth:`generate_ids`
+        reads it).
+
+        Raises:
+            ConfigError: ``max_new_tokens`` leaves no room in the window.
+            Cancelled: ``cancel`` was set before the answer was complete.
+        """
+        cut = truncate_middle(prompt_ids, self._budget(max_new_tokens))
+        yield from super().stream_ids(cut, max_new_tokens, stop_at_newline, cancel)
+
+    def next_logprobs_ids(self, batch: list[list[int]]) -> torch.Tensor:
         """Next-token log-probabilities after the prompts cut to ``train_window - 1`` tokens."""
         budget = self._budget(1)
-        return super()._next_logprobs_ids([truncate_middle(ids, budget) for ids in batch])
+        return super().next_logprobs_ids([truncate_middle(ids, budget) for ids in batch])
