@@ -134,7 +134,8 @@ def _measure_prompt(backend, prompt, device: torch.device) -> dict:
 def _decode_steps(backend, prompt, device: torch.device) -> dict:
     """``decode_ms`` (mean wall milliseconds of one step, CUDA synchronised) and
     ``decode_steps`` (steps timed) of up to :data:`DECODE_STEPS` batch-1 decoding steps after
-    the prompt's prefill; both None without step decoding or when the first token ends it."""
+    the prompt's prefill; both None without step decoding or when the answer ends within one
+    step."""
     import time
 
     none = {"decode_ms": None, "decode_steps": None}
@@ -145,16 +146,20 @@ def _decode_steps(backend, prompt, device: torch.device) -> dict:
     row = decoder.add(prompt, max_new_tokens=DECODE_STEPS + 1, stop_at_newline=False)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     sync()
-    start, done = time.perf_counter(), {}
+    start, done, calls = time.perf_counter(), {}, 0
     while row not in done:
         done.update(decoder.step())
+        calls += 1
     sync()
     seconds = time.perf_counter() - start
     answer = done[row]
     if isinstance(answer, Exception):
         raise answer
-    steps = answer.new_tokens - 1  # the first token is the prefill's
-    return {"decode_ms": seconds / steps * 1000, "decode_steps": steps} if steps else none
+    # every call ran one forward pass, unless the first token ended the answer: then the one
+    # call handed it back without one (a single call is not timed either way)
+    if calls < 2:
+        return none
+    return {"decode_ms": seconds / calls * 1000, "decode_steps": calls}
 
 
 def bench_methods(
@@ -196,7 +201,7 @@ def bench_methods(
 
     Returns:
         ``(table, details)``: one row per (number of passages, backend), in that order;
-        ``details`` = ``{"data", "model", "device", "threads", "limit", "new_tokens",
+        ``details`` = ``{"data", "model", "device", "dtypes", "threads", "limit", "new_tokens",
         "measurements"}``, a measurement per row with its per-prompt figures (``prompt_tokens``,
         ``prefill_s``, ``generate_s``, ``generated_tokens``, ``prefill_mib``, ``decode_ms``,
         ``decode_steps``: lists in prompt order), its ``method`` and ``dtype``, the row's figures

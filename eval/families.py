@@ -5,9 +5,10 @@ A backend's verdict on a model comes from its config alone (``check_family``: no
 sweep. The capability table (``ragfix bench families``) adds the proof: every family as a tiny
 random-config model (2 layers, hidden 64, grouped-query attention; Mistral's and Gemma 3's
 sliding window 128 tokens, shorter than the probe's prompts), every backend run on it in fp32
-and bf16 with ``sdpa`` and ``eager`` attention through every path (batched generation, prefix
-reuse one prompt at a time and batched, next-token log-probabilities, log-likelihood, streaming
-the generated answer); a cell
+and bf16 with ``sdpa`` and ``eager`` attention, and in bf16 with ``sdpa_fp32_decode`` (what
+:func:`~ragfix.models.load.load_model` gives a bf16 model on the CPU), through every path
+(batched generation, prefix reuse one prompt at a time and batched, next-token
+log-probabilities, log-likelihood, streaming the generated answer); a cell
 says ``works`` only when all of them ran, and a refusal is the backend's one-line reason.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ragfix.models.device import SDPA_FP32_DECODE
 from ragfix.tables import TableSpec
 
 #: the families of the capability table, in its order
@@ -28,6 +30,7 @@ VARIANTS = (
     (torch.float32, "sdpa"),
     (torch.float32, "eager"),
     (torch.bfloat16, "sdpa"),
+    (torch.bfloat16, SDPA_FP32_DECODE),  # what ragfix loads a bf16 model with on the CPU
     (torch.bfloat16, "eager"),
 )
 #: backends that need an artefact the table does not make, and the options it gives them
@@ -101,6 +104,8 @@ def tiny_family_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    import ragfix.models.attention  # noqa: F401  (registers SDPA_FP32_DECODE with transformers)
+
     cfg._attn_implementation = attn
     return AutoModelForCausalLM.from_config(cfg).eval().to(device=device, dtype=dtype)
 

@@ -11,7 +11,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from ragfix.backends.hf import HFBackend
-from ragfix.models.attention import SDPA_FP32_DECODE, sdpa_fp32_decode
+from ragfix.models.attention import sdpa_fp32_decode
+from ragfix.models.device import SDPA_FP32_DECODE
 from ragfix.models.load import load_model
 
 

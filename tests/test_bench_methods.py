@@ -168,10 +168,15 @@ def test_bench_methods_measures_each_backend_in_each_dtype_against_the_first(tmp
         backend = load_backend("vanilla", model=folder, device="cpu", dtype=r["dtype"])
         for p, prompt in enumerate(prompts):
             decoder = backend.decoder()
-            row_id, done = decoder.add(prompt, max_new_tokens=33, stop_at_newline=False), {}
+            row_id, done, calls = (
+                decoder.add(prompt, max_new_tokens=33, stop_at_newline=False),
+                {},
+                0,
+            )
             while row_id not in done:
                 done.update(decoder.step())
-            assert r["decode_steps"][p] == done[row_id].new_tokens - 1 >= 1
+                calls += 1
+            assert r["decode_steps"][p] == calls >= 2
             assert r["decode_ms"][p] > 0
         assert r["decode_ms_median"] == statistics.median(r["decode_ms"])
         assert r["decode_x"] == r["decode_ms_median"] / base["decode_ms_median"]
@@ -207,3 +212,25 @@ def test_the_command_keeps_each_number_of_passages_in_its_json_and_takes_dtypes(
     res = CliRunner().invoke(app, [*args, str(out), "--dtype", "float32,bf16"])
     assert res.exit_code == 2
     assert res.output.strip() == "error: dtype 'bf16': expected auto, float32, bfloat16, float16"
+
+
+def test_decode_steps_are_the_forward_passes_after_the_prefill_when_eos_is_the_pad(tmp_path):
+    """An answer that ends on EOS, the pad token too (as SmolLM2's tokenizer has it): the steps
+    timed are the decoding forward passes, counted by a hook on the model, not the answer's
+    tokens (which leave out the EOS)."""
+    import torch
+
+    from ragfix.backends import load_backend
+    from ragfix.bench.methods import _decode_steps
+
+    backend = load_backend("vanilla", model=str(tiny_folder(tmp_path)), device="cpu")
+    prompt = "Name three colours of the rainbow."
+    tokens = backend.generate([prompt], max_new_tokens=8, stop_at_newline=False)[0].token_ids
+    end = next(i for i, t in enumerate(tokens) if t not in tokens[:i] and i >= 2)
+    tok = backend.tokenizer
+    tok.eos_token = tok.pad_token = tok.convert_ids_to_tokens(tokens[end])
+    forwards = []
+    backend.model.register_forward_hook(lambda *_: forwards.append(1))
+    got = _decode_steps(backend, prompt, torch.device("cpu"))
+    assert got["decode_steps"] == end == len(forwards) - 1  # the prefill, then one a step
+    assert got["decode_ms"] > 0

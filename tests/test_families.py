@@ -31,21 +31,26 @@ from ragfix.eval.families import (
     tiny_family_model,
     verdict,
 )
+from ragfix.models.device import default_attention
 from ragfix.tasks import get_task
 from ragfix.types import Passage
 
+#: where the tiny models run (``RAGFIX_TEST_DEVICE``; the CPU unless told)
+DEVICE = os.environ.get("RAGFIX_TEST_DEVICE", "cpu")
 VARIANTS = [
     pytest.param(torch.float32, "sdpa", id="fp32-sdpa"),
     pytest.param(torch.float32, "eager", id="fp32-eager"),
-    pytest.param(torch.bfloat16, "sdpa", id="bf16-sdpa"),
+    # bf16 under the attention ragfix loads it with on this device (SDPA with float32 decoding
+    # steps on the CPU, SDPA on CUDA)
+    pytest.param(
+        torch.bfloat16, default_attention(torch.device(DEVICE), torch.bfloat16), id="bf16-sdpa"
+    ),
     pytest.param(torch.bfloat16, "eager", id="bf16-eager"),
 ]
 #: vanilla patches no attention forward, so its bf16 paths run under one implementation: bf16
 #: matrix products have no hardware path on a CPU without AVX-512 BF16 or AMX (about 8x slower
 #: than fp32 here), and eager is covered in fp32 and by the methods' test
 VANILLA_VARIANTS = VARIANTS[:3]
-#: where the tiny models run (``RAGFIX_TEST_DEVICE``; the CPU unless told)
-DEVICE = os.environ.get("RAGFIX_TEST_DEVICE", "cpu")
 #: how far two computations of the same log-probabilities may differ (max abs, nats)
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 0.1}
 #: how far the answers to two orders of the same passages may differ: fp32 holds the invariance

@@ -12,7 +12,8 @@ fast.
 transformers' ``AttentionInterface`` (the attention function) and ``AttentionMaskInterface``
 (SDPA's own masks), so a model loaded with ``attn_implementation=SDPA_FP32_DECODE`` uses it
 and no other model is touched. :func:`ragfix.models.load.load_model` chooses it by default
-for a non-fp32 model on the CPU (:func:`default_attention`).
+for a bf16 or fp16 model on the CPU
+(:func:`ragfix.models.device.default_attention`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-#: the attention implementation's registered name
-SDPA_FP32_DECODE = "sdpa_fp32_decode"
+from ragfix.models.device import SDPA_FP32_DECODE
+
+#: the dtypes whose decoding steps are computed in float32
+HALF = (torch.bfloat16, torch.float16)
 
 
 def sdpa_fp32_decode(module, query, key, value, attention_mask, **kwargs):
     """Transformers' SDPA attention, except that a forward of one query row (a decode step)
-    in a dtype other than float32 is computed in float32 and cast back.
+    in bf16 or fp16 is computed in float32 and cast back.
 
     Args:
         module: the attention module (transformers' attention-function contract).
@@ -42,7 +45,7 @@ def sdpa_fp32_decode(module, query, key, value, attention_mask, **kwargs):
     Returns:
         ``(attn_output (batch, q_len, heads, head_dim) in query's dtype, None)``.
     """
-    if query.shape[2] != 1 or query.dtype == torch.float32:
+    if query.shape[2] != 1 or query.dtype not in HALF:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.float()
@@ -54,11 +57,3 @@ def sdpa_fp32_decode(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(SDPA_FP32_DECODE, sdpa_fp32_decode)
 AttentionMaskInterface.register(SDPA_FP32_DECODE, sdpa_mask)
-
-
-def default_attention(device: torch.device, dtype: torch.dtype) -> str:
-    """The attention implementation :func:`~ragfix.models.load.load_model` uses when none is
-    asked for: :data:`SDPA_FP32_DECODE` for a bf16 or fp16 model on the CPU, else ``"sdpa"``."""
-    if device.type == "cpu" and dtype != torch.float32:
-        return SDPA_FP32_DECODE
-    return "sdpa"

@@ -199,3 +199,17 @@ def dtype_axis(dtypes: Sequence[str], device: torch.device) -> list[str]:
     if len(set(names)) < len(names):
         raise ConfigError(f"--dtype {','.join(dtypes)}: a dtype is named twice ({names})")
     return names
+
+
+#: the name of :mod:`ragfix.models.attention`'s implementation (SDPA, decoding steps in float32)
+SDPA_FP32_DECODE = "sdpa_fp32_decode"
+
+
+def default_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """The attention implementation :func:`~ragfix.models.load.load_model` uses when none is
+    asked for: :data:`SDPA_FP32_DECODE` for a bf16 or fp16 model on the CPU, where SDPA's
+    one-row kernel is slow in those dtypes (:mod:`ragfix.models.attention`), else ``"sdpa"``."""
+    import torch
+
+    half = (torch.bfloat16, torch.float16)
+    return SDPA_FP32_DECODE if device.type == "cpu" and dtype in half else "sdpa"

@@ -9,7 +9,7 @@ import torch
 
 from ragfix.errors import ModelNotFoundError
 from ragfix.fingerprint import content_fingerprint, weight_files_fingerprint
-from ragfix.models.device import cpu_threads, resolve_device, resolve_dtype
+from ragfix.models.device import cpu_threads, default_attention, resolve_device, resolve_dtype
 from ragfix.models.resolve import SMOLLM2, ModelSpec, checkpoint_dir, resolve_model
 
 
@@ -72,7 +72,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    from ragfix.models.attention import default_attention
+    import ragfix.models.attention  # noqa: F401  (registers SDPA_FP32_DECODE with transformers)
 
     dev = resolve_device(device)
     if dev.type == "cpu":

@@ -12,7 +12,8 @@ Because ``q_proj`` and ``k_proj`` are linear, scaling one input channel is a ran
 the projections: ``q~ = q + (s - 1) * h[..., d] * W_q[:, d]`` (the bias is unchanged), and the
 same for ``k``. That correction is what :func:`apply_channel_scaling` adds to the attention modules
 of the chosen layers (Llama, Mistral, Qwen2, Qwen3 and Gemma attention of transformers 5;
-grouped-query attention included; ``eager`` and ``sdpa`` attention). The patch is reversible.
+grouped-query attention included; ``eager``, ``sdpa`` and ``sdpa_fp32_decode`` attention). The
+patch is reversible.
 
 Where the settings come from, in order of precedence: explicit ``channel`` / ``layers`` /
 ``factor`` options, a calibration file written by ``ragfix calibrate``
@@ -41,7 +42,7 @@ from ragfix.backends.patching import AttentionPatch, attention_modules, patch_at
 from ragfix.errors import ConfigError, DataError
 from ragfix.fingerprint import content_fingerprint
 from ragfix.io import atomic_write_json
-from ragfix.models.attention import SDPA_FP32_DECODE
+from ragfix.models.device import SDPA_FP32_DECODE
 from ragfix.models.load import model_identity, weights_differ
 
 #: families whose attention modules the patch understands (separate q/k/v/o_proj, RoPE)
