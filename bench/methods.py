@@ -139,7 +139,7 @@ def _decode_steps(backend, prompt, device: torch.device) -> dict:
     import time
 
     none = {"decode_ms": None, "decode_steps": None}
-    if not getattr(backend, "supports_step_decoding", False):
+    if not backend.supports_step_decoding:
         return none
     backend.forget_prompts()
     decoder = backend.decoder()
