@@ -17,6 +17,10 @@ it chat requests, greedy, ``max_tokens`` :data:`MAX_TOKENS`, no stop rule:
 * long, prefill-bound prompts (:func:`long_prompts`: about 400 tokens each, a distinct KV
   sample each) at the same client counts, in a second table, without a target.
 
+With several dtypes (``--dtype float32,bfloat16``) the whole test runs once per dtype, a server
+in each, one after the other, and a first table sets their requests/s side by side, with the
+sequential answers of each later dtype that are identical to the first's.
+
 Each table's levels start after one warm-up request. A level is bounded in requests
 (``requests`` / ``long_requests``) and in time: no client starts a request after
 ``max_seconds`` from the level's start, and each request times out after ``max_seconds``, so
@@ -33,7 +37,7 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ragfix.bench.remote import kv_prompts
@@ -55,6 +59,8 @@ TOPICS = (
 )  # fmt: skip
 #: the target of issue 31: requests/s at 8 short-prompt clients over one client's
 TARGET = (8, 3.0)
+#: the target of issue 57: requests/s at 8 short-prompt clients in bf16 over float32's
+DTYPE_TARGET = (8, 2.0)
 
 
 def short_prompts(n: int) -> list[dict]:
@@ -285,7 +291,7 @@ async def _run(
         burst_row = _row(await good, rows[0]["requests_per_s"], ref, len(short))
         burst_row["burst"] = burst
         burst_row["answers_after"] = await _still_answers(client, url, short[0], ref.get(0))
-        long_rows, _, long_tokens = await _table_run(
+        long_rows, long_ref, long_tokens = await _table_run(
             client, long, levels, max_seconds, progress, "long prompts"
         )
     return {
@@ -294,6 +300,8 @@ async def _run(
         "long": long_rows,
         "short_prompt_tokens": short_tokens,
         "long_prompt_tokens": long_tokens,
+        "short_answers": [ref.get(i) for i in range(len(short))],
+        "long_answers": [long_ref.get(i) for i in range(len(long))],
         "window": info["max_model_len"],
     }
 
@@ -318,10 +326,11 @@ HEADERS = [
 ]  # fmt: skip
 
 
-def load_tables(details: dict) -> list[TableSpec]:
-    """The benchmark's two tables from its figures: short prompts (a row per client count, then
-    the burst row, with the bad requests refused), and long prompts."""
-    m = details["measurements"]
+def load_tables(details: dict, dtype: str) -> list[TableSpec]:
+    """The two tables of the server in ``dtype`` (its figures:
+    ``details["measurements"][dtype]``): short prompts (a row per client count, then the burst
+    row, with the bad requests refused), and long prompts."""
+    m = details["measurements"][dtype]
     burst = m["burst"]
     bad_sent = sum(k["sent"] for k in burst["burst"])
     bad_refused = sum(k["refused"] for k in burst["burst"])
@@ -348,27 +357,84 @@ def load_tables(details: dict) -> list[TableSpec]:
             f"{target_clients} clients: {ratio:.2f}x the requests/s of 1 client (issue 31's "
             f"target: {target:.0f}x, {met})."
         )
-    lines.append(f"{details['machine']}; {details['server']}.")
+    lines.append(f"{details['machine']}; {details['server']} --dtype {dtype} (1 math thread).")
 
     def tokens(key: str) -> str:
         t = m[key]
         return f"{min(t)}-{max(t)}" if t else "?"
 
     short = TableSpec(
-        f"{details['model']} · ragfix serve on 127.0.0.1 · short chat prompts "
+        f"{details['model']} · {dtype} · ragfix serve on 127.0.0.1 · short chat prompts "
         f"({tokens('short_prompt_tokens')} prompt tokens, max_tokens {details['max_tokens']})",
         [*HEADERS, "bad refused"],
         rows,
         lines,
     )
     long = TableSpec(
-        f"{details['model']} · ragfix serve on 127.0.0.1 · long KV prompts "
+        f"{details['model']} · {dtype} · ragfix serve on 127.0.0.1 · long KV prompts "
         f"({tokens('long_prompt_tokens')} prompt tokens, max_tokens {details['max_tokens']}), "
         f"prefill-bound, no target",
         HEADERS,
         [[str(r["clients"]), *_cells(r)] for r in m["long"]],
     )
     return [short, long]
+
+
+def dtype_table(details: dict) -> TableSpec:
+    """The servers of several dtypes side by side: for each prompt kind and client count, the
+    first dtype's requests/s, and each later dtype's with its ratio to the first's; under it,
+    how many sequential (1-client) answers of each later dtype are identical to the first's,
+    and issue 57's target (:data:`DTYPE_TARGET`, bf16 against float32)."""
+    names, m = details["dtypes"], details["measurements"]
+    first = names[0]
+    headers = ["prompts", "clients", f"{first} requests/s"]
+    for n in names[1:]:
+        headers += [f"{n} requests/s", f"{n} / {first}"]
+    rows, lines = [], []
+    for kind in ("short", "long"):
+        for i, base in enumerate(m[first][kind]):
+            row = [kind, str(base["clients"]), f"{base['requests_per_s']:.3f}"]
+            for n in names[1:]:
+                rps = m[n][kind][i]["requests_per_s"]
+                ratio = rps / base["requests_per_s"] if base["requests_per_s"] else None
+                row += [f"{rps:.3f}", "-" if ratio is None else f"{ratio:.2f}"]
+            rows.append(row)
+    clients, target = DTYPE_TARGET
+    for n in names[1:]:
+        for kind in ("short", "long"):
+            pairs = [
+                (a, b)
+                for a, b in zip(m[first][f"{kind}_answers"], m[n][f"{kind}_answers"], strict=True)
+                if a is not None and b is not None
+            ]
+            same = sum(a == b for a, b in pairs)
+            lines.append(
+                f"{n}, {kind} prompts: {same}/{len(pairs)} sequential answers identical to "
+                f"{first}'s."
+            )
+        at = [
+            (base["requests_per_s"], other["requests_per_s"])
+            for base, other in zip(m[first]["short"], m[n]["short"], strict=True)
+            if base["clients"] == clients and base["requests_per_s"]
+        ]
+        if at and (first, n) == ("float32", "bfloat16"):
+            ratio = at[0][1] / at[0][0]
+            met = "met" if ratio >= target else "not met"
+            lines.append(
+                f"{clients} clients, short prompts: bfloat16 {ratio:.2f}x float32's requests/s "
+                f"(issue 57's target: {target:.0f}x, {met})."
+            )
+    lines.append(
+        f"Each dtype's server ran alone, one after the other; {details['machine']}; "
+        f"{details['server']} (1 math thread)."
+    )
+    return TableSpec(
+        f"{details['model']} · ragfix serve on 127.0.0.1 · requests/s in each dtype against "
+        f"{first}",
+        headers,
+        rows,
+        lines,
+    )
 
 
 def bench_serve(
@@ -381,50 +447,63 @@ def bench_serve(
     max_seconds: float = 300.0,
     max_batch_size: int | None = None,
     max_wait_ms: float | None = None,
+    dtypes: Sequence[str] = ("auto",),
     progress: Callable[[str], object] = lambda _: None,
 ) -> tuple[list[TableSpec], dict]:
     """The load test (see the module docstring) against ``ragfix serve --model MODEL`` on the
     CPU, at each client count of ``clients`` (default 1, 4, 8, 16; 1, the sequential reference,
-    is always run, first).
+    is always run, first), once per dtype of ``dtypes``: a server in each, one after the other.
 
     Args:
         max_batch_size, max_wait_ms: passed to ``ragfix serve`` (its defaults when ``None``).
+        dtypes: the model's dtypes (:func:`~ragfix.models.device.dtype_axis`, on the CPU).
 
     Raises:
-        ConfigError: a client count below 1, or ``long_requests`` outside 1-60.
+        ConfigError: a client count below 1, ``long_requests`` outside 1-60, an unknown dtype
+            or one named twice.
         RuntimeError: ``ragfix serve`` did not start (:func:`ragfix.serve.serving`).
 
     Returns:
-        ``(tables, details)``: the short-prompt table and the long-prompt table
-        (:func:`load_tables`); ``details`` holds the settings, the machine and ``measurements``
-        (one row per level, the burst's counts per kind).
+        ``(tables, details)``: with several dtypes, first their comparison
+        (:func:`dtype_table`); then each dtype's short-prompt and long-prompt tables
+        (:func:`load_tables`). ``details`` holds the settings, the machine and, per dtype,
+        ``measurements`` (one row per level, the burst's counts per kind, the sequential
+        answers).
     """
+    import torch
+
+    from ragfix.models.device import dtype_axis
+
     levels = sorted({1, *(clients or (4, 8, 16))})
     if levels[0] < 1 or burst_clients < 1 or not 1 <= long_requests <= 60:
         raise ConfigError(
             "clients and burst clients must be at least 1, long requests 1 to 60 (one per "
             "sample of the bundled KV sample)"
         )
+    names = dtype_axis(dtypes, torch.device("cpu"))
     args = ["--model", model, "--device", "cpu"]
     if max_batch_size is not None:
         args += ["--max-batch-size", str(max_batch_size)]
     if max_wait_ms is not None:
         args += ["--max-wait-ms", str(max_wait_ms)]
-    progress("starting ragfix serve")
-    with serving(*args) as url:
-        measurements = asyncio.run(
-            _run(
-                url,
-                model,
-                levels,
-                short_prompts(requests),
-                long_prompts(long_requests),
-                burst_clients,
-                burst_rounds,
-                max_seconds,
-                progress,
+    measurements = {}
+    for name in names:
+        say = progress if len(names) == 1 else (lambda msg, n=name: progress(f"{n}: {msg}"))
+        say("starting ragfix serve")
+        with serving(*args, "--dtype", name) as url:
+            measurements[name] = asyncio.run(
+                _run(
+                    url,
+                    model,
+                    levels,
+                    short_prompts(requests),
+                    long_prompts(long_requests),
+                    burst_clients,
+                    burst_rounds,
+                    max_seconds,
+                    say,
+                )
             )
-        )
     details = {
         "model": model,
         "max_tokens": MAX_TOKENS,
@@ -432,8 +511,10 @@ def bench_serve(
         "long_requests": long_requests,
         "burst_rounds": burst_rounds,
         "max_seconds": max_seconds,
-        "server": "ragfix serve " + " ".join(args[2:]) + " (1 math thread)",
+        "dtypes": names,
+        "server": "ragfix serve " + " ".join(args[2:]),
         "machine": f"{platform.machine()}, cpu, clients and server on one machine",
         "measurements": measurements,
     }
-    return load_tables(details), details
+    tables = [t for name in names for t in load_tables(details, name)]
+    return ([dtype_table(details)] if len(names) > 1 else []) + tables, details

@@ -373,11 +373,13 @@ def serve_cmd(
     max_wait_ms: Annotated[
         float | None, typer.Option(min=0, help="ragfix serve --max-wait-ms (its default)")
     ] = None,
+    dtype: DtypeAxisOpt = "auto",
     json_out: JsonOpt = None,
 ) -> None:
     """A bounded load test of `ragfix serve` on 127.0.0.1: requests/s, p50/p95 latency and
     answers against the sequential ones, for short prompts at several client counts, during a
-    burst of malformed and oversized requests, and for long prompts (a second table)."""
+    burst of malformed and oversized requests, and for long prompts (a second table); with
+    several dtypes, a server in each, one after the other, and their requests/s side by side."""
     from ragfix.bench.serve import bench_serve
     from ragfix.cli.common import parse_numbers
 
@@ -385,7 +387,7 @@ def serve_cmd(
         levels = parse_numbers(clients, "--clients", int)
         tables, details = bench_serve(
             model, levels, requests, long_requests, burst_clients, burst_rounds, max_seconds,
-            max_batch_size, max_wait_ms, status.update,
+            max_batch_size, max_wait_ms, dtype_list(dtype), status.update,
         )  # fmt: skip
     show_tables(tables, details, json_out, keep_all=True)
 

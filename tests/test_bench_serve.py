@@ -1,6 +1,6 @@
 """``ragfix bench serve``: the load test run for real, small (``ragfix serve`` over a tiny seeded
-model folder with the SmolLM2 tokenizer, 2 clients, 2 requests), its tables read cell by cell
-and its result file rendered."""
+model folder with the SmolLM2 tokenizer, 2 clients, 2 requests, in float32 and bf16), its tables
+read cell by cell and its result file rendered."""
 
 from __future__ import annotations
 
@@ -16,18 +16,47 @@ runner = CliRunner()
 
 
 def test_bench_serve_reports_identical_answers_and_every_bad_request_refused(tmp_path):
+    """Both dtypes' servers: the float32 one's tables checked cell by cell, the comparison
+    table's ratios and identical answers recomputed from the measurements."""
     from ragfix.eval.render import render_files
 
     folder = str(tiny_folder(tmp_path / "tiny"))
     out = tmp_path / "serve-load.json"
-    res = runner.invoke(app, [
+    args = [
         "bench", "serve", "--model", folder, "--clients", "2", "--requests", "2",
         "--long-requests", "2", "--burst-clients", "2", "--burst-rounds", "1",
-        "--max-seconds", "120", "--json", str(out),
-    ])  # fmt: skip
+        "--max-seconds", "120",
+    ]  # fmt: skip
+    twice = runner.invoke(app, [*args, "--dtype", "float32,auto"])
+    assert twice.exit_code == 2 and "a dtype is named twice" in twice.output
+    res = runner.invoke(app, [*args, "--dtype", "float32,bfloat16", "--json", str(out)])
     assert res.exit_code == 0, res.output
     result = json.loads(out.read_text())
-    short, long = result, result["more_tables"][0]
+    both, short, long, bf16_short, bf16_long = result, *result["more_tables"]
+    assert "float32 ·" in short["title"] and "bfloat16 ·" in bf16_short["title"]
+    assert "--dtype bfloat16 (1 math thread)" in " ".join(bf16_short["lines"])
+    assert [(r[0], r[1]) for r in both["rows"]] == [
+        ("short", "1"), ("short", "2"), ("long", "1"), ("long", "2"),
+    ]  # fmt: skip
+    by = result["measurements"]
+    for row, kind, i in zip(
+        both["rows"], ["short", "short", "long", "long"], [0, 1, 0, 1], strict=True
+    ):
+        fp32, bf16 = by["float32"][kind][i], by["bfloat16"][kind][i]
+        assert row[2:] == [
+            f"{fp32['requests_per_s']:.3f}",
+            f"{bf16['requests_per_s']:.3f}",
+            f"{bf16['requests_per_s'] / fp32['requests_per_s']:.2f}",
+        ]
+    for kind in ("short", "long"):
+        pairs = list(
+            zip(by["float32"][f"{kind}_answers"], by["bfloat16"][f"{kind}_answers"], strict=True)
+        )
+        assert len(pairs) == 2 and all(a and b for a, b in pairs)
+        same = sum(a == b for a, b in pairs)
+        assert f"bfloat16, {kind} prompts: {same}/2 sequential answers identical" in " ".join(
+            both["lines"]
+        )
     n_bad = len(bad_requests(folder, 2048))
     # clients, answered, requests/s, ratio, p50, p95, same answers, bad refused
     assert [r[0] for r in short["rows"]] == ["1", "2", "2 + burst"]
@@ -38,7 +67,7 @@ def test_bench_serve_reports_identical_answers_and_every_bad_request_refused(tmp
     assert [(r[0], r[1], r[3], r[6]) for r in long["rows"]] == [
         ("1", "2/2", "1.00", "2/2"), ("2", "2/2", long["rows"][1][3], "2/2"),
     ]  # fmt: skip
-    m = result["measurements"]
+    m = by["float32"]
     assert all(k["refused"] == k["sent"] == 1 for k in m["burst"]["burst"])
     statuses = {k["kind"]: k["statuses"] for k in m["burst"]["burst"]}
     assert statuses["5 MB body"] == ["413"] and statuses["unknown model"] == ["404"]
@@ -48,12 +77,12 @@ def test_bench_serve_reports_identical_answers_and_every_bad_request_refused(tmp
     assert min(m["long_prompt_tokens"]) >= 380
     assert "After it the server answered (/health, and the first prompt's sequential answer): " \
         "yes." in " ".join(short["lines"])  # fmt: skip
-    # both tables render from the one result file
+    # every table renders from the one result file
     doc = tmp_path / "d.md"
     doc.write_text(f"<!-- results:benchmark {out.name} -->\n<!-- /results -->\n")
     render_files([doc])
     text = doc.read_text()
-    assert short["title"] in text and long["title"] in text
+    assert all(t["title"] in text for t in (both, short, long, bf16_short, bf16_long))
 
 
 def test_short_prompts_fit_their_budget_in_the_chat_template(smol):
