@@ -402,15 +402,33 @@ def loaded_reference(backend: Backend, **settings: object) -> BackendRef:
     return BackendRef.of(backend)
 
 
+#: weights' dtypes (as :meth:`~ragfix.backends.base.Backend.identity` names them) whose CPU
+#: kernels round a row by what else is in its batch
+HALF_DTYPES = ("torch.bfloat16", "torch.float16")
+
+
 def default_batch_size(backend, device: str, kind: RunKind) -> int:
     """Cells per batch when the caller names none: the backend's preferred size (a remote
-    model's concurrency), else the kind's default for the device
-    (:meth:`RunKind.batch_size`)."""
+    model's concurrency); 1 for a model in bf16 or fp16 on the CPU; else the kind's default for
+    the device (:meth:`RunKind.batch_size`).
+
+    On the CPU, a half-precision model's batched decoding steps round each row otherwise than
+    the same prompt computed alone, and greedy answers change with the batch
+    (``results/bench-sweep-squad10-dtypes.json``, SmolLM2 in bf16: the cells of a sample
+    prefilled along their shared prefix and decoded in one batch kept the answer computed
+    alone in 6 of 10 cells, prefix reuse at batch 1 in 10 of 10; float32 in 10 of 10 both
+    ways). At batch 1 a cell's answer does not depend on the cells beside it, so two runs paired
+    cell by cell differ by their method, not by how their cells were batched. A ``batch_size``
+    named by the caller is kept.
+    """
     if backend.preferred_batch_size:
         return backend.preferred_batch_size
     from ragfix.models import resolve_device
 
-    return kind.batch_size(resolve_device(device).type == "cuda")
+    dev = resolve_device(device)
+    if dev.type == "cpu" and backend.identity().get("dtype") in HALF_DTYPES:
+        return 1
+    return kind.batch_size(dev.type == "cuda")
 
 
 def run(

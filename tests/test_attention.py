@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_folder
+from conftest import run_records, tiny_folder
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -111,3 +111,45 @@ def test_bf16_models_on_the_cpu_decode_with_float32_steps_and_say_so(tmp_path, a
     ref = HFBackend(hand, tok).generate(prompts, max_new_tokens=8, stop_at_newline=False)
     assert [g.token_ids for g in ours] == [g.token_ids for g in ref]
     assert all(len(g.token_ids) == 8 for g in ours)
+
+
+def test_runs_on_the_cpu_in_bf16_compute_each_cell_alone(tmp_path, monkeypatch):
+    """A bf16 model on the CPU: a run's default batch is 1, whatever the kind's default (the
+    sweep's 16 with prefix reuse, the judge's 4), an order-marginalized one too; float32 keeps
+    the kind's default. A bf16 sweep computes its cells one at a time and answers as the sweep
+    that computes each cell naively."""
+    from ragfix.backends import load_backend
+    from ragfix.backends.orders import OrderOptions, marginalize_orders
+    from ragfix.bundled import bundled_path
+    from ragfix.eval import sweep_run
+    from ragfix.eval.run import default_batch_size
+    from ragfix.eval.sweep_run import run_sweep
+
+    folder = str(tiny_folder(tmp_path / "tiny"))
+    f32 = load_backend(model=folder, device="cpu", dtype="float32")
+    bf16 = load_backend(model=folder, device="cpu", dtype="bfloat16")
+
+    class Kind:  # a run kind whose own default is 16
+        def batch_size(self, on_gpu: bool) -> int:
+            return 16
+
+    two_orders = marginalize_orders(bf16, OrderOptions(orders=2))
+    assert [default_batch_size(b, "cpu", Kind()) for b in (f32, bf16, two_orders)] == [16, 1, 1]
+    sizes = []
+    run_cells = sweep_run.run_cells
+
+    def recording(*args, **kwargs):
+        sizes.append(kwargs["batch_size"])
+        return run_cells(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_run, "run_cells", recording)
+    kv = bundled_path("kv-sample")
+    sweep = dict(num_docs=4, positions="all", limit=2, workers=1)
+    run_sweep(kv, tmp_path / "default", backend=bf16, **sweep)
+    assert sizes == [1]
+    run_sweep(kv, tmp_path / "naive", backend=bf16, batch_size=1, prefix_reuse=False, **sweep)
+    default, naive = (
+        {r["cell_id"]: r["answer"] for r in run_records(tmp_path / name)}
+        for name in ("default", "naive")
+    )
+    assert len(default) == 8 and default == naive
