@@ -10,7 +10,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ragfix.backends.base import Cancel, Prompt, answer_rules, check_cancel
-from ragfix.backends.hf import HFBackend, batch_groups, greedy_steps
+from ragfix.backends.decoding import batch_groups, greedy_steps
+from ragfix.backends.hf import HFBackend
 from ragfix.types import Generation
 
 

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from ragfix.backends.base import BackendOptions, Cancel, TokenScores, check_cancel
+from ragfix.backends.decoding import greedy_steps
 from ragfix.backends.family import Family, model_family, project_qkv
 from ragfix.backends.gali.options import GaliOptions, default_chunk_size
-from ragfix.backends.hf import HFBackend, greedy_steps
+from ragfix.backends.hf import HFBackend
 from ragfix.backends.patching import routed
 from ragfix.errors import ConfigError
 from ragfix.types import Generation
@@ -464,7 +465,7 @@ class GaliBackend(HFBackend):
         cancel: Cancel | None = None,
     ) -> Iterator:
         """Greedy GALI decoding of ``ids`` ``[B, n]`` (equal lengths): the steps of
-        :func:`~ragfix.backends.hf.greedy_steps` over GALI's prefill and cached steps
+        :func:`~ragfix.backends.decoding.greedy_steps` over GALI's prefill and cached steps
         (``cancel`` ends them between steps)."""
         run = _GaliRun(self)
         with self._patched(run):
