@@ -303,6 +303,7 @@ async def _run(
         "short_answers": [ref.get(i) for i in range(len(short))],
         "long_answers": [long_ref.get(i) for i in range(len(long))],
         "window": info["max_model_len"],
+        "served_dtype": info["ragfix"]["dtype"],
     }
 
 
@@ -384,20 +385,31 @@ def dtype_table(details: dict) -> TableSpec:
     """The servers of several dtypes side by side: for each prompt kind and client count, the
     first dtype's requests/s, and each later dtype's with its ratio to the first's; under it,
     how many sequential (1-client) answers of each later dtype are identical to the first's,
-    and issue 57's target (:data:`DTYPE_TARGET`, bf16 against float32)."""
+    and issue 57's target (:data:`DTYPE_TARGET`, bf16 against float32).
+
+    Raises:
+        ConfigError: the dtypes' levels are not the same client counts.
+    """
     names, m = details["dtypes"], details["measurements"]
     first = names[0]
     headers = ["prompts", "clients", f"{first} requests/s"]
     for n in names[1:]:
         headers += [f"{n} requests/s", f"{n} / {first}"]
+
+    def rps(name: str, kind: str) -> dict[int, float]:
+        """Requests/s by client count (every dtype ran the same counts)."""
+        out = {r["clients"]: r["requests_per_s"] for r in m[name][kind]}
+        if len(out) != len(m[name][kind]) or set(out) != {r["clients"] for r in m[first][kind]}:
+            raise ConfigError(f"{name}'s {kind}-prompt levels are not {first}'s")
+        return out
+
     rows, lines = [], []
     for kind in ("short", "long"):
-        for i, base in enumerate(m[first][kind]):
-            row = [kind, str(base["clients"]), f"{base['requests_per_s']:.3f}"]
+        by = {n: rps(n, kind) for n in names}
+        for c, base in by[first].items():
+            row = [kind, str(c), f"{base:.3f}"]
             for n in names[1:]:
-                rps = m[n][kind][i]["requests_per_s"]
-                ratio = rps / base["requests_per_s"] if base["requests_per_s"] else None
-                row += [f"{rps:.3f}", "-" if ratio is None else f"{ratio:.2f}"]
+                row += [f"{by[n][c]:.3f}", f"{by[n][c] / base:.2f}" if base else "-"]
             rows.append(row)
     clients, target = DTYPE_TARGET
     for n in names[1:]:
@@ -412,17 +424,16 @@ def dtype_table(details: dict) -> TableSpec:
                 f"{n}, {kind} prompts: {same}/{len(pairs)} sequential answers identical to "
                 f"{first}'s."
             )
-        at = [
-            (base["requests_per_s"], other["requests_per_s"])
-            for base, other in zip(m[first]["short"], m[n]["short"], strict=True)
-            if base["clients"] == clients and base["requests_per_s"]
-        ]
-        if at and (first, n) == ("float32", "bfloat16"):
-            ratio = at[0][1] / at[0][0]
-            met = "met" if ratio >= target else "not met"
+        if (first, n) == ("float32", "bfloat16"):
+            base, other = rps(first, "short").get(clients), rps(n, "short").get(clients)
+            if not base:
+                verdict = f"not measured: no float32 requests/s at {clients} clients"
+            else:
+                ratio = other / base
+                met = "met" if ratio >= target else "not met"
+                verdict = f"bfloat16 {ratio:.2f}x float32's requests/s, {met}"
             lines.append(
-                f"{clients} clients, short prompts: bfloat16 {ratio:.2f}x float32's requests/s "
-                f"(issue 57's target: {target:.0f}x, {met})."
+                f"{clients} clients, short prompts: {verdict} (issue 57's target: {target:.0f}x)."
             )
     lines.append(
         f"Each dtype's server ran alone, one after the other; {details['machine']}; "

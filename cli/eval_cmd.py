@@ -135,7 +135,10 @@ def register(app: typer.Typer) -> None:
         ] = True,
         batch_size: Annotated[
             int | None,
-            typer.Option(help="cells per batch (default 16 with prefix reuse or CUDA, else 1)"),
+            typer.Option(
+                help="cells per batch (default 16 with prefix reuse or CUDA, else 1; 1 for a "
+                "bf16 or fp16 model on the CPU)"
+            ),
         ] = None,
         workers: Annotated[
             int | None,

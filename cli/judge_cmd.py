@@ -112,7 +112,11 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="judge the records START:END of the file (0-based, END excluded)"),
         ] = None,
         batch_size: Annotated[
-            int | None, typer.Option(help="prompts per batch (default 4 on CPU, 32 on CUDA)")
+            int | None,
+            typer.Option(
+                help="prompts per batch (default 4 on CPU, 32 on CUDA; 1 for a bf16 or fp16 "
+                "model on the CPU)"
+            ),
         ] = None,
         mtbench_models: Annotated[
             str, typer.Option(help="MT-bench answers: the two models to compare, comma separated")

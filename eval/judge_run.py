@@ -337,7 +337,8 @@ def run_judge(
             own (:func:`~ragfix.eval.run.loaded_reference`), so ``model``, ``adapter``,
             ``backend_options``, ``device`` and ``dtype`` are not given with it.
         style, repeats, max_new_tokens, tie_margin, swap, labels, calibrate, batch_size: see
-            :class:`ragfix.judge.PairwiseJudge` (``batch_size`` default: 32 on CUDA, 4 on CPU).
+            :class:`ragfix.judge.PairwiseJudge` (``batch_size`` default: 32 on CUDA, 4 on CPU,
+            1 for a bf16 or fp16 model on the CPU: :func:`~ragfix.eval.run.default_batch_size`).
         limit: judge the first ``limit`` pairs (of ``records`` when given).
         records: judge the pairs of the record range ``"START:END"`` (record ``i`` on line
             ``i + 1`` of the file; :mod:`ragfix.connectors.records`), e.g. a held-out range

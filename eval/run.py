@@ -410,7 +410,9 @@ HALF_DTYPES = ("torch.bfloat16", "torch.float16")
 def default_batch_size(backend, device: str, kind: RunKind) -> int:
     """Cells per batch when the caller names none: the backend's preferred size (a remote
     model's concurrency); 1 for a model in bf16 or fp16 on the CPU; else the kind's default for
-    the device (:meth:`RunKind.batch_size`).
+    the device (:meth:`RunKind.batch_size`). The device is where the backend's weights are
+    (:attr:`~ragfix.backends.base.Backend.device`), ``device`` (``"auto"`` ...) only for a
+    backend that holds none.
 
     On the CPU, a half-precision model's batched decoding steps round each row otherwise than
     the same prompt computed alone, and greedy answers change with the batch
@@ -425,7 +427,7 @@ def default_batch_size(backend, device: str, kind: RunKind) -> int:
         return backend.preferred_batch_size
     from ragfix.models import resolve_device
 
-    dev = resolve_device(device)
+    dev = backend.device if backend.device is not None else resolve_device(device)
     if dev.type == "cpu" and backend.identity().get("dtype") in HALF_DTYPES:
         return 1
     return kind.batch_size(dev.type == "cuda")

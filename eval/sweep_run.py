@@ -447,8 +447,9 @@ def run_sweep(
             (choices made on one range are reported on a disjoint one). The whole file is
             read (and must be valid, or ``skip_invalid``) so distractors never depend on it.
         limit: use the first ``limit`` samples (of the range).
-        batch_size: cells per batch (default: a remote model's concurrency, else 16 on CUDA or
-            with prefix reuse, 1 otherwise).
+        batch_size: cells per batch (default :func:`~ragfix.eval.run.default_batch_size`: a
+            remote model's concurrency; 1 for a bf16 or fp16 model on the CPU; else 16 on CUDA
+            or with prefix reuse, 1 otherwise).
         prefix_reuse: run the positions of a sample over the KV cache of their shared prompt
             prefix (same answers, fewer prefill tokens): one cell at a time at batch size 1;
             above it the cells of a sample prefilled the same way, then decoded in one batch

@@ -1,6 +1,7 @@
 """SDPA with float32 decode steps (ragfix.models.attention): checked against attention computed
 by hand in float64, and chosen by load_model for bf16 on the CPU only."""
 
+import json
 import math
 
 import pytest
@@ -115,13 +116,15 @@ def test_bf16_models_on_the_cpu_decode_with_float32_steps_and_say_so(tmp_path, a
 
 def test_runs_on_the_cpu_in_bf16_compute_each_cell_alone(tmp_path, monkeypatch):
     """A bf16 model on the CPU: a run's default batch is 1, whatever the kind's default (the
-    sweep's 16 with prefix reuse, the judge's 4), an order-marginalized one too; float32 keeps
-    the kind's default. A bf16 sweep computes its cells one at a time and answers as the sweep
-    that computes each cell naively."""
+    sweep's 16 with prefix reuse, the judge's 4), an order-marginalized one too, and whatever
+    device ``auto`` resolves to; float32 keeps the kind's default. A bf16 sweep computes its
+    cells one at a time and answers as the sweep that computes each cell naively; the judge
+    decodes each order of a pair alone."""
     from ragfix.backends import load_backend
     from ragfix.backends.orders import OrderOptions, marginalize_orders
     from ragfix.bundled import bundled_path
     from ragfix.eval import sweep_run
+    from ragfix.eval.judge_run import run_judge
     from ragfix.eval.run import default_batch_size
     from ragfix.eval.sweep_run import run_sweep
 
@@ -135,6 +138,8 @@ def test_runs_on_the_cpu_in_bf16_compute_each_cell_alone(tmp_path, monkeypatch):
 
     two_orders = marginalize_orders(bf16, OrderOptions(orders=2))
     assert [default_batch_size(b, "cpu", Kind()) for b in (f32, bf16, two_orders)] == [16, 1, 1]
+    # a loaded backend is where its weights are, whatever device "auto" would pick
+    assert default_batch_size(bf16, "cuda", Kind()) == 1
     sizes = []
     run_cells = sweep_run.run_cells
 
@@ -153,3 +158,19 @@ def test_runs_on_the_cpu_in_bf16_compute_each_cell_alone(tmp_path, monkeypatch):
         for name in ("default", "naive")
     )
     assert len(default) == 8 and default == naive
+    # the judge decodes each order of a pair alone
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"question": "What is 2 + 2?", "answer_a": "4", "answer_b": "5", "label": 1},
+        {"question": "Capital of France?", "answer_a": "Rome", "answer_b": "Paris", "label": 2},
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    generate, calls = bf16.generate, []
+
+    def recorded(prompts, **kwargs):
+        calls.append((len(prompts), kwargs["batch_size"]))
+        return generate(prompts, **kwargs)
+
+    monkeypatch.setattr(bf16, "generate", recorded)
+    assert run_judge(pairs, tmp_path / "judge", backend=bf16).computed == 2
+    assert calls == [(2, 1), (2, 1)]  # both orders of a pair in one call, decoded one at a time

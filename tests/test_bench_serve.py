@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import tiny_folder
 from typer.testing import CliRunner
 
-from ragfix.bench.serve import SHORT_PROMPT_TOKENS, bad_requests, short_prompts
+from ragfix.bench.serve import SHORT_PROMPT_TOKENS, bad_requests, dtype_table, short_prompts
 from ragfix.cli.app import app
 
 runner = CliRunner()
@@ -39,6 +40,10 @@ def test_bench_serve_reports_identical_answers_and_every_bad_request_refused(tmp
         ("short", "1"), ("short", "2"), ("long", "1"), ("long", "2"),
     ]  # fmt: skip
     by = result["measurements"]
+    assert [by[n]["served_dtype"] for n in ("float32", "bfloat16")] == [
+        "torch.float32",
+        "torch.bfloat16",
+    ]  # what each server's /v1/models said it runs
     for row, kind, i in zip(
         both["rows"], ["short", "short", "long", "long"], [0, 1, 0, 1], strict=True
     ):
@@ -92,3 +97,56 @@ def test_short_prompts_fit_their_budget_in_the_chat_template(smol):
     for body in short_prompts(32):
         prompt = TaskPrompt(user=body["messages"][0]["content"])
         assert len(smol.encode(prompt)) <= SHORT_PROMPT_TOKENS
+
+
+def _levels(rps: dict[int, float]) -> list[dict]:
+    return [{"clients": c, "requests_per_s": r} for c, r in rps.items()]
+
+
+def _details(first: str, second: str, short: tuple[dict, dict], answers=("a", "b")) -> dict:
+    def served(levels: dict, ans: list) -> dict:
+        return {
+            "short": _levels(levels),
+            "long": _levels({1: 0.5}),
+            "short_answers": list(ans),
+            "long_answers": ["x"],
+        }
+
+    return {
+        "model": "m",
+        "dtypes": [first, second],
+        "machine": "here",
+        "server": "ragfix serve",
+        "measurements": {
+            first: served(short[0], ["a", "b"]),
+            second: served(short[1], list(answers)),
+        },
+    }
+
+
+def test_the_dtype_table_sets_each_level_against_the_first_dtype_and_says_the_target():
+    """A hand-built result: ratios by client count, identical sequential answers, issue 57's
+    line (met, not met, not measured at 0 requests/s, none for another order), and levels that
+    differ between the dtypes refused."""
+    from ragfix.errors import ConfigError
+
+    met = dtype_table(_details("float32", "bfloat16", ({1: 0.5, 8: 1.0}, {1: 0.6, 8: 2.5})))
+    assert met.rows == [
+        ["short", "1", "0.500", "0.600", "1.20"],
+        ["short", "8", "1.000", "2.500", "2.50"],
+        ["long", "1", "0.500", "0.500", "1.00"],
+    ]
+    lines = " ".join(met.lines)
+    assert "bfloat16, short prompts: 2/2 sequential answers identical to float32's." in lines
+    assert "8 clients, short prompts: bfloat16 2.50x float32's requests/s, met" in lines
+    short = ({1: 0.5, 8: 1.0}, {1: 0.5, 8: 1.5})
+    low = dtype_table(_details("float32", "bfloat16", short, answers=("a", "c")))
+    assert "1/2 sequential answers identical" in " ".join(low.lines)
+    assert "bfloat16 1.50x float32's requests/s, not met" in " ".join(low.lines)
+    zero = dtype_table(_details("float32", "bfloat16", ({1: 0.5, 8: 0.0}, {1: 0.5, 8: 1.0})))
+    assert zero.rows[1][-1] == "-"
+    assert "not measured: no float32 requests/s at 8 clients" in " ".join(zero.lines)
+    other = dtype_table(_details("bfloat16", "float32", ({1: 0.5, 8: 1.0}, {1: 0.5, 8: 0.5})))
+    assert other.rows[1][-1] == "0.50" and "issue 57" not in " ".join(other.lines)
+    with pytest.raises(ConfigError, match="levels are not"):
+        dtype_table(_details("float32", "bfloat16", ({1: 0.5, 8: 1.0}, {1: 0.5, 4: 1.0})))

@@ -212,6 +212,12 @@ class Backend(ABC):
     def model_name(self) -> str:
         """The name the model was loaded by (``smollm2``, a hub id, a path, a served name)."""
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the model's weights are, or ``None`` where this process holds none (a remote
+        model: the base)."""
+        return None
+
     @abstractmethod
     def identity(self) -> dict:
         """What makes two results comparable: model fingerprint, backend name, options and any

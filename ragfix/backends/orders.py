@@ -60,7 +60,7 @@ import math
 import random
 import time
 from collections.abc import Generator, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -69,6 +69,9 @@ from ragfix.errors import ConfigError
 from ragfix.metrics import normalize_answer
 from ragfix.prompts import TaskPrompt
 from ragfix.types import UNSCORED, Generation
+
+if TYPE_CHECKING:
+    import torch
 
 #: the aggregators that score each candidate answer under every order (:func:`aggregate`)
 SCORED = frozenset({"score", "score-max"})
@@ -297,6 +300,10 @@ class OrderMarginalBackend(Backend):
     @property
     def model_name(self) -> str:
         return self.inner.model_name
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.inner.device
 
     @property
     def reads_chat_template(self) -> bool:

@@ -217,7 +217,8 @@ class PairwiseJudge:
             measure repetition stability (Shi et al. 2024, section 3.1).
         seed: seed of that sampling.
         tie_margin: see :func:`ragfix.judge.verdicts.logit_verdict`.
-        batch_size: prompts per batch; both orders of a pair always share a batch.
+        batch_size: prompts decoded together; both orders of a pair are given in one call
+            (their shared prefix prefilled once), and at 1 each is decoded alone.
         swap: how the second order is made: ``relabel`` (MT-bench: the answers exchange
             places and labels, answer_b is then "Assistant A") or ``move`` (the two answer
             blocks exchange places with their labels, answer_a stays "Assistant A" but is read
@@ -389,15 +390,15 @@ class PairwiseJudge:
         return o
 
     def _generate(self, prompts: list[TaskPrompt]) -> list[Generation]:
-        """Greedy replies to ``prompts`` in one batch, each with the first-step log-probabilities
-        of exactly the input it was generated from (``verdict`` style). Where the backend
-        reuses prefixes, the prompts are prefilled along their token trie in the given order
-        (both orders of a pair share the prompt up to the first answer, pairs of one question
-        share it up to the answers) and decoded together
-        (:meth:`~ragfix.backends.hf.HFBackend.generate`)."""
+        """Greedy replies to ``prompts``, each with the first-step log-probabilities of exactly
+        the input it was generated from (``verdict`` style). Where the backend reuses prefixes,
+        the prompts are prefilled along their token trie in the given order (both orders of a
+        pair share the prompt up to the first answer, pairs of one question share it up to the
+        answers) and decoded :attr:`batch_size` at a time
+        (:meth:`~ragfix.backends.hf.HFBackend.generate`): at 1 each order is decoded alone."""
         return self.backend.generate(
             prompts,
-            batch_size=len(prompts),
+            batch_size=self.batch_size,
             max_new_tokens=self.max_new_tokens,
             stop_at_newline=False,
             first_logprobs=self.style == "verdict",
