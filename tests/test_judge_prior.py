@@ -239,5 +239,18 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
     b, c = int(right["content"] and not right["slot"]), int(right["slot"] and not right["content"])
     assert rows["slot"][15] == "baseline"
     assert rows["content"][15] == f"1 (+{b} / -{c})"
+    # and set against the first run's one-pass verdict and letter probabilities, by hand
+    [slot], [content] = (
+        [json.loads(x) for x in (tmp_path / n / "judgments.jsonl").read_text().splitlines()]
+        for n in ("slot", "content")
+    )
+
+    def argmax(o: dict, f: str) -> str:
+        return "A" if o[f + "_a"] > o[f + "_b"] else "B" if o[f + "_b"] > o[f + "_a"] else "tie"
+
+    same = int(argmax(slot["original"], "p") == argmax(content["original"], "q"))
+    gap = max(abs(slot[o]["p_a"] - content[o]["p_a"]) for o in ("original", "swapped"))
+    assert rows["slot"][16] == "baseline"
+    assert rows["content"][16] == f"{same}/1, {gap:.3f}"
     [table] = result_tables(load_result(out), "benchmark")
     assert table.title.startswith("Judge corrections")

@@ -183,10 +183,17 @@ def verdict_correct(records: Iterable[dict], field: str = "verdict_original") ->
     for r in records:
         if r.get("label") is None or OVERFLOW in r.get("flags", ()):
             continue
-        scores = {"logit_original": "p", "contextual_original": "q"}.get(field)
-        v = _logit_slot(r["original"], scores) if scores else r.get(field)
-        out[r["pair_id"]] = v == r["label"]
+        out[r["pair_id"]] = record_verdict(r, field) == r["label"]
     return out
+
+
+def record_verdict(record: dict, field: str = "verdict_original") -> Verdict | None:
+    """One verdict of a judged pair's record: a verdict ``field`` (``verdict_original``,
+    ``swap_verdict``, ``logit_verdict``, ...), or ``logit_original`` / ``contextual_original``
+    (the argmax of the original order's letter probabilities, raw or contextually calibrated);
+    ``None`` for a field the record lacks."""
+    scores = {"logit_original": "p", "contextual_original": "q"}.get(field)
+    return _logit_slot(record["original"], scores) if scores else record.get(field)
 
 
 def paired_agreement(baseline: dict[str, bool], other: dict[str, bool]) -> dict | None:

@@ -10,9 +10,15 @@ from pathlib import Path
 from rich.console import Console
 
 from ragfix.io import atomic_write_bytes
-from ragfix.judge.metrics import VERDICT_KINDS, paired_agreement, verdict_correct
+from ragfix.judge.metrics import (
+    VERDICT_KINDS,
+    paired_agreement,
+    record_verdict,
+    verdict_correct,
+)
 from ragfix.judge.verdicts import EMPTY_JUDGE_REPLY
 from ragfix.tables import TableSpec, fmt_ci, fmt_num, fmt_signed, print_tables
+from ragfix.types import OVERFLOW
 
 #: ``"kind"`` of a judge run's ``summary.json`` (``ragfix judge``, :mod:`ragfix.eval.judge_run`)
 JUDGE_KIND = "ragfix-judge"
@@ -273,6 +279,23 @@ def plot_judges(summaries: dict[str, dict], path, title: str | None = None) -> N
     atomic_write_bytes(path, buf.getvalue())
 
 
+def _as_first(first: dict[str, tuple[str, dict]], mine: dict[str, tuple[str, dict]]) -> str:
+    """On the pairs both runs judged: how many one-pass verdicts equal the first run's, and the
+    largest difference of the letter probability ``p(A)`` in either order (``-`` without
+    letter probabilities)."""
+    shared = sorted(set(first) & set(mine))
+    if not shared:
+        return "n/a"
+    same = sum(first[k][0] == mine[k][0] for k in shared)
+    diffs = [
+        abs(first[k][1][order]["p_a"] - mine[k][1][order]["p_a"])
+        for k in shared
+        for order in ("original", "swapped")
+        if first[k][1][order].get("p_a") is not None and mine[k][1][order].get("p_a") is not None
+    ]
+    return f"{same}/{len(shared)}, " + (f"{max(diffs):.3f}" if diffs else "-")
+
+
 def judge_comparison(
     results: dict[str, dict], judgments: dict[str, list[dict]] | None = None
 ) -> TableSpec:
@@ -303,6 +326,7 @@ def judge_comparison(
     """
     rows = []
     baselines: dict[tuple[str, str], dict[str, bool]] = {}
+    first_runs: dict[tuple[str, str], dict[str, tuple[str, dict]]] = {}
     for name, result in results.items():
         config = result["config"]
         [(judge, s)] = result["judges"].items()
@@ -327,6 +351,13 @@ def judge_comparison(
                 if test is None
                 else f"{test['p_value']:.3g} (+{test['only_other']} / -{test['only_baseline']})"
             ]
+            judged = {
+                r["pair_id"]: (record_verdict(r, field), r)
+                for r in judgments[name]
+                if OVERFLOW not in r.get("flags", ())
+            }
+            first = first_runs.setdefault((config["model"], config["data"]), judged)
+            tested.append("baseline" if first is judged else _as_first(first, judged))
         m, acc = s[source], s["agreement"].get(agreement)
         swap = s["agreement"].get("swap_aggregated")
         logit = s["agreement"].get("logit_calibrated")
@@ -369,7 +400,10 @@ def judge_comparison(
         "seconds per pair (2 passes)",
     ]
     if judgments is not None:
-        headers.append("one pass vs the model's first run: McNemar p (right only here / there)")
+        headers += [
+            "one pass vs the model's first run: McNemar p (right only here / there)",
+            "as the first run: same one-pass verdicts, largest |p(A) difference|",
+        ]
     line = (
         "One-pass verdict: the first order's argmax of p(A) against p(B) (1 pass a pair; with "
         "content-free calibration of the calibrated ones; style answer: the more likely answer "
