@@ -86,7 +86,7 @@ def markdown_tables(tables: list[TableSpec]) -> str:
     for spec in tables:
         if spec.headers:
             table = [
-                "| " + " | ".join(spec.headers) + " |",
+                "| " + " | ".join(h.replace("|", "\\|") for h in spec.headers) + " |",
                 "|---|" + "---:|" * (len(spec.headers) - 1),
                 *(
                     "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"

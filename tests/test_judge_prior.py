@@ -5,6 +5,7 @@ settings that record both."""
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 
 import pytest
@@ -203,6 +204,7 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
     from ragfix.cli.app import app
     from ragfix.eval.judge_run import run_judge
     from ragfix.eval.results import load_result, result_tables
+    from ragfix.tables import markdown_tables
 
     data = data_file("litm_kv_retrieval_140_keys.jsonl.gz")
     plain, fixed = tmp_path / "slot", tmp_path / "content"
@@ -254,3 +256,7 @@ def test_report_compares_judge_runs_one_pass_against_the_swap_aggregate(tmp_path
     assert rows["content"][16] == f"{same}/1, {gap:.3f}"
     [table] = result_tables(load_result(out), "benchmark")
     assert table.title.startswith("Judge corrections")
+    # rendered, every line of the table has as many columns as its header
+    rendered = [x for x in markdown_tables([table]).splitlines() if x.startswith("|")]
+    assert len(rendered) == 4  # header, rule, two runs
+    assert len({len(re.findall(r"(?<!\\)\|", x)) for x in rendered}) == 1

@@ -3,6 +3,7 @@ tables of Markdown files (``ragfix render``)."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -443,3 +444,12 @@ def test_progress_status_counts_cells_finished_before_a_resume():
     assert tally.status() == "acc 1.00"  # the overflowed cell is not scored
     assert tally.add({"correct": False, "flags": []}) == "acc 0.50"
     assert RunTally().status() == "no scored cell yet"
+
+
+def test_a_pipe_in_a_header_or_a_cell_stays_in_its_column():
+    """Markdown tables escape ``|`` in headers as in cells, so no column splits in two."""
+    from ragfix.tables import TableSpec, markdown_tables
+
+    spec = TableSpec("t", ["run", "largest |p(A) difference|"], [["a|b", "0.031"]])
+    lines = [x for x in markdown_tables([spec]).splitlines() if x.startswith("|")]
+    assert [len(re.findall(r"(?<!\\)\|", x)) for x in lines] == [3, 3, 3]

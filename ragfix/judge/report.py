@@ -402,7 +402,7 @@ def judge_comparison(
     if judgments is not None:
         headers += [
             "one pass vs the model's first run: McNemar p (right only here / there)",
-            "as the first run: same one-pass verdicts, largest |p(A) difference|",
+            "as the first run: same one-pass verdicts, largest p(A) difference",
         ]
     line = (
         "One-pass verdict: the first order's argmax of p(A) against p(B) (1 pass a pair; with "
