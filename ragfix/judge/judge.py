@@ -465,7 +465,8 @@ class PairwiseJudge:
         on_result: Callable[[PairJudgment], None] | None = None,
     ) -> list[PairJudgment]:
         """Judge ``pairs`` in both orders, ``batch_size`` prompts per batch (both orders of a
-        pair share a batch). Where the backend reuses prefixes, pairs are grouped by question
+        pair in one call; at ``batch_size`` 1 each decoded alone). Where the backend reuses
+        prefixes, pairs are grouped by question
         (and reference), so a batch's prompts share their longest prefixes; elsewhere they are
         sorted by prompt length to limit padding.
 
