@@ -466,9 +466,8 @@ class PairwiseJudge:
     ) -> list[PairJudgment]:
         """Judge ``pairs`` in both orders, ``batch_size`` prompts per batch (both orders of a
         pair in one call; at ``batch_size`` 1 each decoded alone). Where the backend reuses
-        prefixes, pairs are grouped by question
-        (and reference), so a batch's prompts share their longest prefixes; elsewhere they are
-        sorted by prompt length to limit padding.
+        prefixes, pairs are grouped by question (and reference), so a batch's prompts share their
+        longest prefixes; elsewhere they are sorted by prompt length to limit padding.
 
         Pairs with identical answers are not sent to the model: both orders are a tie (flagged
         ``identical_answers``).
