@@ -402,9 +402,8 @@ def loaded_reference(backend: Backend, **settings: object) -> BackendRef:
     return BackendRef.of(backend)
 
 
-#: weights' dtypes (as :meth:`~ragfix.backends.base.Backend.identity` names them) whose CPU
-#: kernels round a row by what else is in its batch
-HALF_DTYPES = ("torch.bfloat16", "torch.float16")
+#: weights' dtypes whose CPU kernels round a row by what else is in its batch
+HALF_DTYPES = ("bfloat16", "float16")
 
 
 def default_batch_size(backend, device: str, kind: RunKind) -> int:
@@ -428,7 +427,7 @@ def default_batch_size(backend, device: str, kind: RunKind) -> int:
     from ragfix.models import resolve_device
 
     dev = backend.device if backend.device is not None else resolve_device(device)
-    if dev.type == "cpu" and backend.identity().get("dtype") in HALF_DTYPES:
+    if dev.type == "cpu" and str(backend.dtype).removeprefix("torch.") in HALF_DTYPES:
         return 1
     return kind.batch_size(dev.type == "cuda")
 

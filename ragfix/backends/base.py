@@ -218,6 +218,12 @@ class Backend(ABC):
         model: the base)."""
         return None
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the model's weights, or ``None`` where this process holds none (a remote
+        model: the base)."""
+        return None
+
     @abstractmethod
     def identity(self) -> dict:
         """What makes two results comparable: model fingerprint, backend name, options and any

@@ -214,6 +214,11 @@ class HFBackend(HFDecoding, HFScoring, Backend):
         return next(self.model.parameters()).device
 
     @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the model's weights."""
+        return next(self.model.parameters()).dtype
+
+    @property
     def model_name(self) -> str:
         """The name the model was loaded by (``smollm2``, a hub id, a path)."""
         return getattr(self.model, "ragfix_name", self.model.config.name_or_path)
@@ -237,7 +242,7 @@ class HFBackend(HFDecoding, HFScoring, Backend):
         generation settings (:func:`generation_id`) and the applied adapter (if any)."""
         out = {
             "model": model_identity(self.model),
-            "dtype": str(next(self.model.parameters()).dtype),
+            "dtype": str(self.dtype),
             "backend": self.name,
             "options": self.options.model_dump(mode="json"),
         }

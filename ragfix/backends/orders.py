@@ -306,6 +306,10 @@ class OrderMarginalBackend(Backend):
         return self.inner.device
 
     @property
+    def dtype(self) -> torch.dtype | None:
+        return self.inner.dtype
+
+    @property
     def reads_chat_template(self) -> bool:
         return self.inner.reads_chat_template
 
