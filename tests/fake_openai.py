@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 #: what :class:`FakeOpenAI` does per mode (on the requests of ``only``, else answers ``ok``)
 MODES = {
@@ -254,9 +255,14 @@ class CtrlC:
 def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> CtrlC:
     """Run ``python -m ragfix.cli ARGS`` (one torch thread), send it SIGINT once ``fake`` has
     received ``received`` requests and answered ``answered`` (and 1.5 s more, for the last answer
-    to reach the client), and wait (at most 20 s) for it to exit."""
+    to reach the client), and wait (at most 20 s) for it to exit.
+
+    Raises:
+        AssertionError: it did not exit within 20 s; the message holds its stderr, ending with
+            every thread's stack (faulthandler, on the SIGABRT sent then).
+    """
     cmd = [sys.executable, "-m", "ragfix.cli", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     lines: list[tuple[float, str]] = []
 
@@ -271,13 +277,32 @@ def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> C
         time.sleep(1.5)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=20)
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            masks = _signal_masks(proc.pid)
+            proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
+            proc.wait(10)
+            reader.join(5)
+            stacks = "".join(x for _, x in lines)
+            raise AssertionError(
+                f"no exit 20 s after SIGINT ({masks}; this process: {_signal_masks(os.getpid())});"
+                f" its stderr:\n{stacks}"
+            ) from None
         exited = time.monotonic() - sent
     finally:
         proc.kill()
     reader.join(5)
     said = [(t - sent, x) for t, x in lines if x.startswith("interrupted")]
     return CtrlC(rc, said, exited, [x for _, x in lines])
+
+
+def _signal_masks(pid: int) -> str:
+    """The signals process ``pid`` blocks, ignores and catches (its main thread's
+    ``/proc/PID/status`` lines, hexadecimal masks: SIGINT is bit 1, ``0x2``)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    kept = [x.replace("\t", " ") for x in status if x.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+    return ", ".join(kept)
 
 
 def _text(body: dict) -> str:
