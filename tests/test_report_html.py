@@ -391,7 +391,7 @@ def test_an_answer_style_judge_page_in_a_real_browser_shows_each_answers_likelih
     wrong answer, its page opened in headless Chromium: each order of an opened pair says no
     reply was generated and shows both slots' log-likelihoods as its record has them."""
     browser_path = _chromium()
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     out = tmp_path / "judge"
     data = data_file("litm_kv_retrieval_140_keys.jsonl.gz")
@@ -410,7 +410,7 @@ def test_an_answer_style_judge_page_in_a_real_browser_shows_each_answers_likelih
         row = page.locator(f'details.row[data-key="{rec["pair_id"]}"]')
         row.locator("summary").click()
         orders = row.locator(".order")
-        assert orders.count() == 2
+        expect(orders).to_have_count(2)  # waits for the opened row's orders to be drawn
         for k, name in enumerate(("original", "swapped")):
             order = orders.nth(k)
             assert order.locator("pre.answer").text_content() == (

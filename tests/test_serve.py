@@ -1114,7 +1114,9 @@ def test_one_client_address_cannot_take_every_connection_nor_hold_an_unread_answ
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        time.sleep(20)  # the answer is computed and written until the buffers fill, then 2 s
+        stuck.settimeout(120)  # the answer is computed (slowly on a busy machine), then written
+        assert stuck.recv(1, socket.MSG_PEEK)  # its first byte arrived, nothing read
+        time.sleep(10)  # written until the buffers fill, then the 2 s write deadline closes it
         got = b""
         stuck.settimeout(5)
         with contextlib.suppress(ConnectionResetError, TimeoutError):
