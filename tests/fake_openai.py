@@ -252,8 +252,22 @@ class CtrlC:
     lines: list[str]
 
 
+#: ``python -c`` code that runs ``python -m ragfix.cli ARGS`` with SIGINT unblocked and handled by
+#: Python's default handler, as a command started from a terminal has it. A child inherits an
+#: ignored or blocked SIGINT from its parent, and a test process's libraries may have left it so
+#: (a command started that way is not interruptible, rightly).
+AS_FROM_A_TERMINAL = (
+    "import runpy, signal, sys; "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'ragfix'; "
+    "runpy.run_module('ragfix.cli', run_name='__main__', alter_sys=True)"
+)
+
+
 def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> CtrlC:
-    """Run ``python -m ragfix.cli ARGS`` (one torch thread), send it SIGINT once ``fake`` has
+    """Run ``python -m ragfix.cli ARGS`` (one torch thread; SIGINT handled as in a command started
+    from a terminal, :data:`AS_FROM_A_TERMINAL`), send it SIGINT once ``fake`` has
     received ``received`` requests and answered ``answered`` (and 1.5 s more, for the last answer
     to reach the client), and wait (at most 20 s) for it to exit.
 
@@ -261,7 +275,7 @@ def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> C
         AssertionError: it did not exit within 20 s; the message holds its stderr, ending with
             every thread's stack (faulthandler, on the SIGABRT sent then).
     """
-    cmd = [sys.executable, "-m", "ragfix.cli", *args]
+    cmd = [sys.executable, "-c", AS_FROM_A_TERMINAL, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     lines: list[tuple[float, str]] = []
