@@ -242,13 +242,11 @@ class CtrlC:
         rc: its exit code.
         said: its stderr lines that start with ``interrupted``, each with the seconds from the
             signal to the line.
-        exited: seconds from the signal to the exit.
         lines: every stderr line (for the assertions' messages).
     """
 
     rc: int
     said: list[tuple[float, str]]
-    exited: float
     lines: list[str]
 
 
@@ -269,10 +267,13 @@ def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> C
     """Run ``python -m ragfix.cli ARGS`` (one torch thread; SIGINT handled as in a command started
     from a terminal, :data:`AS_FROM_A_TERMINAL`), send it SIGINT once ``fake`` has
     received ``received`` requests and answered ``answered`` (and 1.5 s more, for the last answer
-    to reach the client), and wait (at most 20 s) for it to exit.
+    to reach the client), and wait (at most 60 s) for it to exit. The server holds its held
+    requests until ``fake`` is closed, after this returns: a command that exits here did not
+    wait for them, however slowly its interpreter shut down on a busy machine (torch and
+    LlamaIndex take seconds there).
 
     Raises:
-        AssertionError: it did not exit within 20 s; the message holds its stderr, ending with
+        AssertionError: it did not exit within 60 s; the message holds its stderr, ending with
             every thread's stack (faulthandler, on the SIGABRT sent then).
     """
     cmd = [sys.executable, "-c", AS_FROM_A_TERMINAL, *args]
@@ -292,7 +293,7 @@ def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> C
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         try:
-            rc = proc.wait(timeout=20)
+            rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             masks = _signal_masks(proc.pid)
             proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
@@ -300,15 +301,14 @@ def ctrl_c(fake: FakeOpenAI, args: list[str], received: int, answered: int) -> C
             reader.join(5)
             stacks = "".join(x for _, x in lines)
             raise AssertionError(
-                f"no exit 20 s after SIGINT ({masks}; this process: {_signal_masks(os.getpid())});"
+                f"no exit 60 s after SIGINT ({masks}; this process: {_signal_masks(os.getpid())});"
                 f" its stderr:\n{stacks}"
             ) from None
-        exited = time.monotonic() - sent
     finally:
         proc.kill()
     reader.join(5)
     said = [(t - sent, x) for t, x in lines if x.startswith("interrupted")]
-    return CtrlC(rc, said, exited, [x for _, x in lines])
+    return CtrlC(rc, said, [x for _, x in lines])
 
 
 def _signal_masks(pid: int) -> str:
