@@ -402,10 +402,6 @@ def loaded_reference(backend: Backend, **settings: object) -> BackendRef:
     return BackendRef.of(backend)
 
 
-#: weights' dtypes whose CPU kernels round a row by what else is in its batch
-HALF_DTYPES = ("bfloat16", "float16")
-
-
 def default_batch_size(backend, device: str, kind: RunKind) -> int:
     """Cells per batch when the caller names none: the backend's preferred size (a remote
     model's concurrency); 1 for a model in bf16 or fp16 on the CPU; else the kind's default for
@@ -425,9 +421,10 @@ def default_batch_size(backend, device: str, kind: RunKind) -> int:
     if backend.preferred_batch_size:
         return backend.preferred_batch_size
     from ragfix.models import resolve_device
+    from ragfix.models.device import half_on_cpu
 
     dev = backend.device if backend.device is not None else resolve_device(device)
-    if dev.type == "cpu" and str(backend.dtype).removeprefix("torch.") in HALF_DTYPES:
+    if half_on_cpu(dev, backend.dtype):
         return 1
     return kind.batch_size(dev.type == "cuda")
 

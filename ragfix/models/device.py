@@ -205,11 +205,16 @@ def dtype_axis(dtypes: Sequence[str], device: torch.device) -> list[str]:
 SDPA_FP32_DECODE = "sdpa_fp32_decode"
 
 
-def default_attention(device: torch.device, dtype: torch.dtype) -> str:
-    """The attention implementation :func:`~ragfix.models.load.load_model` uses when none is
-    asked for: :data:`SDPA_FP32_DECODE` for a bf16 or fp16 model on the CPU, where SDPA's
-    one-row kernel is slow in those dtypes (:mod:`ragfix.models.attention`), else ``"sdpa"``."""
+def half_on_cpu(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether weights of ``dtype`` on ``device`` are bf16 or fp16 on the CPU, where SDPA's
+    one-row kernel is slow and a row's rounding depends on what else is in its batch."""
     import torch
 
-    half = (torch.bfloat16, torch.float16)
-    return SDPA_FP32_DECODE if device.type == "cpu" and dtype in half else "sdpa"
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def default_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """The attention implementation :func:`~ragfix.models.load.load_model` uses when none is
+    asked for: :data:`SDPA_FP32_DECODE` for a bf16 or fp16 model on the CPU
+    (:func:`half_on_cpu`; :mod:`ragfix.models.attention`), else ``"sdpa"``."""
+    return SDPA_FP32_DECODE if half_on_cpu(device, dtype) else "sdpa"
