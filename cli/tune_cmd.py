@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from ragfix.cli.common import DeviceOpt, DtypeOpt, ModelOpt, console, show_tables, user_errors
+from ragfix.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    TaskOpt,
+    console,
+    show_tables,
+    user_errors,
+)
 
 tune = typer.Typer(
     help="Choose a method's defaults on a tune range (disjoint from your test range)."
@@ -24,6 +32,7 @@ def attention_sort_cmd(
     ] = "0:30",
     num_docs: Annotated[int, typer.Option(help="documents (or KV pairs) per prompt")] = 8,
     positions: Annotated[str, typer.Option(help="all | first,middle,last | 0,4,9")] = "all",
+    task: TaskOpt = None,
     model: ModelOpt = "smollm2",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -37,20 +46,23 @@ def attention_sort_cmd(
     from ragfix.backends import load_backend
     from ragfix.backends.attention_sort.tune import tune_attention_sort
     from ragfix.bundled import resolve_data
-    from ragfix.connectors.litm import load_samples
+    from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.eval.progress import progress_bar
     from ragfix.eval.sweep import parse_positions
+    from ragfix.tasks import resolve_task
 
     with user_errors():
         pos = parse_positions(positions, num_docs)
-        samples = load_samples(resolve_data(data), num_docs, records=records)
+        path = resolve_data(data)
+        task = resolve_task(task, "none", detect_format(path), reads_passages=True).name
+        samples = load_samples(path, num_docs, records=records, task=task)
         backend = load_backend("vanilla", model=model, device=device, dtype=dtype)
         with progress_bar(console) as bar:
             task = bar.add_task("tune attention-sort", total=len(samples) * len(pos), status="")
             table, details = tune_attention_sort(
                 backend, samples, pos, lambda done, total: bar.update(task, completed=done)
             )
-        details |= {"data": str(data), "records": records, "num_docs": num_docs}
+        details |= {"data": str(data), "records": records, "num_docs": num_docs, "task": task}
     show_tables(table, details, json_out)
 
 

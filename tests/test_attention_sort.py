@@ -10,6 +10,7 @@ import torch
 from conftest import BUNDLED, tiny_folder, tiny_model
 
 from ragfix.backends.attention_sort import (
+    LAYERS_READ,
     PLACE_DEFAULTS,
     AttentionSortBackend,
     AttentionSortOptions,
@@ -108,6 +109,51 @@ def test_passage_attention_equals_a_by_hand_computation(smol, arch):
     torch.testing.assert_close(cal, (want - free)[1:].mean(0), atol=1e-5, rtol=1e-4)
     ids = smol.tokenizer(backend.format_prompt(prompt), add_special_tokens=False)["input_ids"]
     assert len(lengths) == 3 and lengths[0] + lengths[1] == len(ids)
+
+
+def test_a_layer_whose_window_misses_a_passage_is_not_read(smol):
+    """Gemma 3 (a local layer with a 128-token window, then a full one) and Mistral (every layer
+    local): on a prompt whose passages start more than a window before its last token, the
+    local layer's row is NaN, the full layer's equals the by-hand pass, and the score is the
+    full layer's alone; a prompt that no layer sees whole is refused in one line; a prompt
+    inside the window reads every layer, by hand too."""
+    from ragfix.backends.attention_sort import combine_scores
+    from ragfix.eval.families import TINY_WINDOW, tiny_family_model
+
+    long = get_task("qa").prompt(
+        "Which river?",
+        [Passage(title=f"Doc {i}", text="Rivers run to the sea. " * 8) for i in range(4)],
+    )
+    ids = smol.tokenizer(chat_text(smol.tokenizer, long), add_special_tokens=False)["input_ids"]
+    assert len(ids) > TINY_WINDOW + 50
+    gemma = AttentionSortBackend(
+        tiny_family_model("gemma3", smol.tokenizer, attn="eager", seed=3), smol.tokenizer
+    )
+    got = passage_attention(gemma, long)
+    want = _by_hand(gemma.model, smol.tokenizer, long)
+    assert bool(got[0].isnan().all()) and not bool(got[1].isnan().any())
+    assert float(want[0, 0]) == 0.0  # the local layer's readers do not see the first passage
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-4)
+    free = passage_attention(gemma, long.no_query)
+    for layers in ("upper", "all"):
+        opts = AttentionSortOptions(layers=layers, calibrate=True)
+        torch.testing.assert_close(combine_scores(got, free, opts), got[1] - free[1])
+    assert gemma.identity()["layers_read"] == LAYERS_READ
+    assert "layers_read" not in AttentionSortBackend(smol.model, smol.tokenizer).identity()
+
+    mistral = AttentionSortBackend(
+        tiny_family_model("mistral", smol.tokenizer, attn="eager", seed=3), smol.tokenizer
+    )
+    with pytest.raises(RagfixError, match="no layer sees every passage") as err:
+        mistral.generate([long])
+    assert "\n" not in str(err.value)
+    short = get_task("qa").prompt("Which river?", DOCS)
+    torch.testing.assert_close(
+        passage_attention(mistral, short),
+        _by_hand(mistral.model, smol.tokenizer, short),
+        atol=1e-5,
+        rtol=1e-4,
+    )
 
 
 def test_the_gold_pair_goes_last_on_real_kv(smol):

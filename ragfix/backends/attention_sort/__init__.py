@@ -1,5 +1,6 @@
 """The ``attention-sort`` method: a task prompt's passages sorted by the attention the model pays
-them, calibrated or not, before it answers (arXiv 2410.02642; calibration: ICR, 2406.16008).
+them, calibrated or not, before it answers (attention sorting: arXiv 2310.01427; readers and
+calibration: ICR, arXiv 2410.02642).
 
 * :mod:`.options`: :class:`AttentionSortOptions` and the per-model ``place`` defaults
   (:data:`PLACE_DEFAULTS`).
@@ -10,6 +11,7 @@ them, calibrated or not, before it answers (arXiv 2410.02642; calibration: ICR, 
 """
 
 from ragfix.backends.attention_sort.backend import (
+    LAYERS_READ,
     AttentionSortBackend,
     combine_scores,
     passage_attention,
@@ -24,6 +26,7 @@ from ragfix.backends.attention_sort.options import (
 )
 
 __all__ = [
+    "LAYERS_READ",
     "PLACE_DEFAULTS",
     "AttentionSortBackend",
     "AttentionSortOptions",

@@ -20,6 +20,15 @@ Score of passage ``d`` in layer ``l`` (:func:`passage_attention`): the attention
 readers give ``d``'s tokens, summed over the tokens, averaged over heads and readers (a mean,
 so that the question and the content-free query, of other lengths, are comparable).
 
+Sliding-window layers (Gemma 3's local layers, Mistral's window): a layer is read only when
+its window holds every passage token for every reader. A layer whose readers cannot see the
+first passages pays them nothing for where they stand, not for what they say; averaged in,
+it would rank the passages inside its window above the others (Gemma 3 270M: 15 of its 18
+layers have a 512-token window, and at 10 SQuAD paragraphs none of them sees the first
+passages). :func:`passage_attention` marks
+such a layer's row ``NaN`` and :func:`combine_scores` averages over the selected layers that
+see every passage, refusing a prompt that no selected layer sees whole.
+
 Refuses a prompt without passage spans (a framework's or a client's text) in one line, and
 declares it (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`), so that a consumer whose
 prompts never carry any (``ragfix serve``, the framework components) refuses the backend at
@@ -36,7 +45,7 @@ import torch
 
 from ragfix.backends.attention_sort.options import AttentionSortOptions, with_place
 from ragfix.backends.base import BackendOptions, Fit, Prompt, answer_rules
-from ragfix.backends.family import full_cache
+from ragfix.backends.family import full_cache, read_family
 from ragfix.backends.hf import HFBackend, chat_text
 from ragfix.backends.passages import OUTSIDE, passage_tokens, spans_required
 from ragfix.errors import RagfixError
@@ -48,6 +57,9 @@ _SORTED_CACHE = 256
 
 #: what the backend does with the passages (its refusal of a prompt without spans)
 SORTS = "sorts a prompt's passages"
+
+#: the layers a score averages, in the identity of a model with sliding-window layers
+LAYERS_READ = "the selected layers whose window holds every passage for every reader"
 
 
 @torch.no_grad()
@@ -69,7 +81,10 @@ def passage_attention(
 
     Returns:
         float32 ``[layers, n]`` on the CPU: the attention probability the readers pay each
-        passage's tokens, summed over the tokens, averaged over heads and readers (0..1).
+        passage's tokens, summed over the tokens, averaged over heads and readers (0..1);
+        ``NaN`` in the row of a sliding-window layer whose window leaves a passage token out
+        of some reader's view (the last reader's index minus the first passage token's is
+        ``window`` or more).
 
     Raises:
         RagfixError: a backend without local weights (a remote model), a prompt without
@@ -112,7 +127,12 @@ def passage_attention(
     if not out.attentions or out.attentions[0] is None:
         raise RagfixError(f"backend {backend.name!r} exposes no attention weights")
     att = torch.stack([a[0].float().cpu() for a in out.attentions])  # [L, H, R, T]
-    return (att @ member).mean(dim=(1, 2))
+    scores = (att @ member).mean(dim=(1, 2))
+    reach = len(ids) - 1 - min(t for t, j in enumerate(blocks) if j != OUTSIDE)
+    for layer, window in enumerate(read_family(model.config).windows):
+        if window is not None and reach >= window:
+            scores[layer] = float("nan")
+    return scores
 
 
 def combine_scores(
@@ -120,10 +140,24 @@ def combine_scores(
 ) -> torch.Tensor:
     """The score per passage under ``options`` from the readings ``[layers, n]`` of a prompt
     (``att``) and of its content-free-query form (``att_free``, read only with ``calibrate``):
-    ``att - att_free`` with ``calibrate``, averaged over the selected layers; ``[n]``."""
+    ``att - att_free`` with ``calibrate``, averaged over the selected layers (``upper``:
+    ``L // 2`` on) that see every passage (the rows :func:`passage_attention` leaves finite);
+    ``[n]``.
+
+    Raises:
+        RagfixError: no selected layer sees every passage (each one's sliding window is
+            shorter than the prompt from its first passage on).
+    """
     x = att - att_free if options.calibrate else att
     first = x.shape[0] // 2 if options.layers == "upper" else 0
-    return x[first:].mean(dim=0)
+    x = x[first:]
+    seeing = ~x.isnan().any(dim=1)
+    if not seeing.any():
+        raise RagfixError(
+            f"attention-sort layers={options.layers}: no layer sees every passage (each one's "
+            "sliding window is shorter than the prompt from its first passage on)"
+        )
+    return x[seeing].mean(dim=0)
 
 
 def calibrated_attention(
@@ -246,6 +280,15 @@ class AttentionSortBackend(HFBackend):
             )
         return super().fit(prompt, max_new_tokens)
 
+    def identity(self) -> dict:
+        """See :meth:`~ragfix.backends.hf.HFBackend.identity`; a model with sliding-window
+        layers also records :data:`LAYERS_READ`, the rule that leaves out the layers that do
+        not see every passage (runs sorted before the rule are not resumed under it)."""
+        out = super().identity()
+        if read_family(self.model.config).sliding:
+            out["layers_read"] = LAYERS_READ
+        return out
+
     def read_prompt(self, prompt: Prompt) -> TaskPrompt:
         """See :meth:`~ragfix.backends.base.Backend.read_prompt`: the sorted prompt."""
         return self.sorted_prompt(prompt)
@@ -267,6 +310,7 @@ class AttentionSortBackend(HFBackend):
 
 
 __all__ = [
+    "LAYERS_READ",
     "AttentionSortBackend",
     "calibrated_attention",
     "combine_scores",
