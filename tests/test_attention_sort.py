@@ -10,7 +10,6 @@ import torch
 from conftest import BUNDLED, tiny_folder, tiny_model
 
 from ragfix.backends.attention_sort import (
-    LAYERS_READ,
     PLACE_DEFAULTS,
     AttentionSortBackend,
     AttentionSortOptions,
@@ -138,8 +137,8 @@ def test_a_layer_whose_window_misses_a_passage_is_not_read(smol):
     for layers in ("upper", "all"):
         opts = AttentionSortOptions(layers=layers, calibrate=True)
         torch.testing.assert_close(combine_scores(got, free, opts), got[1] - free[1])
-    assert gemma.identity()["layers_read"] == LAYERS_READ
-    assert "layers_read" not in AttentionSortBackend(smol.model, smol.tokenizer).identity()
+    assert gemma.identity()["sliding_rule"] == AttentionSortBackend.sliding_rule
+    assert "sliding_rule" not in AttentionSortBackend(smol.model, smol.tokenizer).identity()
 
     mistral = AttentionSortBackend(
         tiny_family_model("mistral", smol.tokenizer, attn="eager", seed=3), smol.tokenizer

@@ -210,6 +210,30 @@ def test_other_rows_and_layers_stay_vanilla(smol):
     torch.testing.assert_close(got[0, :first], vanilla.logits[0, :first], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window, calibrated", [(64, False), (4096, True)])
+def test_a_reader_whose_window_misses_a_passage_attends_as_the_model_does(smol, window, calibrated):
+    """A Mistral whose every layer slides a window: with the passages (about 180 tokens) wider
+    than the window, no reader sees them all and every logit is the plain model's; with a window
+    that holds the prompt, the same prompt's readers are calibrated."""
+    model = tiny_model(
+        "mistral",
+        seed=9,
+        vocab_size=len(smol.tokenizer),
+        sliding_window=window,
+        num_hidden_layers=2,
+    )
+    backend = CalibratedAttentionBackend(model, smol.tokenizer, layers="all")
+    docs = [Passage(title=f"Doc {i}", text="Rivers run to the sea. " * 8) for i in range(4)]
+    layout = backend._layout(get_task("qa").prompt("Which river?", docs))
+    first_passage = next(t for t, b in enumerate(layout.blocks) if b >= 0)
+    assert layout.first - first_passage > 64
+    got, _ = backend._forward([layout], keep=0)
+    vanilla = model(input_ids=torch.tensor([layout.ids])).logits[0]
+    change = (got[0] - vanilla).abs().max().item()
+    assert change > 1e-3 if calibrated else change < 1e-5
+    assert backend.identity()["sliding_rule"] == CalibratedAttentionBackend.sliding_rule
+
+
 def test_the_bias_is_measured_once_per_number_of_passages(smol, kv_samples):
     model = tiny_model("qwen2", seed=9, vocab_size=len(smol.tokenizer))
     backend = CalibratedAttentionBackend(model, smol.tokenizer)

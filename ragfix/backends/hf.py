@@ -163,6 +163,10 @@ class HFBackend(HFDecoding, HFScoring, Backend):
     #: the model's own forward pass over :meth:`encode`'s tokens, with a KV cache (a method that
     #: changes the tokens in its own loop, or keeps per-prompt state in its patch, sets it False)
     supports_step_decoding = True
+    #: how a method that reads attention treats a sliding-window layer that does not see every
+    #: passage (a sentence), recorded in :meth:`identity` for a model with such layers, so that
+    #: a run made under another rule is not resumed; ``None``: the method reads no attention
+    sliding_rule: ClassVar[str | None] = None
 
     @classmethod
     def load_kwargs(cls, options: BackendOptions) -> dict:
@@ -239,13 +243,16 @@ class HFBackend(HFDecoding, HFScoring, Backend):
         implementation when it is not ``"sdpa"`` (e.g. float32 decode steps in bf16 on the CPU,
         :mod:`ragfix.models.attention`), backend name, options, the chat template used (a
         hash, or :data:`NO_CHAT_TEMPLATE`), the tokenizer (:func:`tokenizer_id`), the
-        generation settings (:func:`generation_id`) and the applied adapter (if any)."""
+        generation settings (:func:`generation_id`), the applied adapter (if any) and, for a
+        model with sliding-window layers, the method's :attr:`sliding_rule` (if any)."""
         out = {
             "model": model_identity(self.model),
             "dtype": str(self.dtype),
             "backend": self.name,
             "options": self.options.model_dump(mode="json"),
         }
+        if self.sliding_rule is not None and model_family(self.model).sliding:
+            out["sliding_rule"] = self.sliding_rule
         if (attention := self.model.config._attn_implementation) != "sdpa":
             out["attention"] = attention
         out["chat_template"] = template_id(self.tokenizer)

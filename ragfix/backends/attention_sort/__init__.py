@@ -11,7 +11,6 @@ calibration: ICR, arXiv 2410.02642).
 """
 
 from ragfix.backends.attention_sort.backend import (
-    LAYERS_READ,
     AttentionSortBackend,
     combine_scores,
     passage_attention,
@@ -26,7 +25,6 @@ from ragfix.backends.attention_sort.options import (
 )
 
 __all__ = [
-    "LAYERS_READ",
     "PLACE_DEFAULTS",
     "AttentionSortBackend",
     "AttentionSortOptions",

@@ -58,9 +58,6 @@ _SORTED_CACHE = 256
 #: what the backend does with the passages (its refusal of a prompt without spans)
 SORTS = "sorts a prompt's passages"
 
-#: the layers a score averages, in the identity of a model with sliding-window layers
-LAYERS_READ = "the selected layers whose window holds every passage for every reader"
-
 
 @torch.no_grad()
 def passage_attention(
@@ -239,6 +236,7 @@ class AttentionSortBackend(HFBackend):
     name: ClassVar[str] = "attention-sort"
     options_model: ClassVar[type[BackendOptions]] = AttentionSortOptions
     needs_passage_spans = True
+    sliding_rule = "scores average the selected layers whose window holds every passage"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -280,15 +278,6 @@ class AttentionSortBackend(HFBackend):
             )
         return super().fit(prompt, max_new_tokens)
 
-    def identity(self) -> dict:
-        """See :meth:`~ragfix.backends.hf.HFBackend.identity`; a model with sliding-window
-        layers also records :data:`LAYERS_READ`, the rule that leaves out the layers that do
-        not see every passage (runs sorted before the rule are not resumed under it)."""
-        out = super().identity()
-        if read_family(self.model.config).sliding:
-            out["layers_read"] = LAYERS_READ
-        return out
-
     def read_prompt(self, prompt: Prompt) -> TaskPrompt:
         """See :meth:`~ragfix.backends.base.Backend.read_prompt`: the sorted prompt."""
         return self.sorted_prompt(prompt)
@@ -310,7 +299,6 @@ class AttentionSortBackend(HFBackend):
 
 
 __all__ = [
-    "LAYERS_READ",
     "AttentionSortBackend",
     "calibrated_attention",
     "combine_scores",

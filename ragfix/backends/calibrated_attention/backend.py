@@ -16,7 +16,12 @@ first character is in):
   assistant prefix), every generated token and every token of a scored continuation. The other
   query rows (the text before and inside the passages) attend as the model does.
 * **layers** (option ``layers``): ``upper`` = layers ``L // 2 .. L - 1`` (the paper calibrates
-  the last 16 of 32), or ``all``. The other layers attend as the model does.
+  the last 16 of 32), or ``all``. The other layers attend as the model does. In a
+  sliding-window layer a reader is calibrated only when the window holds every passage token
+  (its index minus the first passage token's is under ``window``); a reader that cannot see
+  some passage (or part of one) attends there as the model does, since neither its attention
+  to that passage nor the bias measured where the slot was in view says what the passage is
+  worth (Gemma 3's local layers at 10 SQuAD paragraphs, Mistral's window).
 * In a calibrated layer, for every head and reader row with attention probabilities ``a`` over
   the keys (softmax in float32): per passage ``k`` of ``len_k`` tokens, ``mass_k = sum_{t in k}
   a_t`` and ``mean_k = mass_k / len_k``; the relevance is ``r_k = mean_k - b_k``; the passages'
@@ -129,6 +134,9 @@ class _CalibratedRun:
         pad = torch.tensor(pads, device=dev)[:, None]
         first = torch.tensor([r[2] for r in rows], device=dev)[:, None]
         self.reader = (index - pad >= first) & (self.blocks != PAD)  # [B, T]
+        inside = self.blocks >= 0
+        #: per row the index of its first passage token (past the row's end when it has none)
+        self.first_passage = torch.where(inside.any(1), inside.int().argmax(1), width)[:, None]
         self.positions = (index - pad).clamp(min=0)  # [B, T]
         self.n = max(len(lay.prompt.passages) for lay in layouts)
         self.onehot = self._onehot(self.blocks)  # [B, T, n] float32
@@ -193,6 +201,8 @@ class _CalibratedRun:
         if layer in self.layers:
             cols = readers.any(0).nonzero()
             split = int(cols[0]) if len(cols) else c
+            if (window := layer_window(attn)) is not None:  # a reader that sees every passage
+                readers = readers & (qi[0, :, 0][None] - self.first_passage < window)
         out = torch.empty(bsz, heads, c, d, device=q.device, dtype=q.dtype)
         if split:
             out[:, :, :split] = F.scaled_dot_product_attention(
@@ -277,6 +287,7 @@ class CalibratedAttentionBackend(LayoutBackend):
     name: ClassVar[str] = "calibrated-attention"
     options_model: ClassVar[type[BackendOptions]] = CalibratedAttentionOptions
     needs_passage_spans = True
+    sliding_rule = "a sliding layer calibrates the readers whose window holds every passage"
 
     @classmethod
     def check_family(cls, family: Family, options: BackendOptions) -> None:
