@@ -20,7 +20,7 @@ from ragfix.backends.attention_sort import (
 )
 from ragfix.backends.hf import chat_text
 from ragfix.connectors.litm import load_samples
-from ragfix.errors import RagfixError
+from ragfix.errors import RagfixError, UnsupportedModelError
 from ragfix.prompts import TaskPrompt
 from ragfix.tasks import get_task, task_prompt
 from ragfix.types import Passage
@@ -114,8 +114,8 @@ def test_a_layer_whose_window_misses_a_passage_is_not_read(smol):
     """Gemma 3 (a local layer with a 128-token window, then a full one) and Mistral (every layer
     local): on a prompt whose passages start more than a window before its last token, the
     local layer's row is NaN, the full layer's equals the by-hand pass, and the score is the
-    full layer's alone; a prompt that no layer sees whole is refused in one line; a prompt
-    inside the window reads every layer, by hand too."""
+    full layer's alone; a prompt that no layer sees whole is refused in one line (the family's
+    refusal); a prompt inside the window reads every layer, by hand too."""
     from ragfix.backends.attention_sort import combine_scores
     from ragfix.eval.families import TINY_WINDOW, tiny_family_model
 
@@ -143,9 +143,10 @@ def test_a_layer_whose_window_misses_a_passage_is_not_read(smol):
     mistral = AttentionSortBackend(
         tiny_family_model("mistral", smol.tokenizer, attn="eager", seed=3), smol.tokenizer
     )
-    with pytest.raises(RagfixError, match="no layer sees every passage") as err:
+    with pytest.raises(UnsupportedModelError) as err:
         mistral.generate([long])
-    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("attention-sort does not support Mistral (mistral): every ")
+    assert f"(at most {TINY_WINDOW} tokens)" in str(err.value) and "\n" not in str(err.value)
     short = get_task("qa").prompt("Which river?", DOCS)
     torch.testing.assert_close(
         passage_attention(mistral, short),

@@ -27,7 +27,8 @@ it would rank the passages inside its window above the others (Gemma 3 270M: 15 
 layers have a 512-token window, and at 10 SQuAD paragraphs none of them sees the first
 passages). :func:`passage_attention` marks
 such a layer's row ``NaN`` and :func:`combine_scores` averages over the selected layers that
-see every passage, refusing a prompt that no selected layer sees whole.
+see every passage. A prompt that no layer sees whole (every layer slides a window shorter than
+the prompt from its first passage on) is refused in one line, before any attention pass.
 
 Refuses a prompt without passage spans (a framework's or a client's text) in one line, and
 declares it (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`), so that a consumer whose
@@ -45,7 +46,7 @@ import torch
 
 from ragfix.backends.attention_sort.options import AttentionSortOptions, with_place
 from ragfix.backends.base import BackendOptions, Fit, Prompt, answer_rules
-from ragfix.backends.family import full_cache, read_family
+from ragfix.backends.family import full_cache, model_family
 from ragfix.backends.hf import HFBackend, chat_text
 from ragfix.backends.passages import OUTSIDE, passage_tokens, spans_required
 from ragfix.errors import RagfixError
@@ -57,6 +58,29 @@ _SORTED_CACHE = 256
 
 #: what the backend does with the passages (its refusal of a prompt without spans)
 SORTS = "sorts a prompt's passages"
+
+
+def whole_view(backend: HFBackend, ids: list[int], blocks: list[int]) -> torch.Tensor:
+    """Per layer, whether its window holds every passage token for every reader of a prompt's
+    tokens ``ids`` (``blocks``: each token's passage, as
+    :func:`~ragfix.backends.passages.passage_tokens` gives them): a full layer, or a sliding one
+    whose window exceeds the last token's index minus the first passage token's. ``[layers]``
+    bool.
+
+    Raises:
+        UnsupportedModelError: no layer does (every layer slides a window shorter than the
+            prompt from its first passage on): attention cannot score the first passages.
+    """
+    family = model_family(backend.model)
+    reach = len(ids) - 1 - min(t for t, j in enumerate(blocks) if j != OUTSIDE)
+    sees = torch.tensor([w is None or reach < w for w in family.windows])
+    if not sees.any():
+        raise family.refuse(
+            "attention-sort",
+            f"every layer's sliding window (at most {max(family.windows)} tokens) is shorter than "
+            f"the prompt from its first passage on ({reach + 1} tokens)",
+        )
+    return sees
 
 
 @torch.no_grad()
@@ -87,6 +111,7 @@ def passage_attention(
         RagfixError: a backend without local weights (a remote model), a prompt without
             passage spans, a tokenizer without offsets, or a model whose attention returns no
             weights.
+        UnsupportedModelError: no layer sees every passage (:func:`whole_view`).
     """
     if not isinstance(backend, HFBackend):
         raise RagfixError(
@@ -101,6 +126,7 @@ def passage_attention(
             member[t, j] = 1.0
     if first == len(ids) or first == 0:
         raise RagfixError("attention-sort needs text after the passages (the question) to read")
+    sees = whole_view(backend, ids, blocks)
     model, dev = backend.model, backend.device
     if shared and shared["ids"] == ids[:first]:
         cache = shared["cache"]
@@ -125,10 +151,7 @@ def passage_attention(
         raise RagfixError(f"backend {backend.name!r} exposes no attention weights")
     att = torch.stack([a[0].float().cpu() for a in out.attentions])  # [L, H, R, T]
     scores = (att @ member).mean(dim=(1, 2))
-    reach = len(ids) - 1 - min(t for t, j in enumerate(blocks) if j != OUTSIDE)
-    for layer, window in enumerate(read_family(model.config).windows):
-        if window is not None and reach >= window:
-            scores[layer] = float("nan")
+    scores[~sees] = float("nan")
     return scores
 
 
@@ -151,8 +174,9 @@ def combine_scores(
     seeing = ~x.isnan().any(dim=1)
     if not seeing.any():
         raise RagfixError(
-            f"attention-sort layers={options.layers}: no layer sees every passage (each one's "
-            "sliding window is shorter than the prompt from its first passage on)"
+            f"attention-sort layers={options.layers}: none of these layers sees every passage "
+            "(their sliding windows are shorter than the prompt from its first passage on); "
+            "try layers=all"
         )
     return x[seeing].mean(dim=0)
 
@@ -305,4 +329,5 @@ __all__ = [
     "passage_attention",
     "passage_scores",
     "sort_passages",
+    "whole_view",
 ]
