@@ -58,9 +58,9 @@ def attention_sort_cmd(
         samples = load_samples(path, num_docs, records=records, task=task)
         backend = load_backend("vanilla", model=model, device=device, dtype=dtype)
         with progress_bar(console) as bar:
-            task = bar.add_task("tune attention-sort", total=len(samples) * len(pos), status="")
+            shown = bar.add_task("tune attention-sort", total=len(samples) * len(pos), status="")
             table, details = tune_attention_sort(
-                backend, samples, pos, lambda done, total: bar.update(task, completed=done)
+                backend, samples, pos, lambda done, total: bar.update(shown, completed=done)
             )
         details |= {"data": str(data), "records": records, "num_docs": num_docs, "task": task}
     show_tables(table, details, json_out)

@@ -330,3 +330,37 @@ def test_the_tune_scores_each_variant_by_its_top_passage(smol):
     assert len(default) == 1 and default[0][0] == details["default"] + " (default)"
     rates = {n: min(h) for n, h in details["hits"].items()}
     assert rates[details["default"]] == max(rates.values())
+
+
+def test_the_tune_command_reads_the_records_as_the_task_given(tmp_path):
+    """``ragfix tune attention-sort --task``: the cells are the task's prompts (the scores of
+    ``qa-extractive``'s prompt, recomputed here), the task is in the result file, and a task of
+    another data format is refused in one line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ragfix.backends import load_backend
+    from ragfix.backends.attention_sort.backend import combine_scores, passage_attention
+    from ragfix.backends.attention_sort.tune import VARIANTS, variant_name
+    from ragfix.cli.app import app
+
+    out = tmp_path / "tune.json"
+    args = ["tune", "attention-sort", "nq-sample", "--records", "0:1", "--num-docs", "3"]
+    res = CliRunner().invoke(
+        app, [*args, "--positions", "2", "--task", "qa-extractive", "--json", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    details = json.loads(out.read_text())
+    assert details["task"] == "qa-extractive"
+    [sample] = load_samples(BUNDLED / "nq_10docs_sample.jsonl.gz", 3, 1, task="qa-extractive")
+    prompt = task_prompt(sample, sample.passages_with_gold_at(2))
+    plain = sample.model_copy(update={"task": "qa"})
+    assert prompt.user != task_prompt(plain, plain.passages_with_gold_at(2)).user
+    smol = load_backend("vanilla", model="smollm2", device="cpu")
+    att, free = passage_attention(smol, prompt), passage_attention(smol, prompt.no_query)
+    for v in VARIANTS:
+        top = int(combine_scores(att, free, v).argmax())
+        assert details["hits"][variant_name(v)] == [int(top == 2)]
+    res = CliRunner().invoke(app, [*args, "--positions", "2", "--task", "kv"])
+    assert res.exit_code == 2 and res.output.strip().startswith("error: --task kv reads kv")
