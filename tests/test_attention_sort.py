@@ -137,6 +137,12 @@ def test_a_layer_whose_window_misses_a_passage_is_not_read(smol):
     for layers in ("upper", "all"):
         opts = AttentionSortOptions(layers=layers, calibrate=True)
         torch.testing.assert_close(combine_scores(got, free, opts), got[1] - free[1])
+    # a model whose only full layer is below the upper half: upper reads none, all reads it
+    lower_only = torch.stack([got[1], got[0]])
+    with pytest.raises(RagfixError, match="layers=upper: none of these layers sees every"):
+        combine_scores(lower_only, None, AttentionSortOptions(layers="upper", calibrate=False))
+    opts = AttentionSortOptions(layers="all", calibrate=False)
+    torch.testing.assert_close(combine_scores(lower_only, None, opts), got[1])
     assert gemma.identity()["sliding_rule"] == AttentionSortBackend.sliding_rule
     assert "sliding_rule" not in AttentionSortBackend(smol.model, smol.tokenizer).identity()
 

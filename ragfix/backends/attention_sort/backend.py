@@ -25,10 +25,10 @@ its window holds every passage token for every reader. A layer whose readers can
 first passages pays them nothing for where they stand, not for what they say; averaged in,
 it would rank the passages inside its window above the others (Gemma 3 270M: 15 of its 18
 layers have a 512-token window, and at 10 SQuAD paragraphs none of them sees the first
-passages). :func:`passage_attention` marks
-such a layer's row ``NaN`` and :func:`combine_scores` averages over the selected layers that
-see every passage. A prompt that no layer sees whole (every layer slides a window shorter than
-the prompt from its first passage on) is refused in one line, before any attention pass.
+passages). :func:`passage_attention` marks such a layer's row ``NaN`` and
+:func:`combine_scores` averages over the selected layers that see every passage. A prompt that
+no layer sees whole (every layer slides a window shorter than the prompt from its first passage
+on) is refused in one line, before any attention pass.
 
 Refuses a prompt without passage spans (a framework's or a client's text) in one line, and
 declares it (:attr:`~ragfix.backends.base.Backend.needs_passage_spans`), so that a consumer whose
