@@ -110,6 +110,17 @@ def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "eager", **overri
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def wide_passages_prompt():
+    """A ``qa`` task prompt of four repeated passages (about 180 SmolLM2 tokens of passages): wider
+    than the tiny models' sliding windows of 64-128 tokens, to test what a method does with the
+    passages a window leaves out."""
+    from ragfix.tasks import get_task
+    from ragfix.types import Passage
+
+    docs = [Passage(title=f"Doc {i}", text="Rivers run to the sea. " * 8) for i in range(4)]
+    return get_task("qa").prompt("Which river?", docs)
+
+
 def essays(chars: int) -> str:
     """Paul Graham essays (the repository's needle data) joined until ``chars`` characters
     (about 4.5 characters a SmolLM2 token)."""

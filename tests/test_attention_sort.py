@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BUNDLED, tiny_folder, tiny_model
+from conftest import BUNDLED, tiny_folder, tiny_model, wide_passages_prompt
 
 from ragfix.backends.attention_sort import (
     PLACE_DEFAULTS,
@@ -119,10 +119,7 @@ def test_a_layer_whose_window_misses_a_passage_is_not_read(smol):
     from ragfix.backends.attention_sort import combine_scores
     from ragfix.eval.families import TINY_WINDOW, tiny_family_model
 
-    long = get_task("qa").prompt(
-        "Which river?",
-        [Passage(title=f"Doc {i}", text="Rivers run to the sea. " * 8) for i in range(4)],
-    )
+    long = wide_passages_prompt()
     ids = smol.tokenizer(chat_text(smol.tokenizer, long), add_special_tokens=False)["input_ids"]
     assert len(ids) > TINY_WINDOW + 50
     gemma = AttentionSortBackend(

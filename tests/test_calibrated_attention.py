@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BUNDLED, tiny_model
+from conftest import BUNDLED, tiny_model, wide_passages_prompt
 
 from ragfix.backends import load_backend
 from ragfix.backends.calibrated_attention import (
@@ -223,8 +223,7 @@ def test_a_reader_whose_window_misses_a_passage_attends_as_the_model_does(smol, 
         num_hidden_layers=2,
     )
     backend = CalibratedAttentionBackend(model, smol.tokenizer, layers="all")
-    docs = [Passage(title=f"Doc {i}", text="Rivers run to the sea. " * 8) for i in range(4)]
-    layout = backend._layout(get_task("qa").prompt("Which river?", docs))
+    layout = backend._layout(wide_passages_prompt())
     first_passage = next(t for t, b in enumerate(layout.blocks) if b >= 0)
     assert layout.first - first_passage > 64
     got, _ = backend._forward([layout], keep=0)

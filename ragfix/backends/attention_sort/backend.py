@@ -46,7 +46,7 @@ import torch
 
 from ragfix.backends.attention_sort.options import AttentionSortOptions, with_place
 from ragfix.backends.base import BackendOptions, Fit, Prompt, answer_rules
-from ragfix.backends.family import full_cache, model_family
+from ragfix.backends.family import full_cache, model_family, window_band
 from ragfix.backends.hf import HFBackend, chat_text
 from ragfix.backends.passages import OUTSIDE, passage_tokens, spans_required
 from ragfix.errors import RagfixError
@@ -72,13 +72,14 @@ def whole_view(backend: HFBackend, ids: list[int], blocks: list[int]) -> torch.T
             prompt from its first passage on): attention cannot score the first passages.
     """
     family = model_family(backend.model)
-    reach = len(ids) - 1 - min(t for t, j in enumerate(blocks) if j != OUTSIDE)
-    sees = torch.tensor([w is None or reach < w for w in family.windows])
+    last = torch.tensor(len(ids) - 1)
+    first = torch.tensor(min(t for t, j in enumerate(blocks) if j != OUTSIDE))
+    sees = torch.stack([window_band(last, first, w) for w in family.windows])
     if not sees.any():
         raise family.refuse(
             "attention-sort",
             f"every layer's sliding window (at most {max(family.windows)} tokens) is shorter than "
-            f"the prompt from its first passage on ({reach + 1} tokens)",
+            f"the prompt from its first passage on ({int(last - first) + 1} tokens)",
         )
     return sees
 

@@ -201,8 +201,10 @@ class _CalibratedRun:
         if layer in self.layers:
             cols = readers.any(0).nonzero()
             split = int(cols[0]) if len(cols) else c
-            if (window := layer_window(attn)) is not None:  # a reader that sees every passage
-                readers = readers & (qi[0, :, 0][None] - self.first_passage < window)
+            # a reader is calibrated only where its window holds the first passage token
+            readers = readers & window_band(
+                qi[0, :, 0][None], self.first_passage, layer_window(attn)
+            )
         out = torch.empty(bsz, heads, c, d, device=q.device, dtype=q.dtype)
         if split:
             out[:, :, :split] = F.scaled_dot_product_attention(
