@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ragfix.errors import ConfigError, ConfigMismatchError, DataError
-from ragfix.eval.run import flat_differences, folder_store
+from ragfix.eval.run import flat_differences, folder_store, moved_inputs
 from ragfix.eval.shard import replace_results, shard_manifests
 from ragfix.io import CONFIG_FILE, atomic_write_json, read_run_config
 
@@ -19,13 +19,15 @@ def merge_runs(out: str | Path, sources: Sequence[str | Path]) -> dict:
     Every source folder holds the ``config.json`` of the run and one or more shard manifests
     (one folder may hold every shard: jobs on a shared file system). Checked before anything is
     written: every folder's configuration is the same (settings, the backend's identity, the
-    inputs' fingerprints, and that of ``out`` when it holds one); the manifests are of one plan
-    (the same number of cells and :func:`plan_fingerprint`) and of one ``N``, with each shard
-    ``0 .. N-1`` once; every shard's assigned cells are stored in its folder. ``out`` then gets
-    the configuration and one result file of every shard's cells (atomically); the shards'
-    own result files in ``out`` are removed, the source folders are left as they are. Run the
-    same command without ``--shard`` over ``out`` to write the summary (it loads the backend,
-    checks its identity against the folder and computes nothing).
+    inputs' fingerprints, and that of ``out`` when it holds one; an input the jobs read from
+    other paths with the same content counts as the same: :func:`~ragfix.eval.run.moved_inputs`);
+    the manifests are of one plan (the same number of cells and :func:`plan_fingerprint`) and of
+    one ``N``, with each shard ``0 .. N-1`` once; every shard's assigned cells are stored in its
+    folder. ``out`` then gets the configuration and one result file of every shard's cells
+    (atomically); the shards' own result files in ``out`` are removed, the source folders are
+    left as they are. Run the same command without ``--shard`` over ``out`` to write the
+    summary (it loads the backend, checks its identity against the folder, records where its
+    inputs lie there and computes nothing).
 
     Args:
         out: the merged run folder (may be one of ``sources``).
@@ -55,6 +57,7 @@ def merge_runs(out: str | Path, sources: Sequence[str | Path]) -> dict:
         configs.append((out, theirs))  # a merged folder already there: the same run too
     first, config = configs[0]
     for folder, theirs in configs[1:]:
+        theirs = {**theirs, **{k: config[k] for k in moved_inputs(config, theirs)}}
         if detail := flat_differences(config, theirs):
             raise ConfigMismatchError(
                 f"{folder} ran another configuration than {first} ({'; '.join(detail)}): "

@@ -77,6 +77,9 @@ class RunConfig(BaseModel):
             decide its answers in its own fields (``model``, ``backend``, ``backend_options``
             without a remote model's call settings), as folders always have.
 
+    A field that says where an input lies (:data:`INPUT_LOCATIONS`) is compared by the
+    content's fingerprint in ``inputs``, not by the path (:func:`moved_inputs`).
+
     ``ABSENT`` (a class attribute, not a field) maps a field added after ``config.json`` files
     were already written to what such a file stands for without it (a run made before records
     kept their prompts: ``{"log_prompts": False}``), so :meth:`RunFolder.check` compares an old
@@ -100,6 +103,31 @@ class RunConfig(BaseModel):
     def stored(self) -> dict:
         """The configuration as written to ``config.json``."""
         return self.model_dump(mode="json")
+
+
+#: per run kind, the configuration fields that say where an input lies, each with its role in
+#: ``inputs``. Only fields kept out of the cell ids belong here: the pipeline sweep's corpus and
+#: question paths and perplexity's text file path are hashed into their cell ids, so those
+#: folders stay bound to their paths.
+INPUT_LOCATIONS: dict[str, dict[str, str]] = {
+    "sweep": {"data": "data", "distractor_pool": "distractor_pool"},
+    "judge": {"data": "data"},
+}
+
+
+def moved_inputs(theirs: dict, mine: dict) -> list[str]:
+    """The fields of :data:`INPUT_LOCATIONS` whose path differs between two stored
+    configurations of one run kind while both fingerprinted that input with the same content:
+    the same input read from another place (a copied checkout, a moved file), which a rerun
+    or a merge of shards accepts."""
+    a, b = theirs.get("inputs") or {}, mine.get("inputs") or {}
+    return [
+        field
+        for field, role in INPUT_LOCATIONS.get(mine.get("run"), {}).items()
+        if theirs.get(field) != mine.get(field)
+        and a.get(role) is not None
+        and a.get(role) == b.get(role)
+    ]
 
 
 def flat_differences(theirs: dict, mine: dict, prefix: str = "") -> list[str]:
@@ -181,6 +209,7 @@ class RunFolder:
         self.own = own or results
         self.store = folder_store(self.out, results, key, own)
         self._has_config = False
+        self._moved: list[str] = []
 
     def write_shard(self, shard: Shard) -> None:
         """Append to job ``shard``'s own result file from now on (:meth:`Shard.own_file`)."""
@@ -192,12 +221,16 @@ class RunFolder:
         """Whether the folder holds a configuration, refusing one that differs from
         :attr:`config` (the identity is compared only once bound: a non-empty ``identity``).
 
+        An input read from another place with the same content (:func:`moved_inputs`) is no
+        difference; :meth:`bind` then records where it lies now.
+
         Raises:
             ConfigMismatchError: the folder holds another run kind, a configuration from before
                 run folders recorded what they ran on, or other settings, weights or inputs
                 (the message names every differing field).
             DataError: ``config.json`` is not readable JSON.
         """
+        self._moved = []
         theirs = read_run_config(self.out)
         if theirs is None:
             return False
@@ -211,6 +244,8 @@ class RunFolder:
         mine = self.config.stored()
         if not mine["identity"]:
             theirs = {**theirs, "identity": {}}
+        self._moved = moved_inputs(theirs, mine)
+        theirs = {**theirs, **{k: mine[k] for k in self._moved}}
         detail = flat_differences(theirs, mine)
         if detail:
             raise ConfigMismatchError(
@@ -231,13 +266,15 @@ class RunFolder:
         """
         ident = json.loads(json.dumps(identity))
         self.config = self.config.model_copy(update={"identity": ident})
-        if not restart:
-            self.check()
-            return
         try:
             self.check()
         except (ConfigMismatchError, DataError):
+            if not restart:
+                raise
             self.clear()
+            return
+        if self._moved:
+            self.write_config()
 
     def clear(self) -> None:
         """Remove the folder's configuration, stores, job shard manifests and outputs (a
@@ -611,6 +648,7 @@ __all__ = [
     "default_batch_size",
     "run",
     "flat_differences",
+    "moved_inputs",
     "folder_store",
     "input_fingerprints",
     "interrupted",

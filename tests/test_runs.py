@@ -161,6 +161,44 @@ def test_sweep_refuses_a_data_file_or_pool_edited_in_place(tmp_path, model_dir):
         _sweep(pooled, model_dir, data=data, limit=1, distractor_pool=pool)
 
 
+def test_inputs_read_from_another_place_with_the_same_content_resume(tmp_path, model_dir):
+    """A copied checkout or a moved file: a run kind whose input paths stay out of its cell ids
+    (sweep, judge) compares the content's fingerprint, not the path, and then records where the
+    input lies now; other content is still refused. One whose ids hash the path refuses."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir(), there.mkdir()
+    data, pool = _nq_copy(here / "nq.jsonl"), _nq_copy(here / "pool.jsonl", 3)
+    out = tmp_path / "run"
+    _, first = _sweep(out, model_dir, data=data, limit=1, distractor_pool=pool)
+    for f in (data, pool):
+        f.rename(there / f.name)
+    data, pool = there / data.name, there / pool.name
+    _, more = _sweep(out, model_dir, data=data, limit=2, distractor_pool=pool)
+    assert len(first) == len(more) == 2  # the second sample's cells only: the first's reused
+    config = json.loads((out / "config.json").read_text())
+    assert (config["data"], config["distractor_pool"]) == (str(data), str(pool))
+    data.write_text(data.read_text().replace("the", "teh", 1))
+    with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
+        _sweep(out, model_dir, data=data, limit=2, distractor_pool=pool)
+
+    pairs = here / "pairs.jsonl"
+    pairs.write_text(json.dumps({"question": "2 + 2?", "answer_a": "4", "answer_b": "5"}) + "\n")
+    judged = tmp_path / "judge"
+    assert run_judge(pairs, judged, model=str(model_dir), device="cpu").computed == 1
+    pairs = pairs.rename(there / pairs.name)
+    again = run_judge(pairs, judged, model=str(model_dir), device="cpu")
+    assert (again.computed, again.reused) == (0, 1)
+    assert json.loads((judged / "config.json").read_text())["data"] == str(pairs)
+
+    texts = here / "texts.jsonl"  # perplexity's cell ids hash the path: bound to it
+    texts.write_text(json.dumps({"text": " ".join(f"word{i} and more" for i in range(80))}))
+    kw = dict(train_window=16, ratios=(1.0,), methods=("vanilla",), windows=range(1))
+    run_ppl(texts, model=str(model_dir), device="cpu", out=tmp_path / "ppl", **kw)
+    texts = texts.rename(there / texts.name)
+    with pytest.raises(ConfigMismatchError, match=r"data: "):
+        run_ppl(texts, model=str(model_dir), device="cpu", out=tmp_path / "ppl", **kw)
+
+
 def test_a_folder_from_before_identity_binding_is_refused_in_one_line(tmp_path, model_dir):
     out = tmp_path / "run"
     _sweep(out, model_dir, limit=1)

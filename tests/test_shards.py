@@ -84,6 +84,18 @@ def test_sweep_shards_in_their_own_folders_merge_to_the_single_run(single, tmp_p
     said = _cli("merge", tmp_path / "m4", s0, other, code=2)
     assert "ran another configuration" in said and "identity.model.weights" in said
     assert not (tmp_path / "m3").exists() and not (tmp_path / "m4").exists()
+    # a job that read the data file from another path (another machine's checkout): the same
+    # content is the same run; other content is not
+    moved = tmp_path / "moved"
+    shutil.copytree(s1, moved)
+    config = json.loads((moved / "config.json").read_text())
+    config["data"] = str(tmp_path / "elsewhere" / "nq_10docs_sample.jsonl.gz")
+    (moved / "config.json").write_text(json.dumps(config))
+    assert "merged 2 shards from 2 folder(s): 6 cells" in _cli("merge", tmp_path / "m7", s0, moved)
+    config["inputs"]["data"] = "0" * 16
+    (moved / "config.json").write_text(json.dumps(config))
+    said = _cli("merge", tmp_path / "m8", s0, moved, code=2)
+    assert "ran another configuration" in said and "inputs.data" in said and "; data:" in said
     # a shard of another split of the run
     said = _cli(*SWEEP, "--out", tmp_path / "s3", "--shard", "1/3")
     said = _cli("merge", tmp_path / "m5", s0, tmp_path / "s3", code=2)
