@@ -209,7 +209,6 @@ class RunFolder:
         self.own = own or results
         self.store = folder_store(self.out, results, key, own)
         self._has_config = False
-        self._moved: list[str] = []
 
     def write_shard(self, shard: Shard) -> None:
         """Append to job ``shard``'s own result file from now on (:meth:`Shard.own_file`)."""
@@ -230,7 +229,6 @@ class RunFolder:
                 (the message names every differing field).
             DataError: ``config.json`` is not readable JSON.
         """
-        self._moved = []
         theirs = read_run_config(self.out)
         if theirs is None:
             return False
@@ -244,8 +242,7 @@ class RunFolder:
         mine = self.config.stored()
         if not mine["identity"]:
             theirs = {**theirs, "identity": {}}
-        self._moved = moved_inputs(theirs, mine)
-        theirs = {**theirs, **{k: mine[k] for k in self._moved}}
+        theirs = {**theirs, **{k: mine[k] for k in moved_inputs(theirs, mine)}}
         detail = flat_differences(theirs, mine)
         if detail:
             raise ConfigMismatchError(
@@ -273,7 +270,7 @@ class RunFolder:
                 raise
             self.clear()
             return
-        if self._moved:
+        if moved_inputs(read_run_config(self.out) or {}, self.config.stored()):
             self.write_config()
 
     def clear(self) -> None:

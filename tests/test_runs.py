@@ -166,7 +166,8 @@ def test_inputs_read_from_another_place_with_the_same_content_resume(tmp_path, m
     (sweep, judge) compares the content's fingerprint, not the path, and then records where the
     input lies now; other content is still refused. One whose ids hash the path refuses."""
     here, there = tmp_path / "here", tmp_path / "there"
-    here.mkdir(), there.mkdir()
+    for folder in (here, there):
+        folder.mkdir()
     data, pool = _nq_copy(here / "nq.jsonl"), _nq_copy(here / "pool.jsonl", 3)
     out = tmp_path / "run"
     _, first = _sweep(out, model_dir, data=data, limit=1, distractor_pool=pool)
