@@ -160,6 +160,39 @@ def processes_cmd(
     show_tables(table, details, json_out)
 
 
+@bench.command("band")
+def band_cmd(
+    model: Annotated[str, typer.Option(help="a model with sliding-window layers")] = "gemma3-270m",
+    lengths: Annotated[str, typer.Option(help="prompt lengths in tokens, comma separated")] = (
+        "1000,2000,3500"
+    ),
+    rows: Annotated[str, typer.Option(help="query rows per block, comma separated")] = (
+        "128,256,512"
+    ),
+    repeats: Annotated[int, typer.Option(min=1, help="timings per setting (the best is kept)")] = 2,
+    device: Annotated[str, typer.Option(help="cpu, cuda ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 ...")] = "auto",
+    json_out: JsonOpt = None,
+) -> None:
+    """A sliding-window model's prefill under SDPA with its layers' masks against banded SDPA
+    (each block of query rows against the keys its window allows), per length and rows per
+    block: seconds, speed-up and the last token's logits against SDPA's."""
+    from ragfix.bench.band import bench_band
+    from ragfix.cli.common import parse_numbers
+
+    with user_errors(), console.status("benchmark") as status:
+        table, details = bench_band(
+            model,
+            device,
+            dtype,
+            parse_numbers(lengths, "--lengths", int),
+            parse_numbers(rows, "--rows", int),
+            repeats,
+            status.update,
+        )
+    show_tables(table, details, json_out)
+
+
 @bench.command("gali")
 def gali_cmd(
     model: Annotated[str, typer.Option(help="model")] = "smollm2",

@@ -1,5 +1,6 @@
-"""SDPA with float32 decode steps (ragfix.models.attention): checked against attention computed
-by hand in float64, and chosen by load_model for bf16 on the CPU only."""
+"""ragfix's SDPA forms (ragfix.models.attention): float32 decode steps, and banded prefill of
+sliding-window layers, each checked against attention computed by hand in float64 and chosen
+by load_model on the CPU only (bf16; sliding-window models)."""
 
 import json
 import math
@@ -11,9 +12,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+import ragfix.models.attention as attention
 from ragfix.backends.hf import HFBackend
-from ragfix.models.attention import sdpa_fp32_decode
-from ragfix.models.device import SDPA_FP32_DECODE
+from ragfix.models.attention import BAND_ROWS, sdpa_banded, sdpa_fp32_decode
+from ragfix.models.device import SDPA_BANDED, SDPA_FP32_DECODE, default_attention
 from ragfix.models.load import load_model
 
 
@@ -103,10 +105,12 @@ def test_bf16_models_on_the_cpu_decode_with_float32_steps_and_say_so(tmp_path, a
     hand, _ = load_model(
         str(folder), device="cpu", dtype="bfloat16", attn_implementation="ragfix_test_by_hand"
     )
-    assert fp32.config._attn_implementation == "sdpa"
-    assert bf16.config._attn_implementation == SDPA_FP32_DECODE
-    assert "attention" not in HFBackend(fp32, tok).identity()
-    assert HFBackend(bf16, tok).identity()["attention"] == SDPA_FP32_DECODE
+    # a sliding-window model's SDPA is banded, its decode steps float32 all the same
+    half = SDPA_BANDED if window else SDPA_FP32_DECODE
+    assert fp32.config._attn_implementation == (SDPA_BANDED if window else "sdpa")
+    assert bf16.config._attn_implementation == half
+    assert HFBackend(fp32, tok).identity().get("attention") == (SDPA_BANDED if window else None)
+    assert HFBackend(bf16, tok).identity()["attention"] == half
     prompts = ["a b c d e f g h i j", "one two three"]  # left-padded in one batch
     ours = HFBackend(bf16, tok).generate(prompts, max_new_tokens=8, stop_at_newline=False)
     ref = HFBackend(hand, tok).generate(prompts, max_new_tokens=8, stop_at_newline=False)
@@ -174,3 +178,105 @@ def test_runs_on_the_cpu_in_bf16_compute_each_cell_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(bf16, "generate", recorded)
     assert run_judge(pairs, tmp_path / "judge", backend=bf16).computed == 2
     assert calls == [(2, 1), (2, 1)]  # both orders of a pair in one call, decoded one at a time
+
+
+def _band_calls(monkeypatch) -> list[tuple[int, int]]:
+    """(query rows, keys) of every SDPA call ragfix.models.attention makes from now on."""
+    calls: list[tuple[int, int]] = []
+
+    def counted(module, query, key, *args, **kwargs):
+        calls.append((query.shape[2], key.shape[2]))
+        return sdpa_attention_forward(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("cached", [0, 100])
+def test_banded_rows_are_the_sliding_window_attention_by_hand(monkeypatch, cached):
+    """A sliding-window layer's prefill of 600 rows (after ``cached`` keys already in the
+    cache, a left-padded row beside an unpadded one): each block of rows against its own
+    keys, the same values as softmax by hand in float64 and as SDPA over every key."""
+    rows, window, keys = 600, 100, 600 + cached
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, rows, 16, generator=g)
+    k, v = (torch.randn(2, 2, keys, 16, generator=g) for _ in range(2))
+    at = torch.arange(cached, keys)[:, None]  # each row's key index
+    mask = ((torch.arange(keys) <= at) & (torch.arange(keys) > at - window))[None, None]
+    mask = mask.repeat(2, 1, 1, 1)
+    mask[0, :, :, :150] = False  # the first prompt left-padded by 150 tokens
+    calls = _band_calls(monkeypatch)
+    ours, _ = sdpa_banded(
+        _Heads(2), q, k, v, mask, scaling=0.25, dropout=0.0, sliding_window=window
+    )
+    blocks = -(-rows // BAND_ROWS)
+    assert len(calls) == blocks and all(n <= BAND_ROWS + window for _, n in calls)
+    exact = by_hand(q, k, v, mask, 0.25)
+    # rows whose every key is masked (the padding) are left out: SDPA's value there is its own
+    live = mask.any(-1)[:, 0]  # (batch, rows)
+    assert torch.allclose(ours.double()[live], exact[live], atol=1e-5)
+    full, _ = sdpa_attention_forward(_Heads(2), q, k, v, mask, scaling=0.25, dropout=0.0)
+    assert torch.allclose(ours[live], full[live], atol=1e-5)
+    # a layer without a window, a short prefill and a decode step go to SDPA whole
+    calls.clear()
+    sdpa_banded(_Heads(2), q, k, v, mask, scaling=0.25, dropout=0.0, sliding_window=None)
+    sdpa_banded(
+        _Heads(2),
+        q[:, :, :BAND_ROWS],
+        k,
+        v,
+        mask[:, :, :BAND_ROWS],
+        scaling=0.25,
+        dropout=0.0,
+        sliding_window=window,
+    )
+    assert calls == [(rows, keys), (BAND_ROWS, keys)]
+
+
+def test_a_sliding_window_model_loads_banded_on_the_cpu_and_answers_as_sdpa(tmp_path, monkeypatch):
+    """load_model picks the banded form for a model with sliding-window layers on the CPU (and
+    only there); a 700-token prompt then prefills in blocks and answers as SDPA over every key:
+    the same greedy tokens, last-token log-probs within float32 rounding."""
+    folder = tiny_folder(tmp_path / "mistral", arch="mistral")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"sliding_window": 64}))
+    banded, tok = load_model(str(folder), device="cpu", dtype="float32")
+    plain, _ = load_model(str(folder), device="cpu", dtype="float32", attn_implementation="sdpa")
+    assert banded.config._attn_implementation == SDPA_BANDED
+    assert default_attention(torch.device("cuda"), torch.bfloat16, sliding=True) == "sdpa"
+    text = " ".join(f"w{i}" for i in range(300))
+    assert len(tok(text)["input_ids"]) > 2 * BAND_ROWS
+    calls = _band_calls(monkeypatch)
+    ours = HFBackend(banded, tok).generate([text], max_new_tokens=6, stop_at_newline=False)
+    assert max(n for _, n in calls) < len(tok(text)["input_ids"])  # no block read every key
+    ref = HFBackend(plain, tok).generate([text], max_new_tokens=6, stop_at_newline=False)
+    assert ours[0].token_ids == ref[0].token_ids and len(ours[0].token_ids) == 6
+    a, b = (HFBackend(m, tok).next_token_logprobs([text])[0] for m in (banded, plain))
+    assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-4)
+
+
+def test_bench_band_times_sdpa_against_each_block_size_and_compares_the_logits(tmp_path):
+    """``ragfix bench band`` on a tiny sliding-window model: one SDPA row and one row per block
+    size at each length, its logits within float32 rounding of SDPA's and the result file
+    written; a model without sliding layers is refused in one line."""
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+
+    folder = tiny_folder(tmp_path / "mistral", arch="mistral")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"sliding_window": 64}))
+    out = tmp_path / "band.json"
+    args = ["bench", "band", "--model", str(folder), "--lengths", "200,400", "--rows", "64,128"]
+    result = CliRunner().invoke(app, [*args, "--repeats", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["tokens"], r["attention"]) for r in runs] == [
+        (n, a) for n in (200, 400) for a in ("sdpa", "banded, 64 rows", "banded, 128 rows")
+    ]
+    banded = [r for r in runs if r["attention"] != "sdpa"]
+    assert all(r["same_argmax"] and r["max_logit_diff"] < 1e-4 for r in banded)
+    assert all(r["seconds"] > 0 for r in runs)
+    llama = tiny_folder(tmp_path / "llama")
+    result = CliRunner().invoke(app, ["bench", "band", "--model", str(llama), "--lengths", "100"])
+    assert result.exit_code == 2 and "has no sliding-window layer" in result.output

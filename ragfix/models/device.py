@@ -203,6 +203,9 @@ def dtype_axis(dtypes: Sequence[str], device: torch.device) -> list[str]:
 
 #: the name of :mod:`ragfix.models.attention`'s implementation (SDPA, decoding steps in float32)
 SDPA_FP32_DECODE = "sdpa_fp32_decode"
+#: the name of :mod:`ragfix.models.attention`'s banded implementation (sliding-window layers'
+#: prefill in blocks of rows, decoding steps as :data:`SDPA_FP32_DECODE`'s)
+SDPA_BANDED = "sdpa_banded"
 
 
 def half_on_cpu(device: torch.device, dtype: torch.dtype | None) -> bool:
@@ -213,8 +216,11 @@ def half_on_cpu(device: torch.device, dtype: torch.dtype | None) -> bool:
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
-def default_attention(device: torch.device, dtype: torch.dtype) -> str:
+def default_attention(device: torch.device, dtype: torch.dtype, sliding: bool = False) -> str:
     """The attention implementation :func:`~ragfix.models.load.load_model` uses when none is
-    asked for: :data:`SDPA_FP32_DECODE` for a bf16 or fp16 model on the CPU
-    (:func:`half_on_cpu`; :mod:`ragfix.models.attention`), else ``"sdpa"``."""
+    asked for (:mod:`ragfix.models.attention`): on the CPU, :data:`SDPA_BANDED` for a model
+    with sliding-window layers (``sliding``), else :data:`SDPA_FP32_DECODE` for a bf16 or fp16
+    model (:func:`half_on_cpu`); ``"sdpa"`` otherwise."""
+    if device.type == "cpu" and sliding:
+        return SDPA_BANDED
     return SDPA_FP32_DECODE if half_on_cpu(device, dtype) else "sdpa"

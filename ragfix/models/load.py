@@ -60,8 +60,10 @@ def load_model(
             count is set by :func:`cpu_threads`.
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU) or a torch dtype / its name.
         attn_implementation: passed to transformers (``"eager"`` when a method needs
-            attention weights); by default ``"sdpa"``, or for a bf16 or fp16 model on the CPU
-            SDPA with float32 decode steps (:mod:`ragfix.models.attention`).
+            attention weights); by default :func:`~ragfix.models.device.default_attention`'s
+            (``"sdpa"``; on the CPU, banded SDPA for a model with sliding-window layers, SDPA
+            with float32 decode steps for another bf16 or fp16 model:
+            :mod:`ragfix.models.attention`).
 
     Returns:
         ``(model, tokenizer)``; the tokenizer pads on the left and has a pad token.
@@ -70,9 +72,10 @@ def load_model(
         ModelNotFoundError: the name cannot be resolved or the hub cannot be reached.
         ConfigError: an invalid ``$RAGFIX_THREADS``.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    import ragfix.models.attention  # noqa: F401  (registers SDPA_FP32_DECODE with transformers)
+    import ragfix.models.attention  # noqa: F401  (registers ragfix's SDPA forms with transformers)
+    from ragfix.backends.family import read_family
 
     dev = resolve_device(device)
     if dev.type == "cpu":
@@ -80,10 +83,12 @@ def load_model(
     tok, where = _tokenizer_at(name)
     the_dtype = resolve_dtype(dtype, dev)
     try:
+        config = AutoConfig.from_pretrained(where)
+        attention = attn_implementation or default_attention(
+            dev, the_dtype, read_family(config).sliding
+        )
         model = AutoModelForCausalLM.from_pretrained(
-            where,
-            dtype=the_dtype,
-            attn_implementation=attn_implementation or default_attention(dev, the_dtype),
+            where, config=config, dtype=the_dtype, attn_implementation=attention
         )
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e

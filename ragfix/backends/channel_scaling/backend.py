@@ -42,13 +42,13 @@ from ragfix.backends.patching import AttentionPatch, attention_modules, patch_at
 from ragfix.errors import ConfigError, DataError
 from ragfix.fingerprint import content_fingerprint
 from ragfix.io import atomic_write_json
-from ragfix.models.device import SDPA_FP32_DECODE
+from ragfix.models.device import SDPA_BANDED, SDPA_FP32_DECODE
 from ragfix.models.load import model_identity, weights_differ
 
 #: families whose attention modules the patch understands (separate q/k/v/o_proj, RoPE)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
 #: attention implementations the patch computes correctly
-SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", SDPA_FP32_DECODE)
+SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", SDPA_FP32_DECODE, SDPA_BANDED)
 
 CALIBRATION_FORMAT = "ragfix.channel-scaling/1"
 
