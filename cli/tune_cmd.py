@@ -36,15 +36,34 @@ def attention_sort_cmd(
     model: ModelOpt = "smollm2",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    rounds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="then sort every cell this many rounds with the default variant: how often "
+            "the gold passage is placed after each round (a second table)",
+        ),
+    ] = 1,
+    place: Annotated[
+        str | None,
+        typer.Option(help="--rounds: last or first (default: the model's)"),
+    ] = None,
     json_out: Annotated[
         Path | None,
         typer.Option("--json", help="keep the table as a result file (results/NAME.json)"),
     ] = None,
 ) -> None:
     """How often each attention-sort variant (layers x calibrate) scores the gold passage
-    highest, per gold position: the default is the variant with the best worst position."""
+    highest, per gold position: the default is the variant with the best worst position; with
+    --rounds, how often the default variant places the gold passage after each round."""
     from ragfix.backends import load_backend
-    from ragfix.backends.attention_sort.tune import tune_attention_sort
+    from ragfix.backends.attention_sort.options import AttentionSortOptions
+    from ragfix.backends.attention_sort.tune import (
+        VARIANTS,
+        tune_attention_sort,
+        tune_rounds,
+        variant_name,
+    )
     from ragfix.bundled import resolve_data
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.eval.progress import progress_bar
@@ -53,6 +72,7 @@ def attention_sort_cmd(
 
     with user_errors():
         pos = parse_positions(positions, num_docs)
+        sort = AttentionSortOptions(rounds=rounds, place=place)  # validated before any load
         path = resolve_data(data)
         task = resolve_task(task, "none", detect_format(path), reads_passages=True).name
         samples = load_samples(path, num_docs, records=records, task=task)
@@ -62,8 +82,21 @@ def attention_sort_cmd(
             table, details = tune_attention_sort(
                 backend, samples, pos, lambda done, total: bar.update(shown, completed=done)
             )
+            tables = [table]
+            if rounds > 1:
+                best = next(v for v in VARIANTS if variant_name(v) == details["default"])
+                sort = best.model_copy(update={"rounds": rounds, "place": sort.place})
+                shown = bar.add_task("rounds", total=len(samples) * len(pos), status="")
+                table, details["rounds"] = tune_rounds(
+                    backend,
+                    samples,
+                    pos,
+                    sort,
+                    lambda done, total: bar.update(shown, completed=done),
+                )
+                tables.append(table)
         details |= {"data": str(data), "records": records, "num_docs": num_docs, "task": task}
-    show_tables(table, details, json_out)
+    show_tables(tables, details, json_out, keep_all=True)
 
 
 @tune.command("orders")

@@ -335,6 +335,33 @@ def test_the_tune_scores_each_variant_by_its_top_passage(smol):
     assert rates[details["default"]] == max(rates.values())
 
 
+def test_the_rounds_tune_gives_where_each_number_of_rounds_places_the_gold_pair(smol):
+    """``tune_rounds``: after round r, a hit is a cell whose sort of r rounds (the backend's own
+    order, computed here for each r apart) puts the gold pair where ``place`` puts the most
+    attended; the default has the best worst position."""
+    from ragfix.backends.attention_sort.backend import sort_passages
+    from ragfix.backends.attention_sort.tune import tune_rounds
+
+    samples = load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 4, limit=2)
+    for place in ("last", "first"):
+        options = AttentionSortOptions(layers="all", rounds=2, place=place)
+        table, details = tune_rounds(smol, samples, [0, 3], options)
+        for cell in details["cells"]:
+            [sample] = [s for s in samples if s.id == cell["sample"]]
+            prompt = task_prompt(sample, sample.passages_with_gold_at(cell["position"]))
+            for r in (1, 2):
+                order, _ = sort_passages(smol, prompt, options.model_copy(update={"rounds": r}))
+                spot = order[-1] if place == "last" else order[0]
+                assert cell["placed"][r - 1] == (spot == cell["position"])
+        hits = [
+            [sum(c["placed"][r] for c in details["cells"] if c["position"] == p) for p in (0, 3)]
+            for r in (0, 1)
+        ]
+        assert details["hits"] == hits and [row[0] for row in table.rows][0].startswith("rounds=1")
+        best = max((min(h), sum(h), -r) for r, h in enumerate(hits))
+        assert details["default"] == f"rounds={-best[2] + 1}"
+
+
 def test_the_tune_command_reads_the_records_as_the_task_given(tmp_path):
     """``ragfix tune attention-sort --task``: the cells are the task's prompts (the scores of
     ``qa-extractive``'s prompt, recomputed here), the task is in the result file, and a task of
@@ -367,3 +394,12 @@ def test_the_tune_command_reads_the_records_as_the_task_given(tmp_path):
         assert details["hits"][variant_name(v)] == [int(top == 2)]
     res = CliRunner().invoke(app, [*args, "--positions", "2", "--task", "kv"])
     assert res.exit_code == 2 and res.output.strip().startswith("error: --task kv reads kv")
+    # --rounds: a second table, the default variant sorted that many rounds, in the result file
+    more = ["--positions", "2", "--rounds", "2", "--place", "last", "--json", str(out)]
+    res = CliRunner().invoke(app, [*args, *more])
+    assert res.exit_code == 0, res.output
+    details = json.loads(out.read_text())
+    assert [len(c["placed"]) for c in details["rounds"]["cells"]] == [2]
+    assert details["more_tables"][0]["title"].endswith("gold passage placed last")
+    res = CliRunner().invoke(app, [*args, "--rounds", "2", "--place", "middle"])
+    assert res.exit_code == 2 and "place" in res.output and "Traceback" not in res.output
