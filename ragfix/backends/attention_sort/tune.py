@@ -45,6 +45,22 @@ def variant_name(options: AttentionSortOptions) -> str:
     return f"layers={options.layers} calibrate={str(options.calibrate).lower()}"
 
 
+def tune_table(
+    title: str, column: str, rates: dict[str, list[float]], positions: Sequence[int], line: str
+) -> tuple[TableSpec, str]:
+    """The table of a tune (one row per setting of ``rates``, in order: its rate per position,
+    mean, worst position) and its default: the best worst position, then the best mean, then
+    the earlier setting (the cheaper)."""
+    names = list(rates)
+    best = max(names, key=lambda n: (min(rates[n]), sum(rates[n]), -names.index(n)))
+    return TableSpec(
+        title=title,
+        headers=[column, *(f"pos {p}" for p in positions), "mean", "worst"],
+        rows=tune_rows(rates, list(positions), best),
+        lines=[line],
+    ), best
+
+
 def placed_after_rounds(history: list[list[float]], gold: int, place: str) -> list[bool]:
     """Whether the gold passage (index ``gold``) is where ``place`` puts the most attended
     passage after each round of a sort whose per-round scores by passage index are ``history``
@@ -87,17 +103,15 @@ def tune_rounds(
             progress(len(cells), total)
     names = [f"rounds={r + 1}" for r in range(options.rounds)]
     rates = {n: [h / len(samples) for h in row] for n, row in zip(names, hits, strict=True)}
-    best = max(names, key=lambda n: (min(rates[n]), sum(rates[n]), -names.index(n)))
-    table = TableSpec(
-        title=f"attention-sort tune · {backend.model_name} · gold passage placed {options.place}",
-        headers=["rounds", *(f"pos {p}" for p in positions), "mean", "worst"],
-        rows=tune_rows(rates, list(positions), best),
-        lines=[
-            f"{len(samples)} samples x {len(positions)} positions; layers={options.layers} "
-            f"calibrate={str(options.calibrate).lower()} place={options.place}: share of cells "
-            f"whose gold passage is {options.place} after each round. Default: the best worst "
-            "position, then the best mean, then fewer rounds."
-        ],
+    table, best = tune_table(
+        f"attention-sort tune · {backend.model_name} · gold passage placed {options.place}",
+        "rounds",
+        rates,
+        positions,
+        f"{len(samples)} samples x {len(positions)} positions; layers={options.layers} "
+        f"calibrate={str(options.calibrate).lower()} place={options.place}: share of cells "
+        f"whose gold passage is {options.place} after each round. Default: the best worst "
+        "position, then the best mean, then fewer rounds.",
     )
     details = {"hits": hits, "default": best, "cells": cells}
     return table, details
@@ -133,16 +147,14 @@ def tune_attention_sort(
             cells.append({"sample": s.id, "position": pos, "top": tops})
             progress(len(cells), total)
     rates = {n: [h / len(samples) for h in hits[n]] for n in names}
-    best = max(names, key=lambda n: (min(rates[n]), sum(rates[n]), -names.index(n)))
-    table = TableSpec(
-        title=f"attention-sort tune · {backend.model_name} · gold passage scored highest",
-        headers=["variant", *(f"pos {p}" for p in positions), "mean", "worst"],
-        rows=tune_rows(rates, list(positions), best),
-        lines=[
-            f"{len(samples)} samples x {len(positions)} positions; share of cells whose most "
-            "attended passage is the gold passage (one round puts it last). Default: the best "
-            "worst position, then the best mean, then no calibration."
-        ],
+    table, best = tune_table(
+        f"attention-sort tune · {backend.model_name} · gold passage scored highest",
+        "variant",
+        rates,
+        positions,
+        f"{len(samples)} samples x {len(positions)} positions; share of cells whose most "
+        "attended passage is the gold passage (one round puts it last). Default: the best "
+        "worst position, then the best mean, then no calibration.",
     )
     details = {
         "model": backend.model_name,
