@@ -39,8 +39,9 @@ from ragfix.models.device import SDPA_BANDED, SDPA_FP32_DECODE
 
 #: the dtypes whose decoding steps are computed in float32
 HALF = (torch.bfloat16, torch.float16)
-#: query rows per block of :func:`sdpa_banded` (measured: ``ragfix bench band``)
-BAND_ROWS = 256
+#: query rows per block of :func:`sdpa_banded`: the fastest of 64, 128, 256 and 512 at every length
+#: measured (Gemma 3 270M, bf16, 1,000-3,500 tokens: ``results/bench-band-gemma3-bf16.json``)
+BAND_ROWS = 64
 
 
 def sdpa_fp32_decode(module, query, key, value, attention_mask, **kwargs):
