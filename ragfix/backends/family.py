@@ -91,14 +91,10 @@ LAYER_ROPE_TYPES = frozenset({"gemma3", "gemma3_text"})
 
 def read_family(config) -> Family:
     """The :class:`Family` of a model config (a text config is taken from a multimodal one)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from ragfix.models.device import layer_windows
 
     text = config.get_text_config(decoder=True)
-    types, kwargs = get_layer_types_and_kwargs(text)
-    windows = tuple(
-        int(kw["sliding_window"]) if t == "sliding_attention" and kw.get("sliding_window") else None
-        for t, kw in zip(types, kwargs, strict=True)
-    )
+    windows = layer_windows(config)
     rope = getattr(text, "rope_parameters", None) or {}
     partial = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
     partial = partial or getattr(text, "partial_rotary_factor", None) or 1.0

@@ -216,6 +216,19 @@ def half_on_cpu(device: torch.device, dtype: torch.dtype | None) -> bool:
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Per decoder layer of a model config (a text config is taken from a multimodal one), its
+    sliding window in tokens, or ``None`` for a full layer (transformers'
+    ``get_layer_types_and_kwargs``: Mistral slides every layer, Gemma 3 five of six)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return tuple(
+        int(kw["sliding_window"]) if t == "sliding_attention" and kw.get("sliding_window") else None
+        for t, kw in zip(types, kwargs, strict=True)
+    )
+
+
 def default_attention(device: torch.device, dtype: torch.dtype, sliding: bool = False) -> str:
     """The attention implementation :func:`~ragfix.models.load.load_model` uses when none is
     asked for (:mod:`ragfix.models.attention`): on the CPU, :data:`SDPA_BANDED` for a model

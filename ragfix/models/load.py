@@ -9,7 +9,13 @@ import torch
 
 from ragfix.errors import ModelNotFoundError
 from ragfix.fingerprint import content_fingerprint, weight_files_fingerprint
-from ragfix.models.device import cpu_threads, default_attention, resolve_device, resolve_dtype
+from ragfix.models.device import (
+    cpu_threads,
+    default_attention,
+    layer_windows,
+    resolve_device,
+    resolve_dtype,
+)
 from ragfix.models.resolve import SMOLLM2, ModelSpec, checkpoint_dir, resolve_model
 
 
@@ -75,7 +81,6 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import ragfix.models.attention  # noqa: F401  (registers ragfix's SDPA forms with transformers)
-    from ragfix.backends.family import read_family
 
     dev = resolve_device(device)
     if dev.type == "cpu":
@@ -84,9 +89,8 @@ def load_model(
     the_dtype = resolve_dtype(dtype, dev)
     try:
         config = AutoConfig.from_pretrained(where)
-        attention = attn_implementation or default_attention(
-            dev, the_dtype, read_family(config).sliding
-        )
+        sliding = any(w is not None for w in layer_windows(config))
+        attention = attn_implementation or default_attention(dev, the_dtype, sliding)
         model = AutoModelForCausalLM.from_pretrained(
             where, config=config, dtype=the_dtype, attn_implementation=attention
         )
