@@ -325,6 +325,18 @@ class OptionGroup:
         del run.__wrapped__  # typer reads the signature above, not the command's own
         return run
 
+    def replace(self, **options: tuple) -> OptionGroup:
+        """This group with ``options`` (``name: (Annotated type, default)``) in place of its
+        own of those names, in the same order (a command's own help for a shared option).
+
+        Raises:
+            KeyError: a name the group has no option of.
+        """
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise KeyError(f"{self.name} has no option {', '.join(unknown)}")
+        return OptionGroup(self.name, **{**self.options, **options})
+
     def __add__(self, other: OptionGroup) -> OptionGroup:
         """This group's options followed by ``other``'s, under this group's name."""
         return OptionGroup(self.name, **self.options, **other.options)
@@ -403,6 +415,48 @@ REMOTE_OPTIONS = OptionGroup(
     max_retries=(MaxRetriesOpt, None),
     timeout=(TimeoutOpt, None),
 )
+
+
+#: the model backend's options (``--model``, ``--backend``, its options, adapter, device and
+#: dtype), one group for every command that loads a backend, for :func:`backend_reference`
+BACKEND_OPTIONS = OptionGroup(
+    "backend_flags",
+    model=(ModelOpt, "smollm2"),
+    backend=(BackendOpt, "vanilla"),
+    backend_opt=(BackendOptsOpt, None),
+    calibration=(CalibrationOpt, None),
+    adapter=(AdapterOpt, None),
+    train_window=(TrainWindowOpt, None),
+    device=(DeviceOpt, "auto"),
+    dtype=(DtypeOpt, "auto"),
+)
+
+
+def backend_reference(flags: dict, remote: dict | None = None, orders=None):
+    """The :class:`~ragfix.backends.BackendRef` of the :data:`BACKEND_OPTIONS` flags, the
+    :data:`REMOTE_OPTIONS` given (``remote``, for ``--model openai:NAME``) and the
+    :func:`order_options` (``orders``), checked: its options validated once, before anything is
+    loaded, and not again by the run function or loader it is handed to.
+
+    Raises:
+        ConfigError: an unknown backend, a missing adapter, a remote flag without a served model.
+        pydantic.ValidationError: an unknown or invalid backend option.
+    """
+    from ragfix.backends import BackendRef
+
+    adapter = flags["adapter"]
+    return BackendRef(
+        name=flags["backend"],
+        model=flags["model"],
+        adapter=str(adapter) if adapter else None,
+        options={
+            **backend_options(flags["backend_opt"], flags["calibration"], flags["train_window"]),
+            **remote_options(flags["model"], remote or {}),
+        },
+        orders=None if orders is None else orders.model_dump(),
+        device=flags["device"],
+        dtype=flags["dtype"],
+    ).check()
 
 
 def show_tables(tables, details: dict, json_out: Path | None, keep_all: bool = False) -> None:

@@ -11,19 +11,14 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from ragfix.cli.common import (
+    BACKEND_OPTIONS,
     ORDER_OPTIONS,
     REMOTE_OPTIONS,
-    AdapterOpt,
-    BackendOpt,
-    BackendOptsOpt,
     BaselineOpt,
-    CalibrationOpt,
     DeviceOpt,
-    DtypeOpt,
     GateOpt,
     LimitOpt,
     LogPromptsOpt,
-    ModelOpt,
     PositionsOpt,
     ReferencesOpt,
     RepeatOpt,
@@ -32,13 +27,11 @@ from ragfix.cli.common import (
     ShardOpt,
     SkipInvalidOpt,
     TaskOpt,
-    TrainWindowOpt,
     apply_gates,
-    backend_options,
+    backend_reference,
     console,
     gate_conditions,
     order_options,
-    remote_options,
     shard_finished,
     shard_value,
     user_errors,
@@ -96,6 +89,7 @@ def register(app: typer.Typer) -> None:
     @app.command("eval", cls=EvalCommand)
     @REMOTE_OPTIONS
     @ORDER_OPTIONS
+    @BACKEND_OPTIONS
     def eval_cmd(
         data: Annotated[
             Path | None,
@@ -120,12 +114,6 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         limit: LimitOpt = None,
-        model: ModelOpt = "smollm2",
-        backend: BackendOpt = "vanilla",
-        backend_opt: BackendOptsOpt = None,
-        calibration: CalibrationOpt = None,
-        adapter: AdapterOpt = None,
-        train_window: TrainWindowOpt = None,
         distractor_pool: Annotated[
             Path | None, typer.Option(help="file to draw distractors from (BM25)")
         ] = None,
@@ -147,13 +135,12 @@ def register(app: typer.Typer) -> None:
                 "single-thread process per free core; $RAGFIX_WORKERS)"
             ),
         ] = None,
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
         log_prompts: LogPromptsOpt = True,
         gate: GateOpt = None,
         baseline: BaselineOpt = None,
         shard: ShardOpt = None,
+        backend_flags: dict | None = None,
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
@@ -163,11 +150,7 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             job = shard_value(shard, gate)
             conditions = gate_conditions(gate, baseline)
-            options = {
-                **backend_options(backend_opt, calibration, train_window),
-                **remote_options(model, remote),
-            }
-            orders = order_options(order_flags or {})
+            ref = backend_reference(backend_flags, remote, order_options(order_flags or {}))
             if data is None:
                 raise ConfigError(
                     "give a data file (the sweep through a pipeline over a corpus: ragfix "
@@ -178,11 +161,7 @@ def register(app: typer.Typer) -> None:
             summary = run_sweep(
                 data,
                 out,
-                model=model,
-                backend=backend,
-                adapter=adapter,
-                backend_options=options,
-                orders=None if orders is None else orders.model_dump(),
+                backend=ref,
                 task=task,
                 repeat=repeat,
                 references=references,
@@ -195,8 +174,6 @@ def register(app: typer.Typer) -> None:
                 skip_invalid=skip_invalid,
                 distractor_pool=distractor_pool,
                 workers=workers,
-                device=device,
-                dtype=dtype,
                 restart=restart,
                 log_prompts=log_prompts,
                 shard=job,
@@ -205,7 +182,7 @@ def register(app: typer.Typer) -> None:
             if shard_finished(summary):
                 return
             if summary:  # ranks other than 0 of a multi-process run report nothing
-                print_run(summary, out, f"{model} · {backend} · {num_docs} docs")
+                print_run(summary, out, f"{ref.model} · {ref.name} · {num_docs} docs")
                 if conditions:
                     apply_gates([*filter(None, [baseline]), out], conditions)
 

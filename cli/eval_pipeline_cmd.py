@@ -11,19 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from ragfix.cli.common import (
+    BACKEND_OPTIONS,
     ORDER_OPTIONS,
     REMOTE_OPTIONS,
-    AdapterOpt,
-    BackendOpt,
-    BackendOptsOpt,
     BaselineOpt,
-    CalibrationOpt,
-    DeviceOpt,
-    DtypeOpt,
     GateOpt,
     LimitOpt,
     LogPromptsOpt,
-    ModelOpt,
     QaTaskOpt,
     RanksOpt,
     RepeatOpt,
@@ -31,9 +25,8 @@ from ragfix.cli.common import (
     RunFolderOpt,
     ShardOpt,
     SkipInvalidOpt,
-    TrainWindowOpt,
     apply_gates,
-    backend_options,
+    backend_reference,
     console,
     gate_conditions,
     order_options,
@@ -96,6 +89,7 @@ def register(app: typer.Typer) -> None:
     @app.command("eval-pipeline")
     @REMOTE_OPTIONS
     @ORDER_OPTIONS
+    @BACKEND_OPTIONS
     def eval_pipeline_cmd(
         corpus: Annotated[
             Path,
@@ -163,15 +157,7 @@ def register(app: typer.Typer) -> None:
                 "all-MiniLM-L6-v2)"
             ),
         ] = None,
-        model: ModelOpt = "smollm2",
-        backend: BackendOpt = "vanilla",
-        backend_opt: BackendOptsOpt = None,
-        calibration: CalibrationOpt = None,
-        adapter: AdapterOpt = None,
-        train_window: TrainWindowOpt = None,
         skip_invalid: SkipInvalidOpt = False,
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
         log_prompts: LogPromptsOpt = True,
         task: QaTaskOpt = "qa",
@@ -179,6 +165,7 @@ def register(app: typer.Typer) -> None:
         gate: GateOpt = None,
         baseline: BaselineOpt = None,
         shard: ShardOpt = None,
+        backend_flags: dict | None = None,
         remote: dict | None = None,
         order_flags: dict | None = None,
     ) -> None:
@@ -194,13 +181,11 @@ def register(app: typer.Typer) -> None:
             from ragfix.models.resolve import REMOTE_PREFIX
 
             writer_remote = questions_from is not None and questions_from.startswith(REMOTE_PREFIX)
-            answer_remote = model.startswith(REMOTE_PREFIX) or not writer_remote
-            options = {
-                **backend_options(backend_opt, calibration, train_window),
-                **remote_options(model, remote if answer_remote else {}),
-            }
+            answer_remote = backend_flags["model"].startswith(REMOTE_PREFIX) or not writer_remote
+            ref = backend_reference(
+                backend_flags, remote if answer_remote else {}, order_options(order_flags or {})
+            )
             writer = remote_options(questions_from, remote) if writer_remote else {}
-            orders = order_options(order_flags or {})
             summary = run_pipeline_sweep(
                 corpus=corpus,
                 questions=questions,
@@ -209,16 +194,11 @@ def register(app: typer.Typer) -> None:
                 top_k=num_docs,
                 positions=positions,
                 limit=limit,
-                model=model,
-                backend=backend,
-                adapter=adapter,
-                backend_options=options,
+                backend=ref,
                 profile=profile,
                 retriever=retriever,
                 framework=framework,
                 skip_invalid=skip_invalid,
-                device=device,
-                dtype=dtype,
                 restart=restart,
                 log_prompts=log_prompts,
                 shard=job,
@@ -233,7 +213,6 @@ def register(app: typer.Typer) -> None:
                 ),
                 writer_options=writer,
                 embedder=embedder,
-                orders=None if orders is None else orders.model_dump(),
                 task=task,
                 repeat=repeat,
                 **({} if chunk_size is None else {"chunk_size": chunk_size}),

@@ -8,17 +8,12 @@ from typing import Annotated
 import typer
 
 from ragfix.cli.common import (
+    BACKEND_OPTIONS,
     REMOTE_OPTIONS,
-    BackendOpt,
-    BackendOptsOpt,
-    DeviceOpt,
-    DtypeOpt,
-    ModelOpt,
     RestartOpt,
     ShardOpt,
+    backend_reference,
     console,
-    parse_options,
-    remote_options,
     shard_finished,
     shard_value,
     user_errors,
@@ -51,6 +46,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("judge")
     @REMOTE_OPTIONS
+    @BACKEND_OPTIONS
     def judge_cmd(
         data: Annotated[
             Path,
@@ -63,13 +59,6 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option("--out", "-o", help="run folder (resumable)")] = Path(
             "runs/judge"
         ),
-        model: ModelOpt = "smollm2",
-        backend: BackendOpt = "vanilla",
-        backend_opt: BackendOptsOpt = None,
-        adapter: Annotated[
-            Path | None,
-            typer.Option(help="LoRA adapter folder (ragfix distill or peft) for the judge model"),
-        ] = None,
         limit: Annotated[int | None, typer.Option(help="use the first N pairs")] = None,
         repeats: Annotated[
             int, typer.Option(help="sampled verdicts per order, for repetition stability")
@@ -135,10 +124,9 @@ def register(app: typer.Typer) -> None:
         skip_invalid: Annotated[
             bool, typer.Option(help="skip and count malformed records instead of stopping")
         ] = False,
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "auto",
         restart: RestartOpt = False,
         shard: ShardOpt = None,
+        backend_flags: dict | None = None,
         remote: dict | None = None,
     ) -> None:
         """Judge pairs in both orders: position consistency, preference fairness, first-slot
@@ -156,13 +144,7 @@ def register(app: typer.Typer) -> None:
             result = run_judge(
                 data,
                 out,
-                model=model,
-                backend=backend,
-                adapter=str(adapter) if adapter else None,
-                backend_options={
-                    **parse_options(backend_opt),
-                    **remote_options(model, remote),
-                },
+                backend=backend_reference(backend_flags, remote),
                 style=style,
                 limit=limit,
                 repeats=repeats,
@@ -176,8 +158,6 @@ def register(app: typer.Typer) -> None:
                 mtbench_models=tuple(m.strip() for m in mtbench_models.split(",") if m.strip()),
                 kv_wrong=kv_wrong,
                 skip_invalid=skip_invalid,
-                device=device,
-                dtype=dtype,
                 restart=restart,
                 shard=job,
                 console=console,

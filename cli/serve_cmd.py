@@ -8,19 +8,12 @@ from typing import Annotated
 import typer
 
 from ragfix.cli.common import (
+    BACKEND_OPTIONS,
     ORDER_OPTIONS,
     REMOTE_OPTIONS,
-    AdapterOpt,
-    BackendOpt,
-    BackendOptsOpt,
-    CalibrationOpt,
-    DeviceOpt,
-    DtypeOpt,
-    TrainWindowOpt,
-    backend_options,
+    backend_reference,
     err_console,
     order_options,
-    remote_options,
     user_errors,
 )
 from ragfix.serve import (
@@ -46,21 +39,21 @@ def register(app: typer.Typer) -> None:
     @app.command("serve")
     @ORDER_OPTIONS
     @REMOTE_OPTIONS
+    @BACKEND_OPTIONS.replace(
+        model=(
+            Annotated[
+                str,
+                typer.Option(
+                    "--model",
+                    "-m",
+                    help="the model to load ('smollm2', a HF id, a folder, a .gguf); clients ask "
+                    "for it by this same id",
+                ),
+            ],
+            "smollm2",
+        )
+    )
     def serve_cmd(
-        model: Annotated[
-            str,
-            typer.Option(
-                "--model",
-                "-m",
-                help="the model to load ('smollm2', a HF id, a folder, a .gguf); clients ask for "
-                "it by this same id",
-            ),
-        ] = "smollm2",
-        backend: BackendOpt = "vanilla",
-        backend_opt: BackendOptsOpt = None,
-        calibration: CalibrationOpt = None,
-        adapter: AdapterOpt = None,
-        train_window: TrainWindowOpt = None,
         max_documents: Annotated[
             int,
             typer.Option(min=1, help="most documents a chat request may send (more: HTTP 400)"),
@@ -145,8 +138,7 @@ def register(app: typer.Typer) -> None:
                 "another Host header gets HTTP 403 (a web page rebinding its name to this address)",
             ),
         ] = "",
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "auto",
+        backend_flags: dict | None = None,
         order_flags: dict | None = None,
         remote: dict | None = None,
     ) -> None:
@@ -164,7 +156,6 @@ def register(app: typer.Typer) -> None:
         requests (HTTP 400 naming documents for the others)."""
         import uvicorn
 
-        from ragfix.backends import load_backend
         from ragfix.serve import check_api_key, create_app, exposure_warning
         from ragfix.serve_guard import ServeLimits, reserve_open_files, server_config
 
@@ -183,19 +174,11 @@ def register(app: typer.Typer) -> None:
             )
             orders = order_options(order_flags or {})
             reserve_open_files(limits)
-            b = load_backend(
-                backend,
-                model=model,
-                device=device,
-                dtype=dtype,
-                adapter=str(adapter) if adapter else None,
-                orders=orders,
-                **backend_options(backend_opt, calibration, train_window),
-                **remote_options(model, remote or {}),
-            )
+            ref = backend_reference(backend_flags, remote, orders)
+            b = ref.load(shared=False)
             app_ = create_app(
                 b,
-                model,
+                ref.model,
                 prefix_reuse=prefix_reuse,
                 api_key=api_key,
                 max_body_bytes=max_body_bytes,
@@ -208,6 +191,7 @@ def register(app: typer.Typer) -> None:
             err_console.print(warning, highlight=False)
         over = "" if orders is None else f", over {orders.orders} orders of the documents"
         err_console.print(
-            f"ragfix serve: {model} ({backend}{over}) at http://{host}:{port}/v1", highlight=False
+            f"ragfix serve: {ref.model} ({ref.name}{over}) at http://{host}:{port}/v1",
+            highlight=False,
         )
         uvicorn.Server(server_config(app_, host, port, limits)).run()

@@ -32,9 +32,9 @@ from ragfix.eval.run import (
     RunConfig,
     RunFolder,
     RunKind,
+    backend_reference,
     default_batch_size,
     input_fingerprints,
-    loaded_reference,
     run,
 )
 from ragfix.eval.shard import Shard
@@ -294,7 +294,7 @@ def run_judge(
     out: str | Path,
     *,
     model: str = "smollm2",
-    backend: str | Backend = "vanilla",
+    backend: str | Backend | BackendRef = "vanilla",
     adapter: str | None = None,
     backend_options: dict | None = None,
     style: str = "verdict",
@@ -333,9 +333,11 @@ def run_judge(
         out: the run folder (created).
         model, backend, adapter, backend_options: what judges (:func:`ragfix.backends.
             load_backend`).
-            A loaded backend instead of a name is used in this process; its settings are its
-            own (:func:`~ragfix.eval.run.loaded_reference`), so ``model``, ``adapter``,
-            ``backend_options``, ``device`` and ``dtype`` are not given with it.
+            Instead of a name, a :class:`~ragfix.backends.BackendRef` or a loaded backend
+            (used in this process), which bring their own settings
+            (:func:`~ragfix.eval.run.backend_reference`), so ``model``, ``adapter``,
+            ``backend_options``, ``device`` and ``dtype`` are not given with it; not one
+            marginalized over orders.
         style, repeats, max_new_tokens, tie_margin, swap, labels, calibrate, batch_size: see
             :class:`ragfix.judge.PairwiseJudge` (``batch_size`` default: 32 on CUDA, 4 on CPU,
             1 for a bf16 or fp16 model on the CPU: :func:`~ragfix.eval.run.default_batch_size`).
@@ -375,13 +377,15 @@ def run_judge(
     from ragfix.connectors.pairwise import detect_format
     from ragfix.models.resolve import resolve_model
 
-    loaded = None
-    if not isinstance(backend, str):
-        loaded, of = backend, loaded_reference(
-            backend, model=model, adapter=adapter, backend_options=backend_options,
-            device=device, dtype=dtype,
-        )  # fmt: skip
-        backend, model, adapter, backend_options = of.name, of.model, of.adapter, of.options
+    ref, loaded = backend_reference(
+        backend, model=model, adapter=adapter, backend_options=backend_options, device=device,
+        dtype=dtype,
+    )  # fmt: skip
+    if ref.orders is not None:
+        raise ConfigError("a judge's prompt has no passages to reorder: no order marginalization")
+    if ref.adapter:  # the judge's folders record the adapter's absolute path
+        ref = ref.model_copy(update={"adapter": str(Path(ref.adapter).resolve())})
+    backend, model = ref.name, ref.model
     data, out = Path(data), Path(out)
     fmt = detect_format(data)
     if fmt == "swap_judgments":
@@ -390,14 +394,6 @@ def run_judge(
     span = parse_records(records) if records is not None else None
     if len(mtbench_models) != 2:
         raise ConfigError(f"mtbench_models needs two model names, got {list(mtbench_models)}")
-    ref = BackendRef(
-        name=backend,
-        model=model,
-        adapter=str(Path(adapter).resolve()) if adapter else None,
-        options=dict(backend_options or {}),
-        device=device,
-        dtype=dtype,
-    ).check()
     opts = ref.validated
     resolve_model(model)
     pairs, skipped = _load_pairs(data, limit, skip_invalid, mtbench_models, span, kv_wrong)

@@ -84,8 +84,8 @@ from ragfix.eval.run import (
     RunFolder,
     RunKind,
     Store,
+    backend_reference,
     input_fingerprints,
-    loaded_reference,
     run,
 )
 from ragfix.eval.shard import Shard
@@ -196,7 +196,7 @@ def run_pipeline_sweep(
     positions: str = "all",
     limit: int | None = None,
     model: str = "smollm2",
-    backend: str | Backend = "vanilla",
+    backend: str | Backend | BackendRef = "vanilla",
     adapter: str | Path | None = None,
     backend_options: dict | None = None,
     profile: Path | None = None,
@@ -247,10 +247,11 @@ def run_pipeline_sweep(
             :func:`ragfix.backends.load_backend`); the options (but a remote model's call
             settings) and the adapter path are part of the cell ids. A remote model
             (``openai:NAME``) needs a ``tokenizer`` option here: passages are fitted to the
-            window by counting their tokens. A loaded backend instead of a name is used in
-            this process; its settings are its own
-            (:func:`~ragfix.eval.run.loaded_reference`), so ``model``, ``adapter``,
-            ``backend_options``, ``orders``, ``device`` and ``dtype`` are not given with it.
+            window by counting their tokens. Instead of a name, ``backend`` may be a
+            :class:`~ragfix.backends.BackendRef` or a loaded backend (used in this process),
+            which bring their own settings (:func:`~ragfix.eval.run.backend_reference`), so
+            ``model``, ``adapter``, ``backend_options``, ``orders``, ``device`` and ``dtype``
+            are not given with it.
         profile: ``summary.json`` for ``bias-profile`` (same model, ``top_k`` documents).
         retriever: ``faiss`` or ``bm25``.
         skip_invalid: skip and count malformed questions and unreadable files.
@@ -313,16 +314,12 @@ def run_pipeline_sweep(
     from ragfix.backends.orders import OrderOptions, check_orders
     from ragfix.models import resolve_model
 
-    loaded = None
-    if not isinstance(backend, str):
-        loaded, of = backend, loaded_reference(
-            backend, model=model, adapter=adapter, backend_options=backend_options,
-            orders=orders, device=device, dtype=dtype,
-        )  # fmt: skip
-        backend, model, adapter, orders = of.name, of.model, of.adapter, of.orders
-        backend_options = of.options
-    options = dict(backend_options or {})
-    adapter = str(adapter) if adapter else None
+    ref, loaded = backend_reference(
+        backend, model=model, adapter=adapter, backend_options=backend_options, orders=orders,
+        device=device, dtype=dtype,
+    )  # fmt: skip
+    backend, model, adapter, orders = ref.name, ref.model, ref.adapter, ref.orders
+    options = ref.options
     corpus = resolve_demo(Path(corpus), "corpus")
     if questions is not None:
         questions = resolve_demo(Path(questions), "questions")
@@ -338,9 +335,6 @@ def run_pipeline_sweep(
         raise ConfigError(f"--framework: {framework!r} is not one of {', '.join(ENGINES)}")
     if framework != "llamaindex":
         require_extra(framework)
-    ref = BackendRef(
-        name=backend, model=model, adapter=adapter, options=options, device=device, dtype=dtype
-    ).check()
     require_plain_prompts(backend_class(backend, model), f"the {framework} pipeline", backend)
     order_options = None if orders is None else OrderOptions(**orders)
     if order_options is not None:

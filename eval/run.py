@@ -414,26 +414,54 @@ class RunKind(ABC):
         cells), writing its summary files."""
 
 
-#: the run functions' defaults of the settings a loaded backend brings itself (any other such
-#: setting: ``None``)
+#: the run functions' defaults of the settings a reference or a loaded backend brings itself
+#: (any other such setting: ``None``)
 _UNSET = {"model": "smollm2", "device": "auto", "dtype": "auto"}
 
 
-def loaded_reference(backend: Backend, **settings: object) -> BackendRef:
-    """The reference of a loaded backend handed to a run function (as lm-eval's
-    ``simple_evaluate`` takes a loaded model): its name, model, options, adapter and orders are
-    its own (:meth:`BackendRef.of <ragfix.backends.BackendRef.of>`), so none of ``settings``
-    (the call's ``model``, ``adapter``, ``backend_options``, ``orders``, ``device``,
-    ``dtype``) may differ from the run function's default.
+def backend_reference(
+    backend: str | Backend | BackendRef, **settings: object
+) -> tuple[BackendRef, Backend | None]:
+    """The checked reference of the backend a run function computes with, and the backend itself
+    when it was handed a loaded one (as lm-eval's ``simple_evaluate`` takes a loaded model).
+
+    ``backend`` is one of:
+
+    - a registered backend's name, with the call's ``settings`` (``model``, ``adapter``,
+      ``backend_options``, ``orders``, ``device``, ``dtype``): the reference they make;
+    - a :class:`~ragfix.backends.BackendRef` (the CLI's backend options build one): it,
+      validated once (its options already validated are not validated again);
+    - a loaded backend: its reference (:meth:`BackendRef.of <ragfix.backends.BackendRef.of>`:
+      its name, model, options, adapter and orders).
+
+    A reference and a loaded backend bring their own settings, so none of ``settings`` may then
+    differ from the run function's default.
 
     Raises:
-        ConfigError: a setting given beside the loaded backend (every one named).
+        ConfigError: a setting given beside a reference or a loaded backend (every one named);
+            an unknown backend, a missing adapter.
+        pydantic.ValidationError: an unknown or invalid backend option or order setting.
     """
+    if isinstance(backend, str):
+        adapter = settings.get("adapter")
+        ref = BackendRef(
+            name=backend,
+            model=settings.get("model") or _UNSET["model"],
+            adapter=str(adapter) if adapter else None,
+            options=dict(settings.get("backend_options") or {}),
+            orders=settings.get("orders"),
+            device=settings.get("device") or _UNSET["device"],
+            dtype=settings.get("dtype") or _UNSET["dtype"],
+        )
+        return ref.check(), None
     named = [k for k, v in settings.items() if v != _UNSET.get(k) and v]
     if named:
         named_list = ", ".join(named)
-        raise ConfigError(f"a loaded backend brings its own settings: {named_list} not with it")
-    return BackendRef.of(backend)
+        what = "a backend reference" if isinstance(backend, BackendRef) else "a loaded backend"
+        raise ConfigError(f"{what} brings its own settings: {named_list} not with it")
+    if isinstance(backend, BackendRef):
+        return backend.check(), None
+    return BackendRef.of(backend).check(), backend
 
 
 def default_batch_size(backend, device: str, kind: RunKind) -> int:

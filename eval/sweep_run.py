@@ -32,8 +32,8 @@ from ragfix.eval.run import (
     RunFolder,
     RunKind,
     Store,
+    backend_reference,
     input_fingerprints,
-    loaded_reference,
     run,
 )
 from ragfix.eval.shard import (
@@ -375,7 +375,7 @@ def run_sweep(
     out: str | Path,
     *,
     model: str = "smollm2",
-    backend: str | Backend = "vanilla",
+    backend: str | Backend | BackendRef = "vanilla",
     adapter: str | Path | None = None,
     backend_options: dict | None = None,
     orders: dict | None = None,
@@ -412,12 +412,13 @@ def run_sweep(
             served model; ``backend_options`` then holds
             :class:`~ragfix.backends.remote.RemoteOptions`, whose call settings are left out
             of the configuration so a rerun with other ones resumes).
-        backend: a registered backend (:func:`ragfix.backends.backend_names`), or a loaded
-            backend (as lm-eval's ``simple_evaluate`` takes a loaded model), computed in this
-            process: its model, options, adapter and orders are its own
-            (:meth:`BackendRef.of <ragfix.backends.BackendRef.of>`), so ``model``,
-            ``adapter``, ``backend_options``, ``orders``, ``device`` and ``dtype`` are not given
-            with it; a folder it wrote resumes under the backend's name, and the reverse.
+        backend: a registered backend (:func:`ragfix.backends.backend_names`); a
+            :class:`~ragfix.backends.BackendRef` (what the CLI's backend options build); or a
+            loaded backend (as lm-eval's ``simple_evaluate`` takes a loaded model), computed in
+            this process. A reference and a loaded backend bring their own model, options,
+            adapter, orders, device and dtype (:func:`~ragfix.eval.run.backend_reference`), so
+            ``model``, ``adapter``, ``backend_options``, ``orders``, ``device`` and ``dtype``
+            are not given with them; a folder one of the three wrote resumes under the others.
         adapter: a LoRA adapter folder applied under any backend.
         backend_options: the backend's options (validated before anything is loaded); they and
             the adapter path are part of the cell ids.
@@ -504,30 +505,28 @@ def run_sweep(
     from ragfix.connectors.litm import detect_format, load_samples
     from ragfix.models.resolve import resolve_model
 
-    loaded = None
-    if not isinstance(backend, str):
-        loaded, of = backend, loaded_reference(
-            backend, model=model, adapter=adapter, backend_options=backend_options,
-            orders=orders, device=device, dtype=dtype,
-        )  # fmt: skip
+    ref, loaded = backend_reference(
+        backend, model=model, adapter=adapter, backend_options=backend_options, orders=orders,
+        device=device, dtype=dtype,
+    )  # fmt: skip
+    if loaded is not None:
         if workers not in (None, 1):
             raise ConfigError("a loaded backend runs in this process: no worker processes")
-        backend, model, adapter, orders = of.name, of.model, of.adapter, of.orders
-        backend_options, workers = of.options, 1
-    out, options = Path(out), dict(backend_options or {})
+        workers = 1
+    backend, model, adapter, orders, device = (
+        ref.name,
+        ref.model,
+        ref.adapter,
+        ref.orders,
+        ref.device,
+    )
+    out, options = Path(out), ref.options
     for name, value in (("--limit", limit), ("--batch-size", batch_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} {value} < 1: give at least 1")
     rng = parse_records(records) if records is not None else None
     path = _resolve_data(data)
     pool = Path(distractor_pool).resolve() if distractor_pool else None
-    ref = BackendRef(
-        name=backend,
-        model=model,
-        adapter=str(adapter) if adapter else None,
-        options=options,
-        dtype=dtype,
-    ).check()
     order_options = None if orders is None else OrderOptions(**orders)
     if order_options is not None:
         check_orders(order_options, num_docs)

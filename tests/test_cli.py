@@ -72,6 +72,40 @@ def test_an_unknown_dtype_is_refused_in_one_line_before_any_model_loads():
         resolve_dtype("Tensor")
 
 
+def test_the_commands_that_load_a_backend_declare_its_options_once(monkeypatch):
+    """eval, eval-pipeline, judge and serve take the backend's options from one group
+    (:data:`~ragfix.cli.common.BACKEND_OPTIONS`) and build one checked reference from them: the
+    same flags, validated once, and a bad option refused in the same line before any model
+    loads."""
+    import ragfix.backends as backends
+    from typer.main import get_command
+
+    from ragfix.cli.common import BACKEND_OPTIONS
+
+    calls = []
+    real = backends.validate_backend
+    monkeypatch.setattr(
+        backends, "validate_backend", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
+    flags = {"--" + name.replace("_", "-") for name in BACKEND_OPTIONS.options}
+    assert flags >= {"--model", "--backend", "--backend-opt", "--adapter", "--dtype"}
+    commands = get_command(app).commands
+    for command in (
+        ["eval", "kv-sample"],
+        ["eval-pipeline", "--corpus", "demo", "--questions", "demo"],
+        ["judge", "pairs.jsonl"],
+        ["serve"],
+    ):
+        declared = {o for p in commands[command[0]].params for o in p.opts}
+        assert flags <= declared, command
+        calls.clear()
+        bad = ["--backend", "attention-sort", "--backend-opt", "plac=last", "--device", "cpu"]
+        res = runner.invoke(app, [*command, *bad])
+        assert res.exit_code == 2, (command, res.output)
+        assert res.output.strip().splitlines() == ["error: plac: Extra inputs are not permitted"]
+        assert calls == [("attention-sort", None)], command
+
+
 def test_models_lists_the_embedded_model_with_whole_paths():
     from ragfix.models.resolve import smollm2_gguf_path
 

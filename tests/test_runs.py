@@ -591,6 +591,7 @@ def test_each_run_validates_its_backend_options_once(
     tmp_path, model_dir, small_corpus, monkeypatch
 ):
     import ragfix.backends as backends
+    from ragfix.backends import BackendRef
 
     calls = []
     real = backends.validate_backend
@@ -614,6 +615,25 @@ def test_each_run_validates_its_backend_options_once(
         calls.clear()
         go()
         assert len(calls) == 1, name
+    # a checked reference (what the CLI builds) is not validated again, and its runs are the
+    # same runs as by name: each folder resumes with nothing to compute
+    ref = BackendRef(model=str(model_dir), device="cpu")
+    calls.clear()
+    ref.check()
+    seen = []
+    run_sweep(
+        NQ, tmp_path / "sweep", backend=ref, num_docs=2, limit=1, workers=1, references=False,
+        on_record=seen.append,
+    )  # fmt: skip
+    pipe = run_pipeline_sweep(
+        corpus=corpus, questions=questions, out=tmp_path / "pipe", strategies=["none"], top_k=2,
+        backend=ref,
+    )  # fmt: skip
+    judged = run_judge(pairs, tmp_path / "judge", backend=ref)
+    assert len(calls) == 1 and seen == [] and judged.computed == 0 and judged.reused == 1
+    assert pipe["cells"] == len(run_records(tmp_path / "pipe")) == 2
+    with pytest.raises(ConfigError, match="a backend reference brings its own settings: dtype"):
+        run_sweep(NQ, tmp_path / "x", backend=ref, dtype="float32")
 
 
 # ------------------------------------------------------------------ perplexity

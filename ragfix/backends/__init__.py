@@ -329,15 +329,18 @@ class BackendRef(BaseModel):
 
     def check(self) -> BackendRef:
         """``self`` once the backend name, options and adapter requirement are valid (nothing is
-        loaded); the validated options are kept (:attr:`validated`), so loading does not
-        validate them again.
+        loaded). They are validated once per settings: the validated options are kept
+        (:attr:`validated`), so checking again and loading do not validate them again; a copy
+        with other settings validates again.
 
         Raises:
             ConfigError: unknown backend or a missing adapter.
             pydantic.ValidationError: an unknown or invalid backend option.
         """
-        opts = validate_backend(self.name, self.adapter, model=self.model, **self.options)
-        self._validated = (self._settings_key(), opts)
+        key = self._settings_key()
+        if self._validated is None or self._validated[0] != key:
+            opts = validate_backend(self.name, self.adapter, model=self.model, **self.options)
+            self._validated = (key, opts)
         return self
 
     @property
@@ -347,9 +350,7 @@ class BackendRef(BaseModel):
         Raises:
             see :meth:`check`.
         """
-        if self._validated is None or self._validated[0] != self._settings_key():
-            self.check()
-        return self._validated[1]
+        return self.check()._validated[1]
 
     def load(self, shared: bool = True) -> Backend:
         """The backend: with ``shared``, loaded once per reference in this process (the

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ragfix.errors import UnsupportedModelError
+from ragfix.models.device import layer_windows, slides
 
 #: what the families are called in refusals and tables (``config.model_type`` -> name)
 FAMILY_NAMES = {
@@ -75,7 +76,7 @@ class Family:
     @property
     def sliding(self) -> bool:
         """Whether any layer slides a window."""
-        return any(w is not None for w in self.windows)
+        return slides(self.windows)
 
     def refuse(self, method: str, reason: str) -> UnsupportedModelError:
         """The one-line refusal of ``method`` on this family: ``"gali does not support Gemma 3
@@ -91,8 +92,6 @@ LAYER_ROPE_TYPES = frozenset({"gemma3", "gemma3_text"})
 
 def read_family(config) -> Family:
     """The :class:`Family` of a model config (a text config is taken from a multimodal one)."""
-    from ragfix.models.device import layer_windows
-
     text = config.get_text_config(decoder=True)
     windows = layer_windows(config)
     rope = getattr(text, "rope_parameters", None) or {}

@@ -229,6 +229,11 @@ def layer_windows(config) -> tuple[int | None, ...]:
     )
 
 
+def slides(windows: tuple[int | None, ...]) -> bool:
+    """Whether any layer of :func:`layer_windows` slides a window."""
+    return any(w is not None for w in windows)
+
+
 def default_attention(device: torch.device, dtype: torch.dtype, sliding: bool = False) -> str:
     """The attention implementation :func:`~ragfix.models.load.load_model` uses when none is
     asked for (:mod:`ragfix.models.attention`): on the CPU, :data:`SDPA_BANDED` for a model

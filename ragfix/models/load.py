@@ -15,6 +15,7 @@ from ragfix.models.device import (
     layer_windows,
     resolve_device,
     resolve_dtype,
+    slides,
 )
 from ragfix.models.resolve import SMOLLM2, ModelSpec, checkpoint_dir, resolve_model
 
@@ -89,7 +90,7 @@ def load_model(
     the_dtype = resolve_dtype(dtype, dev)
     try:
         config = AutoConfig.from_pretrained(where)
-        sliding = any(w is not None for w in layer_windows(config))
+        sliding = slides(layer_windows(config))
         attention = attn_implementation or default_attention(dev, the_dtype, sliding)
         model = AutoModelForCausalLM.from_pretrained(
             where, config=config, dtype=the_dtype, attn_implementation=attention
