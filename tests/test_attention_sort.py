@@ -163,7 +163,7 @@ def test_the_gold_pair_goes_last_on_real_kv(smol):
     """Real KV records, the real SmolLM2: the default (upper layers, one round) puts the gold
     pair last from every position of 4 pairs, and the answer is vanilla's on that order."""
     backend = AttentionSortBackend(smol.model, smol.tokenizer)
-    for sample in load_samples(KV, 4, 2):
+    for sample in load_samples(KV, 4, 1):
         gold = task_prompt(sample, [sample.gold]).passage_texts()[0]
         for pos in range(4):
             prompt = task_prompt(sample, sample.passages_with_gold_at(pos))
@@ -187,7 +187,7 @@ def test_place_first_puts_the_most_attended_first_and_is_gemmas_default(smol):
     first = AttentionSortBackend(smol.model, smol.tokenizer, place="first")
     assert last.identity()["options"]["place"] == "last"
     assert first.identity()["options"]["place"] == "first"
-    for sample in load_samples(KV, 4, 2):
+    for sample in load_samples(KV, 4, 1):
         for pos in range(4):
             prompt = task_prompt(sample, sample.passages_with_gold_at(pos))
             order, [scores] = sort_passages(first, prompt, first.options)
@@ -342,7 +342,7 @@ def test_the_rounds_tune_gives_where_each_number_of_rounds_places_the_gold_pair(
     from ragfix.backends.attention_sort.backend import sort_passages
     from ragfix.backends.attention_sort.tune import tune_rounds
 
-    samples = load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 4, limit=2)
+    samples = load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 4, limit=1)
     for place in ("last", "first"):
         options = AttentionSortOptions(layers="all", rounds=2, place=place)
         table, details = tune_rounds(smol, samples, [0, 3], options)

@@ -77,9 +77,9 @@ def test_the_commands_that_load_a_backend_declare_its_options_once(monkeypatch):
     (:data:`~ragfix.cli.common.BACKEND_OPTIONS`) and build one checked reference from them: the
     same flags, validated once, and a bad option refused in the same line before any model
     loads."""
-    import ragfix.backends as backends
     from typer.main import get_command
 
+    import ragfix.backends as backends
     from ragfix.cli.common import BACKEND_OPTIONS
 
     calls = []

@@ -237,11 +237,11 @@ def test_sweep_through_serve_equals_local_and_resumes(server, local, tmp_path):
 
 
 def test_order_marginalization_through_serve_gives_the_local_votes(server, tmp_path):
-    """The correction for a model behind an endpoint: the same cells over three orders of their
+    """The correction for a model behind an endpoint: the same cells over two orders of their
     passages, locally and through the server, give the same votes and the same answers (the
     server's first-token log-probabilities are the confidences; its completions ``echo``
     scores each candidate answer under each order as the local model does)."""
-    orders = ["--orders", "3", "--orders-aggregate", "score"]
+    orders = ["--orders", "2", "--orders-aggregate", "score"]
     _cli("eval", str(KV), *SWEEP, *orders, "--device", "cpu", "--out", str(tmp_path / "l"))
     remote = ("--model", MODEL, "--api-base", server, "--out", str(tmp_path / "r"))
     res = CliRunner().invoke(app, ["eval", str(KV), *SWEEP, *orders, *remote])
@@ -261,7 +261,7 @@ def test_order_marginalization_through_serve_gives_the_local_votes(server, tmp_p
             for name, value in v["scores"].items():
                 assert value == pytest.approx(lv["scores"][name], abs=1e-3) and value < 0
     config = json.loads((tmp_path / "r" / "config.json").read_text())
-    assert config["identity"]["orders"]["orders"] == 3
+    assert config["identity"]["orders"]["orders"] == 2
 
 
 def test_failed_requests_are_retried(server, local, tmp_path):
