@@ -636,6 +636,17 @@ def test_each_run_validates_its_backend_options_once(
         run_sweep(NQ, tmp_path / "x", backend=ref, dtype="float32")
 
 
+def test_the_judge_refuses_a_backend_reference_with_orders(tmp_path):
+    """A judge's prompt holds two answers, no passages: a reference marginalized over orders is
+    refused in one line before any file is read or model loaded."""
+    from ragfix.backends import BackendRef
+
+    ref = BackendRef(orders={"orders": 2})
+    with pytest.raises(ConfigError, match="no passages to reorder"):
+        run_judge(tmp_path / "missing.jsonl", tmp_path / "judge", backend=ref)
+    assert not (tmp_path / "judge").exists()
+
+
 # ------------------------------------------------------------------ perplexity
 def test_perplexity_resumes_by_window_and_refuses_new_weights_or_text(tmp_path, model_dir):
     data = tmp_path / "texts.jsonl"
