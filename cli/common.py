@@ -442,21 +442,21 @@ def backend_reference(flags: dict, remote: dict | None = None, orders=None):
         ConfigError: an unknown backend, a missing adapter, a remote flag without a served model.
         pydantic.ValidationError: an unknown or invalid backend option.
     """
-    from ragfix.backends import BackendRef
+    from ragfix.eval.run import backend_reference as reference
 
-    adapter = flags["adapter"]
-    return BackendRef(
-        name=flags["backend"],
+    ref, _ = reference(
+        flags["backend"],
         model=flags["model"],
-        adapter=str(adapter) if adapter else None,
-        options={
+        adapter=flags["adapter"],
+        backend_options={
             **backend_options(flags["backend_opt"], flags["calibration"], flags["train_window"]),
             **remote_options(flags["model"], remote or {}),
         },
         orders=None if orders is None else orders.model_dump(),
         device=flags["device"],
         dtype=flags["dtype"],
-    ).check()
+    )
+    return ref
 
 
 def show_tables(tables, details: dict, json_out: Path | None, keep_all: bool = False) -> None:
