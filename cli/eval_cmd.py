@@ -20,6 +20,7 @@ from ragfix.cli.common import (
     LimitOpt,
     LogPromptsOpt,
     PositionsOpt,
+    RecordsOpt,
     ReferencesOpt,
     RepeatOpt,
     RestartOpt,
@@ -106,13 +107,7 @@ def register(app: typer.Typer) -> None:
         task: TaskOpt = None,
         repeat: RepeatOpt = "none",
         references: ReferencesOpt = None,
-        records: Annotated[
-            str | None,
-            typer.Option(
-                help="record range START:END of the data file (0-based, END excluded; record i "
-                "is line i+1), before --limit; kept in config.json"
-            ),
-        ] = None,
+        records: RecordsOpt = None,
         limit: LimitOpt = None,
         distractor_pool: Annotated[
             Path | None, typer.Option(help="file to draw distractors from (BM25)")

@@ -20,6 +20,7 @@ from ragfix.cli.common import (
     LogPromptsOpt,
     QaTaskOpt,
     RanksOpt,
+    RecordsOpt,
     RepeatOpt,
     RestartOpt,
     RunFolderOpt,
@@ -134,6 +135,7 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(help="chunks the retriever returns (the documents in the prompt)")
         ] = 10,
         positions: RanksOpt = "all",
+        records: RecordsOpt = None,
         limit: LimitOpt = None,
         strategy: Annotated[str, typer.Option(help="reorder strategies, comma separated")] = "none",
         profile: Annotated[
@@ -194,6 +196,7 @@ def register(app: typer.Typer) -> None:
                 top_k=num_docs,
                 positions=positions,
                 limit=limit,
+                records=records,
                 backend=ref,
                 profile=profile,
                 retriever=retriever,

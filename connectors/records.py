@@ -7,13 +7,17 @@ figures reported on a disjoint one never share a record.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ragfix.errors import ConfigError
-from ragfix.types import JudgePair, QASample
 
-#: what a record range selects from: items that know their ``"file:line"``
-_Sourced = TypeVar("_Sourced", QASample, JudgePair)
+if TYPE_CHECKING:
+    from ragfix.connectors.corpus import QuestionRecord
+    from ragfix.types import JudgePair, QASample
+
+#: what a record range selects from: items that know their ``"file:line"`` (samples, judge
+#: pairs) or their ``line`` (a pipeline's question records)
+_Sourced = TypeVar("_Sourced", "QASample", "JudgePair", "QuestionRecord")
 
 
 def parse_records(spec: str) -> slice:
@@ -43,15 +47,16 @@ def format_records(records: slice) -> str:
 
 
 def select_records(samples: list[_Sourced], records: slice | None) -> list[_Sourced]:
-    """The samples (or judge pairs) read from the records of ``records`` (record ``i`` is on
-    line ``i + 1`` of its file, from their ``source`` = ``"file:line"``), in file order; all
-    when ``None``."""
+    """The samples (judge pairs, question records) read from the records of ``records``
+    (record ``i`` is on line ``i + 1`` of its file: a question record's ``line``, else the end
+    of the item's ``source`` = ``"file:line"``), in file order; all when ``None``."""
     if records is None:
         return samples
     lo, hi = records.start or 0, records.stop
     out = []
     for s in samples:
-        index = int(s.source.rsplit(":", 1)[1]) - 1
+        line = getattr(s, "line", None) or int(s.source.rsplit(":", 1)[1])
+        index = line - 1
         if lo <= index and (hi is None or index < hi):
             out.append(s)
     return out

@@ -53,7 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from rich.console import Console
 
 from ragfix.backends import Backend, BackendRef
@@ -74,6 +74,7 @@ from ragfix.connectors.questions import (
     check_question_source,
     write_question_file,
 )
+from ragfix.connectors.records import format_records, parse_records, select_records
 from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
 from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
@@ -129,6 +130,9 @@ class PipelineConfig(RunConfig):
             :data:`WRITTEN_QUESTIONS`), its content ``inputs["questions"]``; ``None`` for needles.
         needles: the needle settings (``--needles``, ``--needle-seed``), or ``None``.
         questions_from: the question-writing settings (``--questions-from``), or ``None``.
+        records: the record range of the question file (``"800:1100"``,
+            :func:`~ragfix.connectors.records.parse_records`: record ``i`` is line ``i + 1``),
+            or ``None``: every record; a rerun with another range is refused.
         task: ``qa-pipeline``.
         qa_task: the QA task whose prompt, answer budget and scorer the pipeline's LLM reads
             (:mod:`ragfix.tasks`: ``qa``, ``qa-extractive``, ``qa-extractive-2shot`` or a
@@ -157,9 +161,11 @@ class PipelineConfig(RunConfig):
         "embedder": DEFAULT_EMBEDDER,
         "qa_task": "qa",
         "qa_task_form": LEGACY_TASK_FORMS["qa"],
+        "records": None,
     }
     corpus: str
     questions: str | None
+    records: str | None = None
     needles: NeedleSettings | None = None
     questions_from: QuestionsFrom | None = None
     task: Literal["qa-pipeline"] = "qa-pipeline"
@@ -174,6 +180,29 @@ class PipelineConfig(RunConfig):
     embedder: str = DEFAULT_EMBEDDER
     framework: str = "llamaindex"
     log_prompts: bool = True
+
+    @field_validator("records")
+    @classmethod
+    def _range(cls, v: str | None) -> str | None:
+        return None if v is None else format_records(parse_records(v))
+
+    def questions_of(
+        self, path: Path, skip_invalid: bool, skipped: SkipCounter
+    ) -> list[QuestionRecord]:
+        """The question file's records (:func:`~ragfix.connectors.corpus.read_questions`, every
+        record checked) in :attr:`records`.
+
+        Raises:
+            DataError: a malformed record (unless ``skip_invalid``), or none in the range.
+        """
+        read = read_questions(path, skip_invalid, skipped)
+        if self.records is None:
+            return read
+        chosen = select_records(read, parse_records(self.records))
+        if not chosen:
+            what = f"--records {self.records} holds none of its {len(read)} questions"
+            raise DataError(path, None, None, what)
+        return chosen
 
 
 def pipeline_cell_id(
@@ -195,6 +224,7 @@ def run_pipeline_sweep(
     top_k: int = 10,
     positions: str = "all",
     limit: int | None = None,
+    records: str | None = None,
     model: str = "smollm2",
     backend: str | Backend | BackendRef = "vanilla",
     adapter: str | Path | None = None,
@@ -242,7 +272,11 @@ def run_pipeline_sweep(
             the summary's ``gold_added``): the pipeline as a user runs it, whose accuracy over
             the questions is the ``retrieval_weighted`` figure, at one cell per question and
             strategy. Its cells are those of the same ranks in a sweep over every rank.
-        limit: use the first ``limit`` usable questions.
+        limit: use the first ``limit`` usable questions (of ``records``).
+        records: the record range of the question file, given or written (``"START:END"``,
+            :func:`~ragfix.connectors.records.parse_records`; record ``i`` is line ``i + 1``),
+            before ``limit``: every record is still checked; part of the run config (a rerun
+            with another range is refused). Not with ``needles``.
         model, backend, adapter, backend_options, device, dtype: the model backend (see
             :func:`ragfix.backends.load_backend`); the options (but a remote model's call
             settings) and the adapter path are part of the cell ids. A remote model
@@ -324,8 +358,11 @@ def run_pipeline_sweep(
     if questions is not None:
         questions = resolve_demo(Path(questions), "questions")
     check_question_source(questions, needles, questions_from)
-    if needles is not None and limit is not None:
-        raise ConfigError("--limit picks questions of a file: --needles N sets their number")
+    if needles is not None and (limit is not None or records is not None):
+        what = "--limit" if limit is not None else "--records"
+        raise ConfigError(f"{what} picks questions of a file: --needles N sets their number")
+    if records is not None:
+        records = format_records(parse_records(records))
     strategies = [check_strategy(s) for s in dict.fromkeys(strategies)]
     if not strategies:
         raise ConfigError("--strategy: give at least one strategy")
@@ -360,13 +397,11 @@ def run_pipeline_sweep(
             questions = written  # this folder's questions, checked against its config below
     asked = written or questions  # the question file, once there is one
     skipped = SkipCounter()
-    records = None
-    if questions is not None:
-        records = read_questions(questions, skip_invalid, skipped)  # fails before indexing
     ref = ref.model_copy(update={"orders": order_options.model_dump() if order_options else None})
     config = PipelineConfig(
         corpus=str(Path(corpus).resolve()),
         questions=None if asked is None else str(Path(asked).resolve()),
+        records=records,
         needles=needles,
         questions_from=questions_from,
         qa_task=qa_task.name,
@@ -391,13 +426,15 @@ def run_pipeline_sweep(
         ),
         backend_ref=ref,
     )
+    # the question file read and checked before anything is indexed
+    chosen = None if questions is None else config.questions_of(questions, skip_invalid, skipped)
     kind = PipelineRun(
         config,
         Path(out),
         corpus=corpus,
         embedder=embedder,
         questions=questions,
-        records=records,
+        records=chosen,
         skipped=skipped,
         limit=limit,
         skip_invalid=skip_invalid,
@@ -505,7 +542,7 @@ class PipelineRun(RunKind):
             folder.config = folder.config.model_copy(
                 update={"inputs": {**c.inputs, **input_fingerprints(questions=questions)}}
             )
-            records = read_questions(questions, self.skip_invalid, skipped)
+            records = c.questions_of(questions, self.skip_invalid, skipped)
         if c.needles is not None:
             self.qs = needle_questions(cor.needles)
         else:

@@ -261,3 +261,36 @@ def test_natural_ranks_run_each_question_where_its_retriever_put_it_under_the_ta
     assert all("[0.000, 1.000], 1 samples" in f for f in failed)  # one question: no interval
     with pytest.raises(ConfigError, match="natural-rank pipeline run"):
         gate_failures(comparison, parse_gates(["diff>=0"]))
+
+
+def test_a_record_range_asks_only_its_questions_and_binds_the_folder(small_corpus, tmp_path, smol):
+    from typer.testing import CliRunner
+
+    from ragfix.cli.app import app
+    from ragfix.connectors.synthetic import NeedleSettings
+    from ragfix.errors import ConfigMismatchError, DataError
+
+    corpus, questions = small_corpus
+    out = tmp_path / "second"
+    kw = dict(corpus=corpus, questions=questions, strategies=["none"], top_k=3, positions="0")
+    run_pipeline_sweep(out=out, records="1:2", backend=smol, **kw)
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    # record 1 is the file's second line: its question alone, at the one rank asked
+    assert [r["sample_id"] for r in recs] == ["nq-0201"]
+    assert recs[0]["extra"]["gold_added"]  # the question whose gold the retriever misses
+    assert json.loads((out / "config.json").read_text())["records"] == "1:2"
+    with pytest.raises(ConfigMismatchError, match="records"):
+        run_pipeline_sweep(out=out, records="0:2", backend=smol, **kw)
+    with pytest.raises(DataError, match="--records 4:9 holds none of its 2 questions"):
+        run_pipeline_sweep(out=tmp_path / "none", records="4:9", backend=smol, **kw)
+    with pytest.raises(ConfigError, match="--records picks questions of a file"):
+        run_pipeline_sweep(
+            corpus=corpus, questions=None, out=tmp_path / "n", strategies=["none"], top_k=3,
+            needles=NeedleSettings(count=2), records="0:1", backend=smol,
+        )  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["eval-pipeline", "--corpus", str(corpus), "--questions", str(questions),
+              "--records", "5:2", "--out", str(tmp_path / "cli")],
+    )  # fmt: skip
+    assert res.exit_code == 2 and "--records '5:2': expected START:END" in res.output
+    assert len(res.output.strip().splitlines()) == 1
