@@ -227,8 +227,8 @@ LimitOpt = Annotated[int | None, typer.Option(help="use the first N samples")]
 RecordsOpt = Annotated[
     str | None,
     typer.Option(
-        help="record range START:END of the data file (eval-pipeline: of the question file; "
-        "0-based, END excluded; record i is line i+1), before --limit; kept in config.json"
+        help="record range START:END of the data (or question) file (0-based, END excluded; "
+        "record i is line i+1), before --limit; kept in config.json"
     ),
 ]
 SkipInvalidOpt = Annotated[
