@@ -7,7 +7,9 @@ figures reported on a disjoint one never share a record.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+from pydantic import AfterValidator
 
 from ragfix.errors import ConfigError
 
@@ -44,6 +46,20 @@ def parse_records(spec: str) -> slice:
 def format_records(records: slice) -> str:
     """The canonical text of a record range (``slice(0, 200)`` -> ``"0:200"``)."""
     return f"{records.start or 0}:{'' if records.stop is None else records.stop}"
+
+
+def canonical_records(spec: str | None) -> str | None:
+    """``spec`` as :func:`format_records` writes it (``" 0:200 "`` -> ``"0:200"``); ``None`` (every
+    record) as it is.
+
+    Raises:
+        ConfigError: not a record range (:func:`parse_records`).
+    """
+    return None if spec is None else format_records(parse_records(spec))
+
+
+#: a run configuration's record range field: canonical, validated when the configuration is built
+RecordRange = Annotated[str | None, AfterValidator(canonical_records)]
 
 
 def select_records(samples: list[_Sourced], records: slice | None) -> list[_Sourced]:

@@ -53,7 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from rich.console import Console
 
 from ragfix.backends import Backend, BackendRef
@@ -74,7 +74,7 @@ from ragfix.connectors.questions import (
     check_question_source,
     write_question_file,
 )
-from ragfix.connectors.records import format_records, parse_records, select_records
+from ragfix.connectors.records import RecordRange, parse_records, select_records
 from ragfix.connectors.synthetic import NeedleSettings, QuestionsFrom
 from ragfix.correction import CorrectionSettings
 from ragfix.errors import ConfigError, DataError
@@ -165,7 +165,7 @@ class PipelineConfig(RunConfig):
     }
     corpus: str
     questions: str | None
-    records: str | None = None
+    records: RecordRange = None
     needles: NeedleSettings | None = None
     questions_from: QuestionsFrom | None = None
     task: Literal["qa-pipeline"] = "qa-pipeline"
@@ -180,11 +180,6 @@ class PipelineConfig(RunConfig):
     embedder: str = DEFAULT_EMBEDDER
     framework: str = "llamaindex"
     log_prompts: bool = True
-
-    @field_validator("records")
-    @classmethod
-    def _range(cls, v: str | None) -> str | None:
-        return None if v is None else format_records(parse_records(v))
 
     def questions_of(
         self, path: Path, skip_invalid: bool, skipped: SkipCounter
@@ -362,7 +357,7 @@ def run_pipeline_sweep(
         what = "--limit" if limit is not None else "--records"
         raise ConfigError(f"{what} picks questions of a file: --needles N sets their number")
     if records is not None:
-        records = format_records(parse_records(records))
+        parse_records(records)  # a malformed range refused before anything is read
     strategies = [check_strategy(s) for s in dict.fromkeys(strategies)]
     if not strategies:
         raise ConfigError("--strategy: give at least one strategy")

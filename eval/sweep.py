@@ -54,7 +54,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from ragfix.backends.base import Backend, Fit, Prompt
-from ragfix.connectors.records import format_records, parse_records
+from ragfix.connectors.records import RecordRange
 from ragfix.errors import ConfigError, Interrupted
 from ragfix.eval.run import RunConfig, RunFolder, folder_store
 from ragfix.eval.sweep_summary import (
@@ -133,7 +133,7 @@ class SweepConfig(RunConfig):
     backend: str
     backend_options: dict = Field(default_factory=dict)
     distractor_pool: str | None = None
-    records: str | None = None
+    records: RecordRange = None
     log_prompts: bool = True
     ABSENT: ClassVar[dict] = {"log_prompts": False}
 
@@ -149,11 +149,6 @@ class SweepConfig(RunConfig):
         if v < 1:
             raise ValueError(f"num_docs {v} < 1: a prompt needs at least the gold passage")
         return v
-
-    @field_validator("records")
-    @classmethod
-    def _range(cls, v: str | None) -> str | None:
-        return None if v is None else format_records(parse_records(v))
 
 
 @dataclass(frozen=True)
