@@ -47,7 +47,6 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 from rich.console import Console
-from scipy.stats import bootstrap
 
 from ragfix.backends import Backend, BackendRef, validate_backend
 from ragfix.connectors.jsonl import read_jsonl, require
@@ -287,6 +286,8 @@ def _interval(values: Sequence[float], boot: Bootstrap) -> Interval | None:
     """Percentile bootstrap interval of the mean of ``values`` (``None`` for fewer than two)."""
     if len(values) < 2:
         return None
+    from scipy.stats import bootstrap  # slow to import: not at CLI start
+
     res = bootstrap(
         (np.asarray(values, dtype=np.float64),),
         np.mean,

@@ -17,7 +17,6 @@ import unicodedata
 from collections.abc import Sequence
 
 from pydantic import BaseModel
-from scipy.stats import binomtest
 
 from ragfix.errors import RagfixError
 
@@ -123,6 +122,8 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     """
     if n == 0:
         return 0.0, 1.0
+    from scipy.stats import binomtest  # scipy.stats takes ~1.5 s to import: not at CLI start
+
     ci = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="wilson")
     return float(ci.low), float(ci.high)
 
@@ -218,6 +219,8 @@ def mcnemar_exact(b: int, c: int) -> float:
     p = 1/2 (McNemar 1947; the exact form of Fagerland et al. 2013). 1.0 when there are none."""
     if b + c == 0:
         return 1.0
+    from scipy.stats import binomtest
+
     return float(binomtest(b, b + c, 0.5).pvalue)
 
 

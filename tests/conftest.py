@@ -156,6 +156,16 @@ def tiny_folder(folder, seed: int = 0, window: int = 2048, arch: str = "llama"):
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """A seeded tiny llama (:func:`tiny_folder`: 2 layers, hidden 64, SmolLM2's tokenizer, a
+    2048-token window) saved once per session, for the mechanism tests of runs, shards,
+    resumes and wrappers that need a model folder (``--model DIR``) but not a model that reads:
+    its answers are deterministic and cost about a millisecond a token. Tests must not save
+    into it (:func:`tiny_folder` on their own ``tmp_path`` for other seeds or windows)."""
+    return str(tiny_folder(tmp_path_factory.mktemp("tiny-llama")))
+
+
 def gali_query_positions(n: int, big_l: int, w: int, s: int) -> list[float]:
     """The position of every query ``0..n-1`` of a GALI prefill (window ``big_l``, local window
     ``w``, chunks of ``s``) as the chunk that computes it sees it: :func:`gali_positions` of each

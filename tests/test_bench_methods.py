@@ -1,5 +1,6 @@
-"""``ragfix bench methods``: the benchmark run for real on the embedded model (every row, the
-ratios' baseline, the token counts), and the backend names checked before anything is read."""
+"""``ragfix bench methods``: the benchmark run for real on a tiny seeded model with SmolLM2's
+tokenizer (every row, the ratios' baseline, the token counts: the mechanism, not what the model
+reads), and the backend names checked before anything is read."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from ragfix.errors import ConfigError
 KV = "litm_kv_retrieval_140_keys.jsonl.gz"
 
 
-def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
+def test_bench_methods_measures_every_backend_against_vanilla(tiny_dir, tmp_path):
+    from ragfix.backends import load_backend
     from ragfix.backends.set_based import SetBasedBackend
     from ragfix.bench.methods import bench_methods
     from ragfix.connectors.litm import load_samples
@@ -30,7 +32,7 @@ def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
         ["vanilla", "set-based"],
         [4, 6],
         limit=1,
-        model="smollm2",
+        model=tiny_dir,
         device="cpu",
         data=path,
         finished=lambda tables, d: seen.append((tables, d)),
@@ -62,8 +64,9 @@ def test_bench_methods_measures_every_backend_against_vanilla(smol, tmp_path):
     # each backend encodes it
     [sample] = load_samples(path, 4, limit=1)
     prompt = task_prompt(sample, sample.passages_with_gold_at(1))
-    assert vanilla["prompt_tokens"] == [len(smol.encode(prompt))]
-    set_ids = SetBasedBackend(smol.model, smol.tokenizer).encode(prompt)
+    plain = load_backend("vanilla", model=tiny_dir, device="cpu")
+    assert vanilla["prompt_tokens"] == [len(plain.encode(prompt))]
+    set_ids = SetBasedBackend(plain.model, plain.tokenizer).encode(prompt)
     assert set_based["prompt_tokens"] == [len(set_ids)]
     for r in rows:
         assert len(r["prefill_s"]) == len(r["generate_s"]) == len(r["prefill_mib"]) == 1
@@ -104,7 +107,7 @@ def test_backends_are_checked_before_anything_is_read_an_unknown_one_in_one_line
     assert line.startswith("error: --backends: unknown backend 'no-such'; choose from: ")
 
 
-def test_bench_methods_adds_order_marginalization_as_one_more_row(smol):
+def test_bench_methods_adds_order_marginalization_as_one_more_row(tiny_dir):
     """``orders=2``: a ``vanilla --orders 2`` row per aggregator on the same prompt, whose
     prompt is vanilla's (the wrapper encodes with the wrapped backend) and whose generation
     answers both orders; ``orders=1``, and aggregators without orders, are refused before
@@ -113,7 +116,7 @@ def test_bench_methods_adds_order_marginalization_as_one_more_row(smol):
     from ragfix.errors import ConfigError
 
     (table, _), details = bench_methods(
-        ["vanilla"], [4], limit=1, model="smollm2", device="cpu", data=data_file(KV), orders=2,
+        ["vanilla"], [4], limit=1, model=tiny_dir, device="cpu", data=data_file(KV), orders=2,
         aggregates=["max", "score-max"],
     )  # fmt: skip
     vanilla, marginal, scored = details["measurements"]

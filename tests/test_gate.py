@@ -34,14 +34,17 @@ def test_conditions_are_parsed_and_refused_in_one_line():
             Condition.parse(bad)
 
 
-def test_a_gate_on_a_real_sweep_exits_1_naming_the_figure_and_its_interval(tmp_path):
-    """SmolLM2 on two KV samples of two pairs: ``worst>=0.9`` fails with the worst
-    position's accuracy and Wilson interval as the run's summary has them; ``worst>=0`` passes
-    (its interval clears 0); against a baseline run (PINE over the same cells) a ``diff``
-    condition reads the paired interval ``ragfix report`` writes; no diff without a pair."""
+def test_a_gate_on_a_real_sweep_exits_1_naming_the_figure_and_its_interval(tmp_path, tiny_dir):
+    """A run on two KV samples of two pairs (the shared tiny model: the gate reads the figures
+    of whatever run it is given, and each line is checked against ``ragfix report``'s figures):
+    ``worst>=0.9`` fails with the worst position's accuracy and Wilson interval as the run's
+    summary has them; ``worst>=0`` passes (its interval clears 0); against a baseline run (PINE
+    over the same cells) a ``diff`` condition reads the paired interval ``ragfix report``
+    writes; no diff without a pair."""
     runner = CliRunner()
+    sweep = [*SWEEP, "--model", tiny_dir]
     base, other = tmp_path / "vanilla", tmp_path / "pine"
-    res = runner.invoke(app, ["eval", *SWEEP, "--out", str(base), "--gate", "worst>=0.9"])
+    res = runner.invoke(app, ["eval", *sweep, "--out", str(base), "--gate", "worst>=0.9"])
     assert res.exit_code == 1, res.output
     report = runner.invoke(app, ["report", str(base), "--json", str(tmp_path / "c.json"),
                                  "--out", str(tmp_path / "c.png")])  # fmt: skip
@@ -58,7 +61,7 @@ def test_a_gate_on_a_real_sweep_exits_1_naming_the_figure_and_its_interval(tmp_p
     assert ok.exit_code == 0 and "gate passed: worst>=0, mean<=1" in ok.output
     alone = runner.invoke(app, ["report", str(base), "--gate", "diff>=0"])
     assert alone.exit_code == 2 and "has no paired comparison" in alone.output
-    args = ["eval", *SWEEP, "--backend", "pine", "--out", str(other), "--baseline", str(base)]
+    args = ["eval", *sweep, "--backend", "pine", "--out", str(other), "--baseline", str(base)]
     res = runner.invoke(app, [*args, "--gate", "diff>=0.99"])
     assert res.exit_code == 1, res.output
     pair = runner.invoke(app, ["report", str(base), str(other), "--json", str(tmp_path / "p.json"),
@@ -72,17 +75,26 @@ def test_a_gate_on_a_real_sweep_exits_1_naming_the_figure_and_its_interval(tmp_p
     )
     wide = runner.invoke(app, [*args, "--gate", f"diff>={ci['low'] - 0.01:.3f}"])
     assert wide.exit_code == 0 and "gate passed" in wide.output  # resumed: every cell done
-    assert runner.invoke(app, ["eval", *SWEEP, "--baseline", str(base)]).exit_code == 2
+    assert runner.invoke(app, ["eval", *sweep, "--baseline", str(base)]).exit_code == 2
 
 
 @pytest.mark.processes
-def test_the_documented_pytest_gate_runs_and_fails_a_run_too_small_for_its_threshold(tmp_path):
+def test_the_documented_pytest_gate_runs_and_fails_a_run_too_small_for_its_threshold(
+    tmp_path, tiny_dir
+):
     """docs/eval.md's pytest example, run by pytest in a project whose ``docs/`` is two pages of
-    ragfix's docs, with 2 needles instead of 50 (6 cells on SmolLM2): the gate cannot pass on 2
-    questions, so the example's test fails with the gate's line in its message."""
+    ragfix's docs, with 2 needles instead of 50 and the shared tiny model (6 cells): the gate
+    cannot pass on 2 questions (even 2 of 2 right leave the interval's low end under 0.5), so
+    the example's test fails with the gate's line, the worst figure and interval of the run's
+    summary, in its message."""
+    from ragfix.metrics import wilson_interval
+
     text = (ROOT / "docs" / "eval.md").read_text()
     code = re.search(r"In a pytest suite.*?```python\n(.*?)```", text, re.S).group(1)
     assert '"--needles",\n            "50",' in code
+    model = '"--strategy",\n'
+    assert code.count(model) == 1
+    code = code.replace(model, f'"--model",\n            {tiny_dir!r},\n            {model}')
     (tmp_path / "docs").mkdir()
     for page in ("development.md", "scale-out.md"):
         shutil.copy(ROOT / "docs" / page, tmp_path / "docs" / page)
@@ -97,3 +109,11 @@ def test_the_documented_pytest_gate_runs_and_fails_a_run_too_small_for_its_thres
     assert "1 failed" in res.stdout and "gate worst>=0.5 failed: " in res.stdout, res.stdout[-3000:]
     summary = json.loads((tmp_path / "runs" / "gate" / "summary.json").read_text())
     assert summary["cells"] == 6 and summary["questions"] == 2
+    [(name, curve)] = summary["curves"].items()
+    [worst] = [p for p in curve["positions"] if p["position"] == curve["worst_position"]]
+    line = (
+        f"gate worst>=0.5 failed: gate:{name} (position {worst['position']}) worst "
+        f"{curve['worst']:.3f} (95% CI [{worst['low']:.3f}, {worst['high']:.3f}], 2 samples)"
+    )
+    assert line in " ".join(res.stdout.split()), res.stdout[-3000:]
+    assert wilson_interval(2, 2)[0] < 0.5  # 2 of 2 right would fail it too

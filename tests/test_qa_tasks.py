@@ -108,6 +108,20 @@ def test_a_closed_book_prompt_reads_as_the_model_does_under_every_passage_method
 SQUAD = "squad_dev_multidoc.jsonl.gz"
 
 
+def squad_record(folder, index: int):
+    """Record ``index`` of the SQuAD file alone, as a one-record file: the sample the whole file
+    gives for it (its distractors are its own ctxs), read without parsing the file's 1,400
+    records."""
+    import gzip
+    from itertools import islice
+
+    with gzip.open(data_file(SQUAD), "rt") as f:
+        [line] = islice(f, index, index + 1)
+    path = folder / f"squad-{index}.jsonl"
+    path.write_text(line)
+    return path
+
+
 @pytest.fixture(scope="module")
 def squad_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("squad") / "run"
@@ -150,7 +164,7 @@ def test_a_qa_sweep_reports_closed_book_and_oracle_before_its_curve(squad_run):
 
 
 def test_a_sweep_never_resumes_under_an_edited_task_and_resumes_an_older_folder(
-    squad_run, tmp_path
+    squad_run, tmp_path, tiny_dir
 ):
     out, args, _ = squad_run
     config = json.loads((out / "config.json").read_text())
@@ -160,16 +174,16 @@ def test_a_sweep_never_resumes_under_an_edited_task_and_resumes_an_older_folder(
     (edited / "config.json").write_text(json.dumps({**config, "task_form": "0123456789abcdef"}))
     res = runner.invoke(app, [*args[:-1], str(edited)])
     assert res.exit_code != 0 and "task_form" in res.output
-    # a qa folder written before task_form was recorded stands for today's qa prompt
-    old = tmp_path / "old"
-    res = runner.invoke(app, [*args[:-1], str(old), "--task", "qa", "--no-references",
-                              "--records", "0:1"])  # fmt: skip
+    # a qa folder written before task_form was recorded stands for today's qa prompt (the
+    # resume's bookkeeping: on the tiny seeded model)
+    old, more = tmp_path / "old", ["--task", "qa", "--no-references", "--records", "0:1"]
+    more += ["--model", tiny_dir]
+    res = runner.invoke(app, [*args[:-1], str(old), *more])
     assert res.exit_code == 0, res.output
     stored = json.loads((old / "config.json").read_text())
     assert stored.pop("task_form") == LEGACY_TASK_FORMS["qa"]
     (old / "config.json").write_text(json.dumps(stored))
-    res = runner.invoke(app, [*args[:-1], str(old), "--task", "qa", "--no-references",
-                              "--records", "0:1"])  # fmt: skip
+    res = runner.invoke(app, [*args[:-1], str(old), *more])
     assert res.exit_code == 0 and "resuming: 2 of 2" in res.output, res.output
 
 
@@ -223,22 +237,26 @@ def test_the_html_report_of_a_run_with_reference_points_lists_its_positions_only
     assert "reference points and the ceiling" in page
 
 
-def test_bench_methods_measures_a_repeated_prompt_against_the_task_it_repeats(smol):
+def test_bench_methods_measures_a_repeated_prompt_against_the_task_it_repeats(tiny_dir, tmp_path):
+    # the rows' mechanism (which prompt each row reads, as the backend encodes it): a tiny model
+    # with SmolLM2's tokenizer and chat template counts the same tokens
+    from ragfix.backends import load_backend
     from ragfix.bench.methods import bench_methods
     from ragfix.connectors.litm import load_samples
 
-    path = data_file(SQUAD)
+    path = squad_record(tmp_path, 0)
     _, details = bench_methods(
-        ["vanilla"], [2], limit=1, model="smollm2", device="cpu", data=path,
+        ["vanilla"], [2], limit=1, model=tiny_dir, device="cpu", data=path,
         task="qa-extractive", repeats=["prompt"],
     )  # fmt: skip
+    plain = load_backend("vanilla", model=tiny_dir, device="cpu")
     once, twice = details["measurements"]
     assert (once["backend"], twice["backend"]) == ("vanilla", "vanilla --repeat prompt")
     assert details["task"] == "qa-extractive" and once["prefill_x"] == 1.0
     [sample] = load_samples(path, 2, limit=1)
     for row, name in ((once, "qa-extractive"), (twice, "qa-extractive:repeat-prompt")):
         prompt = get_task(name).prompt(sample.question, sample.passages_with_gold_at(0))
-        assert row["prompt_tokens"] == [len(smol.encode(prompt))]
+        assert row["prompt_tokens"] == [len(plain.encode(prompt))]
     assert twice["prompt_tokens"][0] > 1.9 * once["prompt_tokens"][0]
 
 
@@ -277,7 +295,7 @@ def test_a_repeated_prompt_is_answered_as_transformers_answers_the_text_built_by
     )
 
 
-def test_a_base_model_answers_a_repeated_prompt_in_the_completion_form():
+def test_a_base_model_answers_a_repeated_prompt_in_the_completion_form(tmp_path):
     # Gemma 3 270M (base, no chat template) reads the task's completion form: the repeated turn
     # by hand, decoded greedily by transformers. With the answer cue in both copies it answers
     # the first cue's pattern (a blank line) and so nothing; with the cue once it answers.
@@ -285,7 +303,7 @@ def test_a_base_model_answers_a_repeated_prompt_in_the_completion_form():
     from ragfix.connectors.litm import load_samples
 
     backend = load_backend("vanilla", model="gemma3-270m")
-    sample = load_samples(data_file("squad_dev_multidoc.jsonl.gz"), 3, 1, records="800:801")[0]
+    sample = load_samples(squad_record(tmp_path, 800), 3, 1)[0]  # --records 800:801
     task = get_task("qa-extractive-2shot")
     once = task.prompt(sample.question, sample.passages_with_gold_at(2)).user
 

@@ -1,10 +1,13 @@
 """A remote model over HTTP (``--model openai:NAME --api-base URL``) and ``ragfix serve``.
 
-A real ``ragfix serve`` subprocess serves the real SmolLM2 on 127.0.0.1 (once for the module);
-``ragfix eval`` / ``ragfix judge`` and the Python API run against it through the official
-``openai`` client and are compared with the same runs on the local backend (computed first, so
-only one model computes at a time). Failures are real: a small HTTP proxy in front of the server
-answers 503 to some requests, or strips the log-probabilities from the answers.
+A real ``ragfix serve`` subprocess serves the shared tiny seeded model (``tiny_dir``: SmolLM2's
+tokenizer, random weights) on 127.0.0.1 (once for the module); ``ragfix eval`` and the Python
+API run against it through the official ``openai`` client and are compared with the same runs on
+the local backend (computed first, so only one model computes at a time). The verdict judge,
+whose letter probabilities a server returns only when the letters are among its top
+alternatives, runs against a real ``ragfix serve`` of the real SmolLM2, started for its test.
+Failures are real: a small HTTP proxy in front of the server answers 503 to some requests, or
+strips the log-probabilities from the answers.
 """
 
 from __future__ import annotations
@@ -49,23 +52,39 @@ def _cli(*args: str):
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    """The local reference runs: a KV sweep and a judge run with the local vanilla SmolLM2."""
-    d = tmp_path_factory.mktemp("local")
-    _cli("eval", str(KV), *SWEEP, "--device", "cpu", "--out", str(d / "sweep"))
-    data = data_file("llmbar_pairs.jsonl.gz")
-    _cli("judge", str(data), "--limit", str(PAIRS), "--device", "cpu", "--out", str(d / "judge"))
-    return d
+def remote(tiny_dir) -> str:
+    """The served tiny model's name for a client: ``openai:`` and its folder."""
+    return f"openai:{tiny_dir}"
 
 
 @pytest.fixture(scope="module")
-def server(local):
-    """``ragfix serve --model smollm2`` on a free port of 127.0.0.1; yields its ``/v1`` URL."""
+def tiny(tiny_dir):
+    """The served model, loaded locally: the reference of the served answers and scores."""
+    from ragfix.backends import load_backend
+
+    return load_backend("vanilla", model=tiny_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory, tiny_dir):
+    """The local reference run: a KV sweep with the local vanilla tiny model."""
+    d = tmp_path_factory.mktemp("local")
+    _cli("eval", str(KV), *SWEEP, "--model", tiny_dir, "--device", "cpu", "--out", str(d / "sweep"))
+    return d
+
+
+def _health(url: str, model: str) -> None:
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health") as r:
+        assert json.load(r) == {"status": "ok", "model": model}
+
+
+@pytest.fixture(scope="module")
+def server(local, tiny_dir):
+    """``ragfix serve --model TINY_DIR`` on a free port of 127.0.0.1; yields its ``/v1`` URL."""
     from ragfix.serve import serving
 
-    with serving("--model", "smollm2", "--device", "cpu") as url:
-        with urllib.request.urlopen(url.removesuffix("/v1") + "/health") as r:
-            assert json.load(r) == {"status": "ok", "model": "smollm2"}
+    with serving("--model", tiny_dir, "--device", "cpu") as url:
+        _health(url, tiny_dir)
         yield url
 
 
@@ -153,45 +172,46 @@ def test_remote_settings_are_checked_before_any_request():
 # ------------------------------------------------------------------ the server itself
 
 
-def test_serve_speaks_openai(server):
+def test_serve_speaks_openai(server, tiny_dir):
     from openai import BadRequestError, NotFoundError, OpenAI
 
     client = OpenAI(base_url=server, api_key="none", max_retries=0)
     [entry] = client.models.list().data
-    assert entry.id == "smollm2"
+    assert entry.id == tiny_dir
     extra = entry.model_extra
-    assert extra["max_model_len"] == 8192 and extra["ragfix"]["backend"] == "vanilla"
+    assert extra["max_model_len"] == 2048 and extra["ragfix"]["backend"] == "vanilla"
     assert len(extra["ragfix"]["model"]["fingerprint"]) == 16
     with pytest.raises(NotFoundError) as e:
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     assert e.value.code == "model_not_found"
-    with pytest.raises(BadRequestError, match="maximum context length is 8192") as e:
-        client.completions.create(model="smollm2", prompt="word " * 9000, max_tokens=4)
+    with pytest.raises(BadRequestError, match="maximum context length is 2048") as e:
+        client.completions.create(model=tiny_dir, prompt="word " * 9000, max_tokens=4)
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(BadRequestError, match="one user message"):
         client.chat.completions.create(
-            model="smollm2",
+            model=tiny_dir,
             messages=[{"role": "system", "content": "x"}, {"role": "user", "content": "y"}],
         )
     with pytest.raises(BadRequestError, match="stop may only be"):
-        client.completions.create(model="smollm2", prompt="a", stop=["."], max_tokens=2)
-    # streaming gives the answer of the non-streamed request, in pieces, then [DONE]
+        client.completions.create(model=tiny_dir, prompt="a", stop=["."], max_tokens=2)
+    # streaming gives the answer of the non-streamed request, in pieces, then [DONE]: the same
+    # raw continuation (this model's starts with a space, kept by both)
     msgs = [{"role": "user", "content": "Name a colour."}]
-    whole = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6)
+    whole = client.chat.completions.create(model=tiny_dir, messages=msgs, max_tokens=6)
     events = client.chat.completions.create(
-        model="smollm2", messages=msgs, max_tokens=6, stream=True
+        model=tiny_dir, messages=msgs, max_tokens=6, stream=True
     )
     pieces = [e.choices[0].delta.content or "" for e in events]
-    assert len(pieces) > 2 and "".join(pieces).strip() == whole.choices[0].message.content
+    assert len(pieces) > 2 and "".join(pieces) == whole.choices[0].message.content
     assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
 
 
 # ------------------------------------------------------------------ sweeps
 
 
-def test_sweep_through_serve_equals_local_and_resumes(server, local, tmp_path):
+def test_sweep_through_serve_equals_local_and_resumes(server, local, remote, tmp_path):
     out = tmp_path / "remote"
-    _cli("eval", str(KV), *SWEEP, "--model", MODEL, "--api-base", server, "--out", str(out))
+    _cli("eval", str(KV), *SWEEP, "--model", remote, "--api-base", server, "--out", str(out))
     mine, ref = _results(out), _results(local / "sweep")
     assert mine.keys() == ref.keys() and len(mine) == 2
     for k, r in mine.items():
@@ -201,7 +221,7 @@ def test_sweep_through_serve_equals_local_and_resumes(server, local, tmp_path):
         assert r["extra"]["token_counts"] == "server"
         assert r["extra"]["usage"]["prompt_tokens"] == r["prompt_tokens"]
     config = json.loads((out / "config.json").read_text())
-    assert config["model"] == MODEL and config["backend_options"] == {}  # no address
+    assert config["model"] == remote and config["backend_options"] == {}  # no address
     # the served backend's identity, its weights fingerprint included, binds the folder
     served = config["identity"]["model"]["server"]["ragfix"]
     assert served["model"]["weights"].startswith("files:")
@@ -218,7 +238,7 @@ def test_sweep_through_serve_equals_local_and_resumes(server, local, tmp_path):
         run_sweep(
             KV,
             out,
-            model=MODEL,
+            model=remote,
             backend_options={"api_base": proxy.url, "concurrency": 1, "timeout": 60},
             num_docs=3,
             limit=1,
@@ -236,18 +256,21 @@ def test_sweep_through_serve_equals_local_and_resumes(server, local, tmp_path):
     }
 
 
-def test_order_marginalization_through_serve_gives_the_local_votes(server, tmp_path):
+def test_order_marginalization_through_serve_gives_the_local_votes(
+    server, remote, tiny_dir, tmp_path
+):
     """The correction for a model behind an endpoint: the same cells over two orders of their
     passages, locally and through the server, give the same votes and the same answers (the
     server's first-token log-probabilities are the confidences; its completions ``echo``
     scores each candidate answer under each order as the local model does)."""
     orders = ["--orders", "2", "--orders-aggregate", "score"]
-    _cli("eval", str(KV), *SWEEP, *orders, "--device", "cpu", "--out", str(tmp_path / "l"))
-    remote = ("--model", MODEL, "--api-base", server, "--out", str(tmp_path / "r"))
-    res = CliRunner().invoke(app, ["eval", str(KV), *SWEEP, *orders, *remote])
+    local = ("--model", tiny_dir, "--device", "cpu", "--out", str(tmp_path / "l"))
+    _cli("eval", str(KV), *SWEEP, *orders, *local)
+    served = ("--model", remote, "--api-base", server, "--out", str(tmp_path / "r"))
+    res = CliRunner().invoke(app, ["eval", str(KV), *SWEEP, *orders, *served])
     assert res.exit_code == 2 and "give --tokenizer" in res.output  # refused before any cell
     assert not (tmp_path / "r" / "results.jsonl").exists()
-    _cli("eval", str(KV), *SWEEP, *orders, *remote, "--tokenizer", "smollm2")
+    _cli("eval", str(KV), *SWEEP, *orders, *served, "--tokenizer", tiny_dir)
     mine, ref = _results(tmp_path / "r"), _results(tmp_path / "l")
     assert mine.keys() == ref.keys() and len(mine) == 2
     for k, r in mine.items():
@@ -264,12 +287,12 @@ def test_order_marginalization_through_serve_gives_the_local_votes(server, tmp_p
     assert config["identity"]["orders"]["orders"] == 2
 
 
-def test_failed_requests_are_retried(server, local, tmp_path):
+def test_failed_requests_are_retried(server, local, remote, tmp_path):
     proxy = Proxy(server, fail={2, 3})
     try:
         out = tmp_path / "retried"
         _cli(
-            "eval", str(KV), *SWEEP, "--model", MODEL, "--api-base", proxy.url,
+            "eval", str(KV), *SWEEP, "--model", remote, "--api-base", proxy.url,
             "--concurrency", "1", "--max-retries", "3", "--out", str(out),
         )  # fmt: skip
         assert proxy.failed == 2 and proxy.chat == 2 + 2  # two cells, two answered 503 first
@@ -284,7 +307,7 @@ def test_failed_requests_are_retried(server, local, tmp_path):
     try:
         res = CliRunner().invoke(
             app,
-            ["eval", str(KV), *SWEEP, "--model", MODEL, "--api-base", proxy.url,
+            ["eval", str(KV), *SWEEP, "--model", remote, "--api-base", proxy.url,
              "--concurrency", "1", "--max-retries", "0", "--out", str(tmp_path / "failed")],
         )  # fmt: skip
     finally:
@@ -293,7 +316,7 @@ def test_failed_requests_are_retried(server, local, tmp_path):
     assert len(_results(tmp_path / "failed")) == 1
 
 
-def test_window_is_checked_on_the_servers_count(server, tmp_path):
+def test_window_is_checked_on_the_servers_count(server, remote, tmp_path):
     from ragfix.backends import load_backend
     from ragfix.eval import run_sweep
     from ragfix.tasks import get_task
@@ -301,7 +324,7 @@ def test_window_is_checked_on_the_servers_count(server, tmp_path):
     summary = run_sweep(
         KV,
         tmp_path / "small",
-        model=MODEL,
+        model=remote,
         backend_options={"api_base": server, "context_window": 200},
         num_docs=3,
         limit=1,
@@ -312,7 +335,7 @@ def test_window_is_checked_on_the_servers_count(server, tmp_path):
     assert rec["prompt_tokens"] + get_task("kv").max_new_tokens > 200
     assert rec["extra"]["usage"]["prompt_tokens"] == rec["prompt_tokens"]
     assert summary["excluded_samples"] == 1
-    b = load_backend("vanilla", model=MODEL, api_base=server)
+    b = load_backend("vanilla", model=remote, api_base=server)
     [gen] = b.generate(["word " * 9000], max_new_tokens=2)
     assert gen.flags == [OVERFLOW] and gen.text == ""
     with pytest.raises(RagfixError, match="give --tokenizer"):
@@ -321,7 +344,7 @@ def test_window_is_checked_on_the_servers_count(server, tmp_path):
         load_backend("vanilla", model="openai:other", api_base=server)
 
 
-def test_a_served_model_scores_a_continuation_through_completions_echo(server, smol):
+def test_a_served_model_scores_a_continuation_through_completions_echo(server, remote, tiny):
     """``loglikelihood`` of a model behind an endpoint (what ``--orders-aggregate score-max``
     needs): the server's echoed log-probabilities of the continuation's tokens sum to the local
     model's, after characters the vocabulary splits into bytes too (issue 55, item 2: read by
@@ -329,16 +352,18 @@ def test_a_served_model_scores_a_continuation_through_completions_echo(server, s
     not half counted."""
     from ragfix.backends import load_backend
 
-    b = load_backend("vanilla", model=MODEL, api_base=server)
+    b = load_backend("vanilla", model=remote, api_base=server)
     pairs = [("The capital of France is", " Paris"), ("The capital of France is", " Lyon"),
              ("Le prix est de 100 ₹, soit", " un euro"), ("价格是 ₹", " 100 rupees")]  # fmt: skip
-    served, mine = b.loglikelihood(pairs), smol.loglikelihood(pairs)
+    served, mine = b.loglikelihood(pairs), tiny.loglikelihood(pairs)
     assert served == pytest.approx(mine, abs=1e-3) and max(served) < 0
     with pytest.raises(RagfixError, match="across the end of the context"):
         b.loglikelihood([("The capital of Fr", "ance")])  # "France" is one token
 
 
-def test_the_answer_style_judge_through_serve_scores_as_the_local_judge(server, smol):
+def test_the_answer_style_judge_through_serve_scores_as_the_local_judge(
+    server, remote, tiny, tiny_dir
+):
     """A served judge in the ``answer`` style (each answer scored as the reply through
     completions ``echo``): both orders' answer log-likelihoods equal the local judge's, so its
     verdicts do; without ``--tokenizer`` the chat text cannot be formatted and it says so."""
@@ -348,19 +373,19 @@ def test_the_answer_style_judge_through_serve_scores_as_the_local_judge(server, 
     from ragfix.judge import PairwiseJudge
 
     pairs = JUDGE_PAIRS[:2]
-    b = load_backend("vanilla", model=MODEL, api_base=server, tokenizer="smollm2")
+    b = load_backend("vanilla", model=remote, api_base=server, tokenizer=tiny_dir)
     served = PairwiseJudge(b, style="answer").judge_pairs(pairs)
-    mine = PairwiseJudge(smol, style="answer").judge_pairs(pairs)
+    mine = PairwiseJudge(tiny, style="answer").judge_pairs(pairs)
     for r, m in zip(served, mine, strict=True):
         for o, n in ((r.original, m.original), (r.swapped, m.swapped)):
             assert (o.ll_a, o.ll_b) == pytest.approx((n.ll_a, n.ll_b), abs=1e-3)
         assert (r.verdict_original, r.verdict_swapped) == (m.verdict_original, m.verdict_swapped)
-    bare = load_backend("vanilla", model=MODEL, api_base=server)
+    bare = load_backend("vanilla", model=remote, api_base=server)
     with pytest.raises(RagfixError, match="tokenizer"):
         PairwiseJudge(bare, style="answer").judge_pairs(pairs[:1])
 
 
-def test_pipeline_sweep_through_serve_equals_local(server, tmp_path):
+def test_pipeline_sweep_through_serve_equals_local(server, remote, tiny_dir, tmp_path):
     from ragfix.connectors.corpus import DEMO_CORPUS, DEMO_QUESTIONS
     from ragfix.eval.pipeline import run_pipeline_sweep
 
@@ -376,18 +401,18 @@ def test_pipeline_sweep_through_serve_equals_local(server, tmp_path):
         positions="1",
         retriever="bm25",
     )
-    opts = {"api_base": server, "tokenizer": "smollm2"}
-    run_pipeline_sweep(out=tmp_path / "remote", model=MODEL, backend_options=opts, **common)
+    opts = {"api_base": server, "tokenizer": tiny_dir}
+    run_pipeline_sweep(out=tmp_path / "remote", model=remote, backend_options=opts, **common)
     mine = _results(tmp_path / "remote")
     assert len(mine) == 3 and all(not r["flags"] for r in mine.values())
     assert all(r["extra"]["usage"]["prompt_tokens"] == r["prompt_tokens"] for r in mine.values())
     with pytest.raises(RagfixError, match="attention"):
         run_pipeline_sweep(
-            out=tmp_path / "att", model=MODEL, backend_options=opts,
+            out=tmp_path / "att", model=remote, backend_options=opts,
             **{**common, "strategies": ["attention-sort"]},
         )  # fmt: skip
     # the local reference last (the server idles meanwhile)
-    run_pipeline_sweep(out=tmp_path / "local", device="cpu", **common)
+    run_pipeline_sweep(out=tmp_path / "local", model=tiny_dir, device="cpu", **common)
     ref = _results(tmp_path / "local")
     assert {k: (r["answer"], r["prompt_position"]) for k, r in mine.items()} == {
         k: (r["answer"], r["prompt_position"]) for k, r in ref.items()
@@ -397,32 +422,41 @@ def test_pipeline_sweep_through_serve_equals_local(server, tmp_path):
 # ------------------------------------------------------------------ judge
 
 
-def test_judge_through_serve_matches_local(server, local, tmp_path):
+def test_judge_through_serve_matches_local(tmp_path):
+    """The verdict judge on the real SmolLM2, locally and through its own ``ragfix serve``
+    (started after the local run): the letters are among the server's top alternatives, so
+    their probabilities are compared (a random tiny model puts them far below)."""
+    from ragfix.serve import serving
+
     data = data_file("llmbar_pairs.jsonl.gz")
-    out = tmp_path / "judge"
-    _cli("judge", str(data), "--limit", str(PAIRS), "--model", MODEL, "--api-base", server,
-         "--out", str(out))  # fmt: skip
-    mine, ref = _judgments(out), _judgments(local / "judge")
-    assert mine.keys() == ref.keys() and len(mine) == PAIRS
-    for k, r in mine.items():
-        for order in ("original", "swapped"):
-            assert r[order]["raw"] == ref[k][order]["raw"]
-            assert r[order]["p_a"] == pytest.approx(ref[k][order]["p_a"], abs=1e-4)
-            assert r[order]["p_b"] == pytest.approx(ref[k][order]["p_b"], abs=1e-4)
-        assert r["logit_verdict"] == ref[k]["logit_verdict"]
-        assert r["logit_p_a"] == pytest.approx(ref[k]["logit_p_a"], abs=1e-4)
-        assert r["swap_verdict"] == ref[k]["swap_verdict"]
-    identity = json.loads((out / "config.json").read_text())["identity"]
-    assert identity["model"]["server"]["ragfix"]["model"]["fingerprint"]
-    # a server that returns no logprobs: the generated verdicts, and no logit verdict, said so
-    proxy = Proxy(server, strip_logprobs=True)
-    try:
-        res = _cli("judge", str(data), "--limit", "1", "--model", MODEL, "--api-base",
-                   proxy.url, "--out", str(tmp_path / "nolp"))  # fmt: skip
-    finally:
-        proxy.close()
-    assert "no logit verdict: the server returned no logprobs" in res.output
-    [rec] = _judgments(tmp_path / "nolp").values()
-    assert rec["logit_verdict"] is None and rec["original"]["p_a"] is None
-    assert rec["original"]["raw"] == ref[rec["pair_id"]]["original"]["raw"]
-    shutil.rmtree(tmp_path / "nolp")
+    _cli("judge", str(data), "--limit", str(PAIRS), "--device", "cpu",
+         "--out", str(tmp_path / "local"))  # fmt: skip
+    with serving("--model", "smollm2", "--device", "cpu") as server:
+        _health(server, "smollm2")
+        out = tmp_path / "judge"
+        _cli("judge", str(data), "--limit", str(PAIRS), "--model", MODEL, "--api-base", server,
+             "--out", str(out))  # fmt: skip
+        mine, ref = _judgments(out), _judgments(tmp_path / "local")
+        assert mine.keys() == ref.keys() and len(mine) == PAIRS
+        for k, r in mine.items():
+            for order in ("original", "swapped"):
+                assert r[order]["raw"] == ref[k][order]["raw"]
+                assert r[order]["p_a"] == pytest.approx(ref[k][order]["p_a"], abs=1e-4)
+                assert r[order]["p_b"] == pytest.approx(ref[k][order]["p_b"], abs=1e-4)
+            assert r["logit_verdict"] == ref[k]["logit_verdict"]
+            assert r["logit_p_a"] == pytest.approx(ref[k]["logit_p_a"], abs=1e-4)
+            assert r["swap_verdict"] == ref[k]["swap_verdict"]
+        identity = json.loads((out / "config.json").read_text())["identity"]
+        assert identity["model"]["server"]["ragfix"]["model"]["fingerprint"]
+        # a server that returns no logprobs: the generated verdicts, and no logit verdict, said so
+        proxy = Proxy(server, strip_logprobs=True)
+        try:
+            res = _cli("judge", str(data), "--limit", "1", "--model", MODEL, "--api-base",
+                       proxy.url, "--out", str(tmp_path / "nolp"))  # fmt: skip
+        finally:
+            proxy.close()
+        assert "no logit verdict: the server returned no logprobs" in res.output
+        [rec] = _judgments(tmp_path / "nolp").values()
+        assert rec["logit_verdict"] is None and rec["original"]["p_a"] is None
+        assert rec["original"]["raw"] == ref[rec["pair_id"]]["original"]["raw"]
+        shutil.rmtree(tmp_path / "nolp")

@@ -53,6 +53,8 @@ def _sweep(out, model, data=NQ, limit=2, **kw):
 
 @pytest.fixture
 def model_dir(tmp_path):
+    """The tiny model in a folder of the test's own, for the tests that save into it or edit its
+    files (the others read the session's ``tiny_dir``: the same seed)."""
     return tiny_folder(tmp_path / "model", seed=0)
 
 
@@ -92,7 +94,7 @@ def test_sweep_refuses_weights_saved_into_its_model_folder_and_restarts_when_ask
     assert stored["identity"]["model"]["weights"].startswith("files:")
 
 
-def test_sweep_refuses_an_adapter_retrained_into_the_same_folder(tmp_path, model_dir):
+def test_sweep_refuses_an_adapter_retrained_into_the_same_folder(tmp_path, tiny_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -100,20 +102,20 @@ def test_sweep_refuses_an_adapter_retrained_into_the_same_folder(tmp_path, model
 
     def train(seed):
         torch.manual_seed(seed)
-        m = AutoModelForCausalLM.from_pretrained(model_dir)
+        m = AutoModelForCausalLM.from_pretrained(tiny_dir)
         cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
         get_peft_model(m, cfg).save_pretrained(lora)
 
     train(0)
     out = tmp_path / "run"
-    _, first = _sweep(out, model_dir, limit=1, adapter=lora)
+    _, first = _sweep(out, tiny_dir, limit=1, adapter=lora)
     assert len(first) == 2
     train(1)
     with pytest.raises(ConfigMismatchError, match=r"identity\.adapter\.fingerprint"):
-        _sweep(out, model_dir, limit=1, adapter=lora)
+        _sweep(out, tiny_dir, limit=1, adapter=lora)
 
 
-def test_sweep_refuses_a_calibration_file_edited_in_place(tmp_path, model_dir):
+def test_sweep_refuses_a_calibration_file_edited_in_place(tmp_path, tiny_dir):
     from ragfix.backends.channel_scaling import ChannelScalingCalibration
     from ragfix.models.load import load_model, model_identity
 
@@ -121,7 +123,7 @@ def test_sweep_refuses_a_calibration_file_edited_in_place(tmp_path, model_dir):
 
     def calibrate(channel):
         ChannelScalingCalibration(
-            model=model_identity(load_model(str(model_dir), device="cpu")[0]),
+            model=model_identity(load_model(str(tiny_dir), device="cpu")[0]),
             channel=channel,
             layers=[1],
             factor=0.5,
@@ -135,33 +137,33 @@ def test_sweep_refuses_a_calibration_file_edited_in_place(tmp_path, model_dir):
     calibrate(3)
     out = tmp_path / "run"
     opts = {"calibration": str(cal)}
-    _sweep(out, model_dir, limit=1, backend="channel-scaled", backend_options=opts)
+    _sweep(out, tiny_dir, limit=1, backend="channel-scaled", backend_options=opts)
     calibrate(4)  # another channel in the same file
     with pytest.raises(ConfigMismatchError, match=r"identity\.scaling\.calibration"):
-        _sweep(out, model_dir, limit=1, backend="channel-scaled", backend_options=opts)
+        _sweep(out, tiny_dir, limit=1, backend="channel-scaled", backend_options=opts)
 
 
-def test_sweep_refuses_a_data_file_or_pool_edited_in_place(tmp_path, model_dir):
+def test_sweep_refuses_a_data_file_or_pool_edited_in_place(tmp_path, tiny_dir):
     data = _nq_copy(tmp_path / "nq.jsonl")
     out = tmp_path / "run"
-    _sweep(out, model_dir, data=data, limit=1)
+    _sweep(out, tiny_dir, data=data, limit=1)
     data.write_text(data.read_text().replace("the", "teh", 1))  # one passage edited
     with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
-        _sweep(out, model_dir, data=data, limit=1)
-    _, fresh = _sweep(out, model_dir, data=data, limit=1, restart=True)
+        _sweep(out, tiny_dir, data=data, limit=1)
+    _, fresh = _sweep(out, tiny_dir, data=data, limit=1, restart=True)
     assert len(fresh) == 2
     load_run(out)  # the report reads the run's cells only
 
     pool = _nq_copy(tmp_path / "pool.jsonl", 3)
     pooled = tmp_path / "pooled"
-    _sweep(pooled, model_dir, data=data, limit=1, distractor_pool=pool)
+    _sweep(pooled, tiny_dir, data=data, limit=1, distractor_pool=pool)
     with open(pool, "a") as f:  # a record more in the pool: other BM25 distractors may win
         f.write(_nq_copy(tmp_path / "more.jsonl", 4).read_text().splitlines(keepends=True)[3])
     with pytest.raises(ConfigMismatchError, match=r"inputs\.distractor_pool: "):
-        _sweep(pooled, model_dir, data=data, limit=1, distractor_pool=pool)
+        _sweep(pooled, tiny_dir, data=data, limit=1, distractor_pool=pool)
 
 
-def test_inputs_read_from_another_place_with_the_same_content_resume(tmp_path, model_dir):
+def test_inputs_read_from_another_place_with_the_same_content_resume(tmp_path, tiny_dir):
     """A copied checkout or a moved file: a run kind whose input paths stay out of its cell ids
     (sweep, judge) compares the content's fingerprint, not the path, and then records where the
     input lies now; other content is still refused. One whose ids hash the path refuses."""
@@ -170,46 +172,46 @@ def test_inputs_read_from_another_place_with_the_same_content_resume(tmp_path, m
         folder.mkdir()
     data, pool = _nq_copy(here / "nq.jsonl"), _nq_copy(here / "pool.jsonl", 3)
     out = tmp_path / "run"
-    _, first = _sweep(out, model_dir, data=data, limit=1, distractor_pool=pool)
+    _, first = _sweep(out, tiny_dir, data=data, limit=1, distractor_pool=pool)
     for f in (data, pool):
         f.rename(there / f.name)
     data, pool = there / data.name, there / pool.name
-    _, more = _sweep(out, model_dir, data=data, limit=2, distractor_pool=pool)
+    _, more = _sweep(out, tiny_dir, data=data, limit=2, distractor_pool=pool)
     assert len(first) == len(more) == 2  # the second sample's cells only: the first's reused
     config = json.loads((out / "config.json").read_text())
     assert (config["data"], config["distractor_pool"]) == (str(data), str(pool))
     data.write_text(data.read_text().replace("the", "teh", 1))
     with pytest.raises(ConfigMismatchError, match=r"inputs\.data: "):
-        _sweep(out, model_dir, data=data, limit=2, distractor_pool=pool)
+        _sweep(out, tiny_dir, data=data, limit=2, distractor_pool=pool)
 
     pairs = here / "pairs.jsonl"
     pairs.write_text(json.dumps({"question": "2 + 2?", "answer_a": "4", "answer_b": "5"}) + "\n")
     judged = tmp_path / "judge"
-    assert run_judge(pairs, judged, model=str(model_dir), device="cpu").computed == 1
+    assert run_judge(pairs, judged, model=str(tiny_dir), device="cpu").computed == 1
     pairs = pairs.rename(there / pairs.name)
-    again = run_judge(pairs, judged, model=str(model_dir), device="cpu")
+    again = run_judge(pairs, judged, model=str(tiny_dir), device="cpu")
     assert (again.computed, again.reused) == (0, 1)
     assert json.loads((judged / "config.json").read_text())["data"] == str(pairs)
 
     texts = here / "texts.jsonl"  # perplexity's cell ids hash the path: bound to it
     texts.write_text(json.dumps({"text": " ".join(f"word{i} and more" for i in range(80))}))
     kw = dict(train_window=16, ratios=(1.0,), methods=("vanilla",), windows=range(1))
-    run_ppl(texts, model=str(model_dir), device="cpu", out=tmp_path / "ppl", **kw)
+    run_ppl(texts, model=str(tiny_dir), device="cpu", out=tmp_path / "ppl", **kw)
     texts = texts.rename(there / texts.name)
     with pytest.raises(ConfigMismatchError, match=r"data: "):
-        run_ppl(texts, model=str(model_dir), device="cpu", out=tmp_path / "ppl", **kw)
+        run_ppl(texts, model=str(tiny_dir), device="cpu", out=tmp_path / "ppl", **kw)
 
 
-def test_a_folder_from_before_identity_binding_is_refused_in_one_line(tmp_path, model_dir):
+def test_a_folder_from_before_identity_binding_is_refused_in_one_line(tmp_path, tiny_dir):
     out = tmp_path / "run"
-    _sweep(out, model_dir, limit=1)
+    _sweep(out, tiny_dir, limit=1)
     config = json.loads((out / "config.json").read_text())
     old = {k: v for k, v in config.items() if k not in ("run", "format", "identity", "inputs")}
     (out / "config.json").write_text(json.dumps(old))
     with pytest.raises(ConfigMismatchError, match="written by an earlier ragfix") as e:
-        _sweep(out, model_dir, limit=1)
+        _sweep(out, tiny_dir, limit=1)
     assert "\n" not in str(e.value)
-    _, fresh = _sweep(out, model_dir, limit=1, restart=True)
+    _, fresh = _sweep(out, tiny_dir, limit=1, restart=True)
     assert len(fresh) == 2
 
 
@@ -232,10 +234,10 @@ def test_the_cli_refuses_in_one_line_and_restarts_with_the_flag(tmp_path, model_
     assert len(_lines(out / "results.jsonl")) == 2
 
 
-def test_report_counts_exactly_the_cells_its_run_reports(tmp_path, model_dir):
+def test_report_counts_exactly_the_cells_its_run_reports(tmp_path, tiny_dir):
     out = tmp_path / "run"
-    _sweep(out, model_dir, limit=2)
-    summary, seen = _sweep(out, model_dir, limit=1)  # a smaller rerun of the same folder
+    _sweep(out, tiny_dir, limit=2)
+    summary, seen = _sweep(out, tiny_dir, limit=1)  # a smaller rerun of the same folder
     assert seen == [] and summary["cells"] == 2
     assert len(_lines(out / "results.jsonl")) == 4  # the folder keeps the other sample's cells
     run = load_run(out)
@@ -247,7 +249,7 @@ def test_report_counts_exactly_the_cells_its_run_reports(tmp_path, model_dir):
 
     # an extension to more positions, interrupted: the report stays on the finished run
     ext = tmp_path / "ext"
-    _sweep(ext, model_dir, limit=2, positions="0")
+    _sweep(ext, tiny_dir, limit=2, positions="0")
 
     def interrupt(rec):
         raise KeyboardInterrupt
@@ -256,7 +258,7 @@ def test_report_counts_exactly_the_cells_its_run_reports(tmp_path, model_dir):
         run_sweep(
             NQ,
             ext,
-            model=str(model_dir),
+            model=str(tiny_dir),
             num_docs=2,
             limit=2,
             workers=1,
@@ -279,9 +281,9 @@ def test_uneven_positions_are_named():
 
 
 @pytest.mark.processes
-def test_a_killed_worker_is_one_line_and_exit_2(tmp_path, model_dir):
+def test_a_killed_worker_is_one_line_and_exit_2(tmp_path, tiny_dir):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(tiny_dir),
            "--num-docs", "2", "--limit", "4", "--workers", "2", "--device", "cpu",
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -311,10 +313,10 @@ def _gone(pid: str) -> bool:
 
 
 @pytest.mark.processes
-def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, model_dir):
+def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, tiny_dir):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(model_dir),
-           "--num-docs", "2", "--no-references", "--workers", "2",
+    cmd = [sys.executable, "-m", "ragfix.cli", "eval", str(NQ), "--model", str(tiny_dir),
+           "--num-docs", "2", "--limit", "20", "--no-references", "--workers", "2",
            "--device", "cpu", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -339,9 +341,9 @@ def test_workers_end_with_a_killed_parent_and_the_run_resumes(tmp_path, model_di
     done = {
         (r["sample_id"], r["position"]) for f in out.glob("results.rank*.jsonl") for r in _lines(f)
     }
-    assert 0 < len(done) < 120  # the bundled sample's 60 questions, the gold at 2 positions
-    summary, seen = _sweep(out, model_dir, limit=None)  # resumes: only the missing cells
-    assert summary["cells"] == 120 and len(seen) == 120 - len(done)
+    assert 0 < len(done) < 40  # 20 of the bundled sample's questions, the gold at 2 positions
+    summary, seen = _sweep(out, tiny_dir, limit=20)  # resumes: only the missing cells
+    assert summary["cells"] == 40 and len(seen) == 40 - len(done)
     assert not done & {(r.sample_id, r.position) for r in seen}
 
 
@@ -530,12 +532,12 @@ def test_judge_refuses_a_finished_folder_after_new_weights_or_an_edited_pair_fil
     assert fresh.computed == 2 and len(_lines(out / "judgments.jsonl")) == 2
 
 
-def test_a_loaded_backend_runs_the_sweep_as_its_name_does(tmp_path, model_dir):
+def test_a_loaded_backend_runs_the_sweep_as_its_name_does(tmp_path, tiny_dir):
     from ragfix.backends import BackendRef, load_backend
     from ragfix.backends.orders import OrderOptions, marginalize_orders
 
-    loaded = load_backend("vanilla", model=str(model_dir), device="cpu")
-    by_name, _ = _sweep(tmp_path / "name", model_dir, limit=2)
+    loaded = load_backend("vanilla", model=str(tiny_dir), device="cpu")
+    by_name, _ = _sweep(tmp_path / "name", tiny_dir, limit=2)
     seen = []
     by_backend = run_sweep(
         NQ, tmp_path / "loaded", backend=loaded, num_docs=2, limit=2, references=False,
@@ -547,7 +549,7 @@ def test_a_loaded_backend_runs_the_sweep_as_its_name_does(tmp_path, model_dir):
         {k: r[k] for k in keep} for r in theirs
     ]
     assert by_backend["curves"] == by_name["curves"]
-    assert _sweep(tmp_path / "loaded", model_dir, limit=2)[1] == []  # resumed under its name
+    assert _sweep(tmp_path / "loaded", tiny_dir, limit=2)[1] == []  # resumed under its name
     for settings, named in (({"adapter": "a"}, "adapter"), ({"dtype": "float32"}, "dtype")):
         with pytest.raises(ConfigError, match=f"brings its own settings: {named} not with it"):
             run_sweep(NQ, tmp_path / "x", backend=loaded, **settings)
@@ -558,14 +560,14 @@ def test_a_loaded_backend_runs_the_sweep_as_its_name_does(tmp_path, model_dir):
 
 
 def test_a_loaded_backend_runs_the_pipeline_and_the_judge_as_its_name_does(
-    tmp_path, model_dir, small_corpus
+    tmp_path, tiny_dir, small_corpus
 ):
     from ragfix.backends import load_backend
 
-    loaded = load_backend("vanilla", model=str(model_dir), device="cpu")
+    loaded = load_backend("vanilla", model=str(tiny_dir), device="cpu")
     corpus, questions = small_corpus
     pipe = dict(corpus=corpus, questions=questions, strategies=["none"], top_k=2)
-    run_pipeline_sweep(out=tmp_path / "p-name", model=str(model_dir), device="cpu", **pipe)
+    run_pipeline_sweep(out=tmp_path / "p-name", model=str(tiny_dir), device="cpu", **pipe)
     run_pipeline_sweep(out=tmp_path / "p-loaded", backend=loaded, **pipe)
     keep = ("cell_id", "answer", "correct", "prompt")
     mine, theirs = (run_records(tmp_path / d) for d in ("p-loaded", "p-name"))
@@ -575,7 +577,7 @@ def test_a_loaded_backend_runs_the_pipeline_and_the_judge_as_its_name_does(
     pairs = tmp_path / "pairs.jsonl"
     rows = [{"question": "2 + 2?", "answer_a": "4", "answer_b": "5", "label": 1}]
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_judge(pairs, tmp_path / "j-name", model=str(model_dir), device="cpu")
+    run_judge(pairs, tmp_path / "j-name", model=str(tiny_dir), device="cpu")
     run_judge(pairs, tmp_path / "j-loaded", backend=loaded)
     mine, theirs = (_lines(tmp_path / d / "judgments.jsonl") for d in ("j-loaded", "j-name"))
     for r in (*mine, *theirs):
@@ -587,9 +589,7 @@ def test_a_loaded_backend_runs_the_pipeline_and_the_judge_as_its_name_does(
         run_pipeline_sweep(out=tmp_path / "x", backend=loaded, orders={"orders": 2}, **pipe)
 
 
-def test_each_run_validates_its_backend_options_once(
-    tmp_path, model_dir, small_corpus, monkeypatch
-):
+def test_each_run_validates_its_backend_options_once(tmp_path, tiny_dir, small_corpus, monkeypatch):
     import ragfix.backends as backends
     from ragfix.backends import BackendRef
 
@@ -604,12 +604,12 @@ def test_each_run_validates_its_backend_options_once(
     )
     corpus, questions = small_corpus
     runs = {
-        "sweep": lambda: _sweep(tmp_path / "sweep", model_dir, limit=1),
+        "sweep": lambda: _sweep(tmp_path / "sweep", tiny_dir, limit=1),
         "pipeline": lambda: run_pipeline_sweep(
             corpus=corpus, questions=questions, out=tmp_path / "pipe", strategies=["none"], top_k=2,
-            model=str(model_dir), device="cpu",
+            model=str(tiny_dir), device="cpu",
         ),
-        "judge": lambda: run_judge(pairs, tmp_path / "judge", model=str(model_dir), device="cpu"),
+        "judge": lambda: run_judge(pairs, tmp_path / "judge", model=str(tiny_dir), device="cpu"),
     }  # fmt: skip
     for name, go in runs.items():
         calls.clear()
@@ -617,7 +617,7 @@ def test_each_run_validates_its_backend_options_once(
         assert len(calls) == 1, name
     # a checked reference (what the CLI builds) is not validated again, and its runs are the
     # same runs as by name: each folder resumes with nothing to compute
-    ref = BackendRef(model=str(model_dir), device="cpu")
+    ref = BackendRef(model=str(tiny_dir), device="cpu")
     calls.clear()
     ref.check()
     seen = []
@@ -690,9 +690,9 @@ def test_perplexity_resumes_by_window_and_refuses_new_weights_or_text(tmp_path, 
     assert again["rows"][0]["window_nll"] != more["rows"][0]["window_nll"]
 
 
-def test_a_report_of_a_summary_without_its_cells_is_refused(tmp_path, model_dir):
+def test_a_report_of_a_summary_without_its_cells_is_refused(tmp_path, tiny_dir):
     out = tmp_path / "run"
-    _sweep(out, model_dir, limit=1)
+    _sweep(out, tiny_dir, limit=1)
     summary = json.loads((out / "summary.json").read_text())
     del summary["cell_ids"]
     (out / "summary.json").write_text(json.dumps(summary))
@@ -729,7 +729,7 @@ class _Scores(RunKind):
         return records
 
 
-def test_the_driver_resumes_in_one_line_and_stores_what_arrived_before_ctrl_c(tmp_path, model_dir):
+def test_the_driver_resumes_in_one_line_and_stores_what_arrived_before_ctrl_c(tmp_path, tiny_dir):
     from io import StringIO
 
     from rich.console import Console
@@ -737,7 +737,7 @@ def test_the_driver_resumes_in_one_line_and_stores_what_arrived_before_ctrl_c(tm
     from ragfix.backends import BackendRef
     from ragfix.errors import Interrupted
 
-    ref = BackendRef(model=str(model_dir), device="cpu")
+    ref = BackendRef(model=str(tiny_dir), device="cpu")
     out = tmp_path / "run"
     stored = f"2 cell(s) computed by this run are stored in {out}"
     with pytest.raises(Interrupted, match=f"^{re.escape(stored)}$"):
@@ -752,11 +752,11 @@ def test_the_driver_resumes_in_one_line_and_stores_what_arrived_before_ctrl_c(tm
 
 
 def test_the_driver_gives_the_same_records_from_a_loaded_backend_and_a_reference(
-    tmp_path, model_dir
+    tmp_path, tiny_dir
 ):
     from ragfix.backends import BackendRef
 
-    ref = BackendRef(model=str(model_dir), device="cpu")
+    ref = BackendRef(model=str(tiny_dir), device="cpu")
     by_ref = run(_Scores(ref), ref, tmp_path / "ref")
     loaded = ref.load(shared=False)
     by_backend = run(_Scores(ref), loaded, tmp_path / "loaded")

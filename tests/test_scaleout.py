@@ -52,12 +52,15 @@ def test_merge_tolerates_a_torn_last_line_and_duplicates(tmp_path):
 
 
 @pytest.mark.processes
-def test_torchrun_ranks_and_worker_processes_equal_single_process(tmp_path):
+def test_torchrun_ranks_and_worker_processes_equal_single_process(tmp_path, tiny_dir):
     """One single-process run, and the same run by two torchrun ranks and by two of the sweep's
-    worker processes: the same cells, answers, curves and reference points."""
+    worker processes: the same cells, answers, curves and reference points (the tiny model: its
+    answers differ from cell to cell, so a cell given another's answer shows)."""
+    args = [*ARGS, "--model", tiny_dir]
     single = tmp_path / "single"
-    res = CliRunner().invoke(app, [*ARGS, "--workers", "1", "--out", str(single)])
+    res = CliRunner().invoke(app, [*args, "--workers", "1", "--out", str(single)])
     assert res.exit_code == 0, res.output
+    assert len({r["answer"] for r in _records(single).values()}) > 1
 
     dist = tmp_path / "dist"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -69,7 +72,7 @@ def test_torchrun_ranks_and_worker_processes_equal_single_process(tmp_path):
         "2",
         "-m",
         "ragfix.cli",
-        *ARGS,
+        *args,
         "--out",
         str(dist),
     ]
@@ -91,13 +94,13 @@ def test_torchrun_ranks_and_worker_processes_equal_single_process(tmp_path):
     lost = [k for k, r in two.items() if r["extra"]["rank"] == 1]
     kept = [json.dumps(r) for r in two.values() if r["extra"]["rank"] == 0]
     (dist / "results.jsonl").write_text("\n".join(kept) + "\n")
-    res = CliRunner().invoke(app, [*ARGS, "--out", str(dist)])
+    res = CliRunner().invoke(app, [*args, "--out", str(dist)])
     assert res.exit_code == 0, res.output
     assert f"resuming: {8 - len(lost)} of 8 cells already done" in res.output
     assert set(_records(dist)) == set(one)
 
     workers = tmp_path / "workers"
-    res = CliRunner().invoke(app, [*ARGS, "--workers", "2", "--out", str(workers)])
+    res = CliRunner().invoke(app, [*args, "--workers", "2", "--out", str(workers)])
     assert res.exit_code == 0, res.output
     assert "2 worker processes, 1 torch thread(s) each" in res.output
     one, two = _records(single), _records(workers)
@@ -147,16 +150,17 @@ def test_data_errors_cross_process_boundaries_intact():
 
 
 @pytest.mark.processes
-def test_bench_processes_runs_each_setting_from_scratch_and_compares_answers(tmp_path):
+def test_bench_processes_runs_each_setting_from_scratch_and_compares_answers(tmp_path, tiny_dir):
     from ragfix.bench.scaleout import bench_processes, parse_settings
 
     settings = parse_settings("naive:1x1,batched:2x1")
     assert settings == [("naive", 1, 1), ("batched", 2, 1)]
-    table, details = bench_processes(settings, NQ, num_docs=2, limit=2)
+    table, details = bench_processes(settings, NQ, num_docs=2, limit=2, model=tiny_dir)
     assert [r[:3] for r in table.rows] == [["naive", "1", "1"], ["batched", "2", "1"]]
     assert [r[-2:] for r in table.rows] == [["4/4", "4/4"], ["4/4", "4/4"]]
     runs = details["runs"]
     assert runs["naive 1x1"]["answers"] == runs["batched 2x1"]["answers"]
+    assert len(set(runs["naive 1x1"]["answers"].values())) > 1  # the cells' answers differ
     ratio = runs["naive 1x1"]["wall_s"] / runs["batched 2x1"]["wall_s"]
     assert table.lines[-1] == f"wall time: {ratio:.2f}x less than naive 1x1 (batched 2x1)"
 

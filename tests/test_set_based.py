@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BUNDLED, tiny_model
+from conftest import BUNDLED, tiny_folder, tiny_model
 
 from ragfix.backends.passages import passage_set
 from ragfix.backends.set_based import SetBasedBackend
@@ -40,13 +40,26 @@ def test_moving_the_gold_pair_leaves_the_next_token_distribution_equal(smol, kv_
     assert (ordered[0] - ordered[1]).abs().max().item() > 1e-2
 
 
-def test_the_sweep_gives_one_answer_at_every_position(smol, kv_samples):
-    backend = SetBasedBackend(smol.model, smol.tokenizer)
-    config = SweepConfig(data="kv", task="kv", num_docs=6, model="smollm2", backend="set-based")
-    records = {}
-    cells = plan_cells(config, kv_samples, list(range(6)))
-    run_cells(backend, cells, lambda r: records.__setitem__(r.cell_id, r), batch_size=6)
+def test_the_sweep_gives_one_answer_at_every_position(kv_samples, tmp_path):
+    """The sweep's cells through the set-based backend, on a tiny seeded model whose vanilla
+    answers differ between the gold pair's positions, for both samples (seed 7: there the
+    passages read at their ordered positions under the block mask answer differently too)."""
+    from ragfix.backends import load_backend
+
+    folder = str(tiny_folder(tmp_path / "tiny", seed=7))
+    vanilla = load_backend("vanilla", model=folder, device="cpu")
+
+    def sweep(backend, name):
+        config = SweepConfig(data="kv", task="kv", num_docs=6, model=folder, backend=name)
+        records = {}
+        cells = plan_cells(config, kv_samples, list(range(6)))
+        run_cells(backend, cells, lambda r: records.__setitem__(r.cell_id, r), batch_size=6)
+        return records
+
+    ordered = sweep(vanilla, "vanilla")
+    records = sweep(SetBasedBackend(vanilla.model, vanilla.tokenizer), "set-based")
     for s in kv_samples:
+        assert len({r.answer for r in ordered.values() if r.sample_id == s.id}) > 1
         answers = {r.answer for r in records.values() if r.sample_id == s.id}
         assert len(answers) == 1 and answers != {""}
     flat = {r.sample_id: r.correct for r in records.values()}

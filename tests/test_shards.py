@@ -38,18 +38,26 @@ def _answers(cells: dict[str, dict]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def sweep(tiny_dir) -> list[str]:
+    """:data:`SWEEP` on the tiny model (a mechanism: its answers are garbage, but they differ
+    from cell to cell, so a cell given another's answer shows); ``[:-2]`` drops ``--workers 1``."""
+    return [*SWEEP[:-2], "--model", tiny_dir, *SWEEP[-2:]]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, sweep):
     """The sweep run whole, in one process."""
     out = tmp_path_factory.mktemp("single") / "run"
-    _cli(*SWEEP, "--out", out)
+    _cli(*sweep, "--out", out)
+    assert len({answer for answer, _ in _answers(_cells(out)).values()}) > 1
     return out
 
 
-def test_sweep_shards_in_their_own_folders_merge_to_the_single_run(single, tmp_path):
+def test_sweep_shards_in_their_own_folders_merge_to_the_single_run(single, sweep, tmp_path):
     s0, s1, merged = tmp_path / "s0", tmp_path / "s1", tmp_path / "merged"
-    said = _cli(*SWEEP, "--out", s0, "--shard", "0/2")
+    said = _cli(*sweep, "--out", s0, "--shard", "0/2")
     assert "shard 0/2:" in said and "(of the run's 6)" in said
-    _cli(*SWEEP, "--out", s1, "--shard", "1/2")
+    _cli(*sweep, "--out", s1, "--shard", "1/2")
     # a shard stores its part in its own file and writes no summary
     assert (s0 / "results.shard0of2.jsonl").exists() and (s0 / "shard0of2.json").exists()
     assert not (s0 / "summary.json").exists() and not (s1 / "summary.json").exists()
@@ -62,7 +70,7 @@ def test_sweep_shards_in_their_own_folders_merge_to_the_single_run(single, tmp_p
 
     said = _cli("merge", merged, s0, s1)
     assert "merged 2 shards from 2 folder(s): 6 cells" in said
-    said = _cli(*SWEEP, "--out", merged)
+    said = _cli(*sweep, "--out", merged)
     assert "resuming: 6 of 6 cells already done" in said
     assert _answers(_cells(merged)) == _answers(_cells(single))
     mine, theirs = (json.loads((d / "summary.json").read_text()) for d in (merged, single))
@@ -97,24 +105,24 @@ def test_sweep_shards_in_their_own_folders_merge_to_the_single_run(single, tmp_p
     said = _cli("merge", tmp_path / "m8", s0, moved, code=2)
     assert "ran another configuration" in said and "inputs.data" in said and "; data:" in said
     # a shard of another split of the run
-    said = _cli(*SWEEP, "--out", tmp_path / "s3", "--shard", "1/3")
+    said = _cli(*sweep, "--out", tmp_path / "s3", "--shard", "1/3")
     said = _cli("merge", tmp_path / "m5", s0, tmp_path / "s3", code=2)
     assert "the shards split different runs" in said
     assert "no shard manifest" in _cli("merge", tmp_path / "m6", single, code=2)
 
 
 @pytest.mark.processes
-def test_sweep_shards_in_one_folder_with_worker_processes(single, tmp_path):
+def test_sweep_shards_in_one_folder_with_worker_processes(single, sweep, tmp_path):
     """Jobs on a shared file system write one folder; a shard's worker processes write their own
     files; the unsharded command over the folder summarises it without merging first."""
     shared = tmp_path / "shared"
-    _cli(*SWEEP[:-2], "--workers", "2", "--out", shared, "--shard", "1/2")  # two samples
+    _cli(*sweep[:-2], "--workers", "2", "--out", shared, "--shard", "1/2")  # two samples
     assert sorted(p.name for p in shared.glob("results*")) == [
         "results.shard1of2.rank0.jsonl",
         "results.shard1of2.rank1.jsonl",
     ]
-    _cli(*SWEEP, "--out", shared, "--shard", "0/2")
-    said = _cli(*SWEEP, "--out", shared)
+    _cli(*sweep, "--out", shared, "--shard", "0/2")
+    said = _cli(*sweep, "--out", shared)
     assert "resuming: 6 of 6 cells already done" in said
     assert sorted(p.name for p in shared.glob("results*")) == ["results.jsonl"]
     assert _answers(_cells(shared)) == _answers(_cells(single))
@@ -134,8 +142,9 @@ def test_shard_settings_are_refused_in_one_line(tmp_path):
     assert "config.json: not found: not a run folder" in said
 
 
-def test_judge_shards_merge_to_the_single_run(tmp_path):
+def test_judge_shards_merge_to_the_single_run(tmp_path, tiny_dir):
     judge = ["judge", data_file("llmbar_pairs.jsonl.gz"), "--limit", "3", "--device", "cpu"]
+    judge += ["--model", tiny_dir]
     _cli(*judge, "--out", tmp_path / "single")
     shared = tmp_path / "shared"
     for i in range(2):
@@ -144,20 +153,24 @@ def test_judge_shards_merge_to_the_single_run(tmp_path):
     assert "resuming: 3 of 3" in _cli(*judge, "--out", shared)
     mine, theirs = (_cells(d, "judgments", "pair_id") for d in (shared, tmp_path / "single"))
     assert len(mine) == 3
+    # the tiny model's p_a are about 1 / vocabulary: a relative tolerance, at which every
+    # order of every pair has its own p_a (a record of another pair or order shows)
+    p_as = [r[order]["p_a"] for r in theirs.values() for order in ("original", "swapped")]
+    assert all(p != pytest.approx(q, rel=1e-4) for i, p in enumerate(p_as) for q in p_as[:i])
     for pid, r in theirs.items():
         for order in ("original", "swapped"):
             assert mine[pid][order]["raw"] == r[order]["raw"]
             # other batches (pairs padded together): fp32 rounding, not another verdict
-            assert mine[pid][order]["p_a"] == pytest.approx(r[order]["p_a"], abs=1e-4)
+            assert mine[pid][order]["p_a"] == pytest.approx(r[order]["p_a"], rel=1e-4)
 
 
-def test_ppl_shards_merge_to_the_single_run(tmp_path):
+def test_ppl_shards_merge_to_the_single_run(tmp_path, tiny_dir):
     essay = tmp_path / "essay.jsonl"
     from test_ppl import ESSAY
 
     essay.write_text(json.dumps({"text": ESSAY}) + "\n")
     ppl = ["eval-ppl", essay, "--train-window", "64", "--ratios", "1", "--methods", "vanilla,gali"]
-    ppl += ["--samples", "2", "--device", "cpu"]
+    ppl += ["--samples", "2", "--device", "cpu", "--model", tiny_dir]
     _cli(*ppl, "--out", tmp_path / "single")
     for i in range(2):
         _cli(*ppl, "--out", tmp_path / f"s{i}", "--shard", f"{i}/2")
@@ -167,9 +180,12 @@ def test_ppl_shards_merge_to_the_single_run(tmp_path):
         json.loads((tmp_path / d / "ppl.json").read_text()) for d in ("merged", "single")
     )
     assert [r["ppl"] for r in mine["rows"]] == pytest.approx([r["ppl"] for r in theirs["rows"]])
+    # the tiny model's two windows differ in NLL: a window's cell in place of the other shows
+    for r in theirs["rows"]:
+        assert r["window_nll"][0] != pytest.approx(r["window_nll"][1])
 
 
-def test_pipeline_shards_merge_to_the_single_run(tmp_path):
+def test_pipeline_shards_merge_to_the_single_run(tmp_path, tiny_dir):
     from test_needles import DOCS
 
     corpus = tmp_path / "docs"
@@ -177,10 +193,12 @@ def test_pipeline_shards_merge_to_the_single_run(tmp_path):
         (corpus / name).parent.mkdir(parents=True, exist_ok=True)
         (corpus / name).write_text(text)
     pipe = ["eval-pipeline", "--corpus", corpus, "--needles", "3", "--num-docs", "3"]
-    pipe += ["--positions", "0,2", "--device", "cpu"]
+    pipe += ["--positions", "0,2", "--device", "cpu", "--model", tiny_dir]
     _cli(*pipe, "--out", tmp_path / "single")
     for i in range(2):
         _cli(*pipe, "--out", tmp_path / f"s{i}", "--shard", f"{i}/2")
     _cli("merge", tmp_path / "merged", tmp_path / "s0", tmp_path / "s1")
     assert "resuming: 6 of 6" in _cli(*pipe, "--out", tmp_path / "merged")
     assert _answers(_cells(tmp_path / "merged")) == _answers(_cells(tmp_path / "single"))
+    # the tiny model's answers differ from cell to cell: a cell given another's answer shows
+    assert len({answer for answer, _ in _answers(_cells(tmp_path / "single")).values()}) > 1
