@@ -166,6 +166,16 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(tiny_folder(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    """A seeded tiny Qwen3 (:func:`tiny_folder`, ``arch="qwen3"``) saved once per session, for
+    the tests that compare answers across runs and code paths (resume, prefix reuse, batching,
+    shifted positions): its query and key norms make its attention peaked, so its answers
+    differ from cell to cell and change with a stale cache entry or a shifted position, where
+    :func:`tiny_dir`'s near-uniform attention often leaves them as they were."""
+    return str(tiny_folder(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3"))
+
+
 def gali_query_positions(n: int, big_l: int, w: int, s: int) -> list[float]:
     """The position of every query ``0..n-1`` of a GALI prefill (window ``big_l``, local window
     ``w``, chunks of ``s``) as the chunk that computes it sees it: :func:`gali_positions` of each

@@ -34,6 +34,48 @@ def test_conditions_are_parsed_and_refused_in_one_line():
             Condition.parse(bad)
 
 
+def test_an_estimate_that_meets_the_threshold_without_its_interval_fails_saying_so():
+    """A committed report (Gemma 3 270M over three orders against vanilla, 20 SQuAD test
+    questions): each condition whose estimate meets the threshold while its 95% interval does
+    not fails with "cannot show it" and the figure's interval as the report has them; one whose
+    interval clears the threshold passes; one whose estimate misses it is "below"."""
+    from ragfix.eval.gate import gate_failures
+
+    comparison = json.loads((ROOT / "results/squad-test20-k10-gemma3-orders3-max.json").read_text())
+    run = comparison["runs"][-1]
+    curve, pair = run["curves"]["vanilla"], comparison["paired"][0]
+    label = f"{run['name']}:vanilla"
+    figures = {
+        "mean>=0.25": (label, curve["mean"], curve["mean_ci"], curve["samples"]),
+        "worst>=0.15": (
+            f"{label} (position {curve['worst_position']})",
+            curve["worst"],
+            curve["worst_ci"],
+            curve["samples"],
+        ),
+        "gap<=0.3": (label, curve["gap"], curve["gap_ci"], curve["samples"]),
+        "diff>=0": (
+            f"{pair['other']} vs {pair['baseline']}",
+            pair["mean_diff"],
+            pair["mean_diff_ci"],
+            pair["samples"],
+        ),
+    }
+    for text, (name, value, ci, n) in figures.items():
+        (c,) = parse_gates([text])
+        met = value >= c.threshold if c.op == ">=" else value <= c.threshold
+        assert met and not (ci["low"] >= c.threshold if c.op == ">=" else ci["high"] <= c.threshold)
+        assert gate_failures(comparison, [c]) == [
+            f"gate {c} failed: {name} {c.figure} {value:.3f} (95% CI [{ci['low']:.3f}, "
+            f"{ci['high']:.3f}], {n} samples): its estimate meets {c.threshold:g} but the "
+            "interval does not: 20 samples cannot show it (give more questions)"
+        ]
+    assert curve["gap_ci"]["high"] <= 0.45
+    assert gate_failures(comparison, parse_gates(["gap<=0.45"])) == []
+    (below,) = gate_failures(comparison, parse_gates(["worst>=0.5"]))
+    assert below.endswith(": below 0.5") and f"worst {curve['worst']:.3f}" in below
+
+
 def test_a_gate_on_a_real_sweep_exits_1_naming_the_figure_and_its_interval(tmp_path, tiny_dir):
     """A run on two KV samples of two pairs (the shared tiny model: the gate reads the figures
     of whatever run it is given, and each line is checked against ``ragfix report``'s figures):

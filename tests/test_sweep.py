@@ -59,24 +59,14 @@ def tiny(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def run_model(tmp_path_factory) -> str:
-    """A tiny Qwen3 for the tests that compare answers across runs and code paths (the run's
-    files, resume, prefix reuse, batching are their mechanism, not what the model reads): its
-    query and key norms make its attention peaked, so its answers differ from cell to cell and
-    change with a stale cache entry or a shifted position, where the tiny llama's near-uniform
-    attention often leaves them as they were."""
-    return str(tiny_folder(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3"))
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, run_model):
+def finished_run(tmp_path_factory, tiny_qwen3_dir):
     out = tmp_path_factory.mktemp("run") / "nq3"
-    res = _eval(out, run_model)
+    res = _eval(out, tiny_qwen3_dir)
     assert res.exit_code == 0, res.output
     return out, res.output
 
 
-def test_cli_sweep_writes_results_summary_and_plot(finished_run, run_model, tmp_path):
+def test_cli_sweep_writes_results_summary_and_plot(finished_run, tiny_qwen3_dir, tmp_path):
     out, output = finished_run
     every = run_records(out)
     assert len(every) == 15 and len({r["cell_id"] for r in every}) == 15
@@ -102,7 +92,7 @@ def test_cli_sweep_writes_results_summary_and_plot(finished_run, run_model, tmp_
     right = {r["cell_id"] for r in recs[:4]}
     every = [{**r, "correct": r["cell_id"] in right or r["correct"]} for r in every]
     (marked / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in every))
-    res = _eval(marked, run_model)
+    res = _eval(marked, tiny_qwen3_dir)
     assert res.exit_code == 0 and "resuming: 15 of 15" in res.output, res.output
     recs = [r for r in every if r["reference"] is None]
     assert 0 < sum(r["correct"] for r in recs) < 9
@@ -110,7 +100,9 @@ def test_cli_sweep_writes_results_summary_and_plot(finished_run, run_model, tmp_
     assert curve["mean"] == pytest.approx(sum(r["correct"] for r in recs) / 9)
 
 
-def test_rerun_skips_finished_cells_and_resumes_after_a_crash(finished_run, run_model, tmp_path):
+def test_rerun_skips_finished_cells_and_resumes_after_a_crash(
+    finished_run, tiny_qwen3_dir, tmp_path
+):
     out, _ = finished_run
     before = (out / "summary.json").read_text()
     # a crash: the last two records lost, the one before torn mid-line
@@ -119,7 +111,7 @@ def test_rerun_skips_finished_cells_and_resumes_after_a_crash(finished_run, run_
     crashed.mkdir()
     (crashed / "config.json").write_text((out / "config.json").read_text())
     (crashed / "results.jsonl").write_text("\n".join(lines[:6]) + "\n" + lines[6][:40])
-    res = _eval(crashed, run_model)
+    res = _eval(crashed, tiny_qwen3_dir)
     assert res.exit_code == 0, res.output
     assert "resuming: 6 of 15 cells already done" in res.output
     recs = open_store(crashed).load()
@@ -132,7 +124,7 @@ def test_rerun_skips_finished_cells_and_resumes_after_a_crash(finished_run, run_
     assert {k: r["answer"] for k, r in recs.items()} == answers
     assert len(set(answers.values())) == 15
     # a rerun of a finished run computes nothing and loads no model
-    res = _eval(out, run_model)
+    res = _eval(out, tiny_qwen3_dir)
     assert "resuming: 15 of 15" in res.output and len(run_records(out)) == 15
 
 
@@ -206,14 +198,14 @@ def test_each_sample_is_checked_just_before_it_runs(tiny, tiny_dir, monkeypatch,
     assert done == [(samples[0].id, 2)] * 2 + [(samples[1].id, 4)] * 2
 
 
-def test_prefix_reuse_gives_the_same_answers_as_naive(run_model):
+def test_prefix_reuse_gives_the_same_answers_as_naive(tiny_qwen3_dir):
     """On a tiny model whose answer differs at each of the four positions, so that a cell
     answered over another cell's cache would show."""
     from ragfix.backends import load_backend
 
-    backend = load_backend("vanilla", model=run_model, device="cpu")
+    backend = load_backend("vanilla", model=tiny_qwen3_dir, device="cpu")
     samples = load_samples(NQ, 4, limit=1)
-    cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model=run_model, backend="vanilla")
+    cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model=tiny_qwen3_dir, backend="vanilla")
     cells = plan_cells(cfg, samples, [0, 1, 2, 3])
     naive, reused = {}, {}
     run_cells(backend, cells, lambda r: naive.setdefault(r.cell_id, r), prefix_reuse=False)
@@ -234,16 +226,16 @@ def test_prefix_reuse_gives_the_same_answers_as_naive(run_model):
         ("gali", {"train_window": 256}),
     ],
 )
-def test_batched_sweep_gives_the_naive_answers_for_every_backend(name, options, run_model):
+def test_batched_sweep_gives_the_naive_answers_for_every_backend(name, options, tiny_qwen3_dir):
     # issue 17: a sample's cells batched (over their shared prefix where the backend allows it,
     # else by length) give the answers of one cell at a time without any cache reuse; on a
     # tiny model whose answers differ from cell to cell and, each method's but vanilla's, from
     # vanilla's (so the method's own path is the one compared)
     from ragfix.backends import load_backend
 
-    backend = load_backend(name, model=run_model, device="cpu", **options)
+    backend = load_backend(name, model=tiny_qwen3_dir, device="cpu", **options)
     samples = load_samples(NQ, 4, limit=1)
-    cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model=run_model, backend=name)
+    cfg = SweepConfig(data=NQ, task="qa", num_docs=4, model=tiny_qwen3_dir, backend=name)
     cells = plan_cells(cfg, samples, [0, 2, 3])
     naive, batched = {}, {}
     run_cells(backend, cells, lambda r: naive.setdefault(r.cell_id, r), prefix_reuse=False)
@@ -255,7 +247,7 @@ def test_batched_sweep_gives_the_naive_answers_for_every_backend(name, options, 
     )
     assert shared == backend.supports_prefix_reuse
     assert len({r.answer for r in naive.values()}) == 3
-    vanilla = load_backend("vanilla", model=run_model, device="cpu")
+    vanilla = load_backend("vanilla", model=tiny_qwen3_dir, device="cpu")
     plain = {}
     run_cells(vanilla, cells, lambda r: plain.setdefault(r.cell_id, r.answer), prefix_reuse=False)
     assert ({k: r.answer for k, r in naive.items()} == plain) == (name == "vanilla")
@@ -265,11 +257,11 @@ def test_batched_sweep_gives_the_naive_answers_for_every_backend(name, options, 
         assert real.source == f"calibration:{calibration}"
 
 
-def test_output_folder_of_another_config_is_refused(finished_run, run_model):
+def test_output_folder_of_another_config_is_refused(finished_run, tiny_qwen3_dir):
     out, _ = finished_run
-    res = _eval(out, run_model, "--backend-opt", "foo=1")
+    res = _eval(out, tiny_qwen3_dir, "--backend-opt", "foo=1")
     assert res.exit_code == 2
-    more = ["--model", run_model, "--out", str(out), "--device", "cpu"]
+    more = ["--model", tiny_qwen3_dir, "--out", str(out), "--device", "cpu"]
     res = runner.invoke(app, ["eval", NQ, "--num-docs", "4", "--limit", "1", *more])
     assert res.exit_code == 2
     assert "holds a run of other settings, weights or inputs" in res.output
