@@ -1,5 +1,6 @@
 """The commands ``demo``, ``models`` and ``eval`` (its errors), and the Python API behind
-``eval`` (:func:`ragfix.eval.run_sweep`), with the real embedded model on bundled data."""
+``eval`` (:func:`ragfix.eval.run_sweep`), on bundled data: the demo with the real embedded
+model, the sweeps' mechanisms with the tiny seeded models of ``conftest``."""
 
 from __future__ import annotations
 
@@ -192,10 +193,10 @@ def test_eval_on_a_missing_file_is_one_line_naming_it(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_failed_first_run_does_not_block_the_corrected_rerun(tmp_path):
+def test_a_failed_first_run_does_not_block_the_corrected_rerun(tmp_path, tiny_dir):
     out = tmp_path / "run"
     args = ["eval", str(NQ), "--num-docs", "3", "--positions", "first", "--limit", "1"]
-    args += ["--no-references", "--device", "cpu", "--out", str(out)]
+    args += ["--no-references", "--device", "cpu", "--out", str(out), "--model", tiny_dir]
     res = runner.invoke(app, [*args, "--adapter", str(tmp_path / "no-adapter")])
     assert res.exit_code == 2 and "not an adapter folder" in res.output
     assert not (out / "config.json").exists()
@@ -205,7 +206,9 @@ def test_a_failed_first_run_does_not_block_the_corrected_rerun(tmp_path):
     assert config["backend_options"] == {} and len(run_records(out)) == 1
 
 
-def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
+def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path, tiny_qwen3_dir):
+    # the tiny Qwen3 (peaked attention): a reused cache entry that differs from the prompt's own
+    # changes its answers
     runs, seen = {}, {}
     for reuse in (True, False):
         out = tmp_path / f"reuse-{reuse}"
@@ -213,6 +216,7 @@ def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
         summary = run_sweep(
             NQ,
             out,
+            model=tiny_qwen3_dir,
             num_docs=3,
             positions="all",
             limit=1,
@@ -225,6 +229,7 @@ def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
     on, off = runs[True], runs[False]
     assert len(on) == 5 and set(on) == set(off)  # same cells, same ids (2 reference points)
     assert {k: r["answer"] for k, r in on.items()} == {k: r["answer"] for k, r in off.items()}
+    assert len({r["answer"] for r in on.values()}) == 5  # every cell's answer its own
     # last position first, then reuse; the reference points (position -1) after them
     assert [(r.position, r.reference) for r in seen[True]] == [
         (2, None), (1, None), (0, None), (-1, "closed-book"), (-1, "oracle")
@@ -235,12 +240,18 @@ def test_run_sweep_answers_are_the_same_with_and_without_prefix_reuse(tmp_path):
     # a rerun computes nothing
     again = []
     run_sweep(
-        NQ, tmp_path / "reuse-True", num_docs=3, limit=1, device="cpu", on_record=again.append
+        NQ,
+        tmp_path / "reuse-True",
+        model=tiny_qwen3_dir,
+        num_docs=3,
+        limit=1,
+        device="cpu",
+        on_record=again.append,
     )
     assert again == []
 
 
-def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(tmp_path):
+def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(tmp_path, tiny_dir):
     """``--records 1:3`` takes records 1 and 2 (lines 2 and 3) of the file,
     ``--limit 1`` the first of them; the range goes to config.json, and a rerun on another
     range in the same folder is refused."""
@@ -248,7 +259,7 @@ def test_eval_records_selects_by_file_index_before_limit_and_is_kept_in_config(t
 
     out = tmp_path / "run"
     args = ["eval", str(NQ), "--num-docs", "3", "--positions", "first", "--device", "cpu"]
-    args += ["--no-references"]
+    args += ["--no-references", "--model", tiny_dir]
     res = runner.invoke(app, [*args, "--records", "1:3", "--limit", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
     [rec] = run_records(out)

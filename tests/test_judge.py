@@ -541,7 +541,7 @@ def test_explain_style_generates_and_parses(smol):
 # ------------------------------------------------------------------ Python API
 
 
-def test_run_judge_resumes_and_records_config_only_after_a_judgment(tmp_path):
+def test_run_judge_resumes_and_records_config_only_after_a_judgment(tmp_path, tiny_dir):
     from ragfix.errors import ConfigMismatchError
     from ragfix.eval import run_judge
 
@@ -550,9 +550,12 @@ def test_run_judge_resumes_and_records_config_only_after_a_judgment(tmp_path):
     # a run that fails before its first judgment (no room for the answer in a 3-token window)
     # leaves no configuration behind: the corrected rerun may use the same folder
     with pytest.raises(ConfigError, match="no room"):
-        run_judge(data, out, backend="truncated", backend_options={"train_window": 3}, limit=2)
+        run_judge(
+            data, out, backend="truncated", backend_options={"train_window": 3}, limit=2,
+            model=tiny_dir,
+        )  # fmt: skip
     assert not (out / "config.json").exists() and not (out / "judgments.jsonl").exists()
-    first = run_judge(data, out, limit=2, device="cpu")
+    first = run_judge(data, out, limit=2, device="cpu", model=tiny_dir)  # a mechanism
     assert (first.pairs, first.computed, first.reused) == (2, 2, 0)
     lines = (out / "judgments.jsonl").read_text()
     assert sorted(json.loads(x)["pair_id"] for x in lines.splitlines()) == [
@@ -565,12 +568,12 @@ def test_run_judge_resumes_and_records_config_only_after_a_judgment(tmp_path):
     s = next(iter(first.summaries.values()))
     assert s["pairs"] == 2 and s["labelled"] == 2
     # the rerun computes nothing new and reports the same summary
-    again = run_judge(data, out, limit=2, device="cpu")
+    again = run_judge(data, out, limit=2, device="cpu", model=tiny_dir)
     assert (again.computed, again.reused) == (0, 2)
     assert (out / "judgments.jsonl").read_text() == lines
     assert again.summaries == first.summaries
     with pytest.raises(ConfigMismatchError, match="other settings.*tie_margin"):
-        run_judge(data, out, limit=2, tie_margin=0.1)
+        run_judge(data, out, limit=2, tie_margin=0.1, model=tiny_dir)
     with pytest.raises(ConfigError, match="unknown judge style"):
         run_judge(data, tmp_path / "other", style="long")
 

@@ -116,16 +116,17 @@ def test_pine_in_the_answer_style_with_content_letters_is_consistent_by_construc
         assert r.consistent
 
 
-def test_a_judge_run_records_the_style_and_the_kv_wrong_answer(tmp_path):
+def test_a_judge_run_records_the_style_and_the_kv_wrong_answer(tmp_path, tiny_dir):
     """``run_judge`` on KV records with unsupported wrong answers in the answer style: both
     settings are in config.json and the summary; a rerun with the other wrong answers into the
-    same folder is refused, naming the field."""
+    same folder is refused, naming the field. A mechanism: the tiny model."""
     from ragfix.errors import ConfigMismatchError
     from ragfix.eval import run_judge
 
     data = data_file("litm_kv_retrieval_140_keys.jsonl.gz")
     out = tmp_path / "run"
-    res = run_judge(data, out, records="3:5", style="answer", kv_wrong="unsupported", device="cpu")
+    kw = dict(records="3:5", style="answer", model=tiny_dir, device="cpu")
+    res = run_judge(data, out, kv_wrong="unsupported", **kw)
     assert res.pairs == 2
     config = json.loads((out / "config.json").read_text())
     assert (config["style"], config["kv_wrong"]) == ("answer", "unsupported")
@@ -134,7 +135,7 @@ def test_a_judge_run_records_the_style_and_the_kv_wrong_answer(tmp_path):
     recs = [json.loads(x) for x in (out / "judgments.jsonl").read_text().splitlines()]
     assert all(r["original"]["ll_a"] is not None for r in recs)
     with pytest.raises(ConfigMismatchError, match="kv_wrong"):
-        run_judge(data, out, records="3:5", style="answer", device="cpu")
+        run_judge(data, out, **kw)
     # the HTML report rebuilds the run's own pairs (unsupported wrong answers, answer prompts)
     judged = load_judge_run(out)
     assert judged.missing == "" and len(judged.records) == 2

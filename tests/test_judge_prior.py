@@ -133,10 +133,10 @@ def test_kv_pairs_are_deterministic_and_supported_by_their_context():
     assert pairs[0].pair_id == f"kv:1:{recs[0]['key']}"
 
 
-def test_judge_run_records_letters_and_calibration_and_renders_them(tmp_path):
+def test_judge_run_records_letters_and_calibration_and_renders_them(tmp_path, tiny_dir):
     """One KV pair of a record range, letters by content, calibrated: the settings are in
     config.json, a rerun with another calibration is refused before the model loads, and the
-    summary renders the calibrated verdicts' row and the prior."""
+    summary renders the calibrated verdicts' row and the prior. A mechanism: the tiny model."""
     from ragfix.errors import ConfigMismatchError
     from ragfix.eval import run_judge
     from ragfix.judge.report import judge_tables
@@ -144,8 +144,9 @@ def test_judge_run_records_letters_and_calibration_and_renders_them(tmp_path):
     data = data_file("litm_kv_retrieval_140_keys.jsonl.gz")
     out = tmp_path / "run"
     res = run_judge(
-        data, out, records="5:6", labels="content", calibrate="content-free", device="cpu"
-    )
+        data, out, records="5:6", labels="content", calibrate="content-free", device="cpu",
+        model=tiny_dir,
+    )  # fmt: skip
     assert res.pairs == 1
     config = json.loads((out / "config.json").read_text())
     assert (config["labels"], config["calibrate"]) == ("content", "content-free")
@@ -158,7 +159,7 @@ def test_judge_run_records_letters_and_calibration_and_renders_them(tmp_path):
     text = "\n".join(t.title + str(t.rows) + str(t.lines) for t in judge_tables(summary))
     assert "contextual argmax" in text and "content-free prior" in text
     with pytest.raises(ConfigMismatchError, match="calibrate"):
-        run_judge(data, out, records="5:6", labels="content")
+        run_judge(data, out, records="5:6", labels="content", model=tiny_dir)
 
 
 def test_compare_runs_is_the_exact_mcnemar_test_of_one_verdict_field(tmp_path):

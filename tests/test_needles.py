@@ -1,6 +1,6 @@
 """Questions from a user's own Markdown folder, no labels: needles planted in its chunks and
 questions a model writes about them, through the real pipeline (the real MiniLM embedder, FAISS,
-the real SmolLM2), with the folder never written."""
+a tiny seeded model with SmolLM2's tokenizer answering), with the folder never written."""
 
 from __future__ import annotations
 
@@ -147,10 +147,10 @@ def test_insert_sentence_at_a_boundary_within_the_budget():
         insert_sentence(text, "X.", 4, 99, words)
 
 
-def test_needle_sweep_records_natural_rank_and_refuses_other_needles(folder, tmp_path):
+def test_needle_sweep_records_natural_rank_and_refuses_other_needles(folder, tmp_path, tiny_dir):
     out = tmp_path / "run"
     before = _listing(folder)
-    kw = dict(strategies=["none"], top_k=3, positions="0,2", device="cpu")
+    kw = dict(strategies=["none"], top_k=3, positions="0,2", device="cpu", model=tiny_dir)
     summary = run_pipeline_sweep(folder, None, out, needles=NeedleSettings(count=2), **kw)
     assert _listing(folder) == before
     recs = run_records(out)
@@ -264,16 +264,16 @@ def test_written_questions_are_filtered_and_every_drop_counted(folder, tmp_path,
     assert parse_written("no answer here") is None
 
 
-def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path):
+def test_cli_needles_and_written_questions_through_the_pipeline(folder, tmp_path, tiny_dir):
     """``ragfix eval-pipeline --corpus DIR --needles 3``, then ``--questions-from`` a served model
     (the stand-in server, every reply the same pair: kept for the one chunk whose answer it is) with
-    SmolLM2 answering; the question file is written to the run folder, reused by a rerun and
+    a tiny model answering; the question file is written to the run folder, reused by a rerun and
     readable with ``--questions``; the folder is never written."""
     from fake_openai import FakeOpenAI
 
     before = _listing(folder)
     out = tmp_path / "needles"
-    small = ["--num-docs", "3", "--positions", "2", "--device", "cpu"]
+    small = ["--num-docs", "3", "--positions", "2", "--device", "cpu", "--model", tiny_dir]
     args = ["eval-pipeline", "--corpus", str(folder), "--needles", "3", "--out", str(out), *small]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output

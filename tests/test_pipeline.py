@@ -109,10 +109,13 @@ def test_sweep_through_the_pipeline(small_corpus, tmp_path, smol):
         )
 
 
-def test_same_cells_give_the_same_prompts_in_every_framework(small_corpus, tmp_path, smol):
+def test_same_cells_give_the_same_prompts_in_every_framework(
+    small_corpus, tmp_path, tiny_qwen3_dir
+):
     """One question, gold at ranks 0 and 2, lost-in-the-middle, through LlamaIndex, LangChain
     and Haystack: the model reads the same prompt (SHA-1) and answers the same in each cell; the
-    framework is part of the run config and the cell ids."""
+    framework is part of the run config and the cell ids. A mechanism: the tiny Qwen3, whose
+    answer differs between the two cells (asserted)."""
     corpus, questions = small_corpus
     runs = {}
     for framework in ("llamaindex", "langchain", "haystack"):
@@ -125,6 +128,7 @@ def test_same_cells_give_the_same_prompts_in_every_framework(small_corpus, tmp_p
             top_k=3,
             positions="0,2",
             limit=1,
+            model=tiny_qwen3_dir,
             device="cpu",
             framework=framework,
         )
@@ -144,6 +148,7 @@ def test_same_cells_give_the_same_prompts_in_every_framework(small_corpus, tmp_p
         assert li["extra"]["order"] == lc["extra"]["order"] == hs["extra"]["order"]
         assert len({li["cell_id"], lc["cell_id"], hs["cell_id"]}) == 3
     assert [runs["haystack"][c]["prompt_position"] for c in cells] == [0, 1]  # ranks 0, 2
+    assert len({runs["llamaindex"][c]["answer"] for c in cells}) == 2  # a cell's answer shows
     with pytest.raises(ConfigError, match="--framework: 'dspy' is not one of"):
         run_pipeline_sweep(
             corpus=corpus,
@@ -155,13 +160,15 @@ def test_same_cells_give_the_same_prompts_in_every_framework(small_corpus, tmp_p
 
 
 def test_orders_through_the_pipeline_keep_every_vote_and_never_resume_onto_other_orders(
-    small_corpus, tmp_path, smol
+    small_corpus, tmp_path, tiny_qwen3_dir
 ):
     """``--orders``: each cell's LLM answers over orders of the chunks its postprocessor passed
-    on (``passages_from``); every vote is SmolLM2's own answer to that order of the prompt the
-    record keeps, and a folder is never resumed onto other orders."""
+    on (``passages_from``); every vote is the model's own answer to that order of the prompt the
+    record keeps, and a folder is never resumed onto other orders. A mechanism: the tiny Qwen3
+    (peaked attention), whose answer changes with the order of the chunks (asserted)."""
     from typer.testing import CliRunner
 
+    from ragfix.backends import load_backend
     from ragfix.cli.app import app
     from ragfix.errors import ConfigMismatchError
     from ragfix.prompts import TaskPrompt, find_passages
@@ -171,20 +178,24 @@ def test_orders_through_the_pipeline_keep_every_vote_and_never_resume_onto_other
     out = tmp_path / "run"
     orders = {"orders": 3, "aggregate": "plurality"}
     kw = dict(corpus=corpus, questions=questions, strategies=["none"], top_k=3, limit=1)
+    kw |= dict(model=tiny_qwen3_dir)
     run_pipeline_sweep(out=out, positions="0,2", device="cpu", orders=orders, **kw)
     recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert len(recs) == 2
+    llm = load_backend("vanilla", model=tiny_qwen3_dir, device="cpu")
     for r in recs:
         stored = r["prompt"]
         chunks = [stored["text"][a:b] for a, b in stored["passages"]]
         user = get_task("qa").user_turn(r["question"], join_chunks(chunks))
-        assert stored["text"] == smol.format_prompt(TaskPrompt(user=user))
+        assert stored["text"] == llm.format_prompt(TaskPrompt(user=user))
         spans = tuple(find_passages(user, chunks))
         prompt = TaskPrompt(user=user, passages=spans, max_new_tokens=32, stop_at_newline=True)
         votes = r["extra"]["votes"]
         assert [v["order"] for v in votes] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
-        singles = smol.generate([prompt.reordered(v["order"]) for v in votes], batch_size=1)
+        singles = llm.generate([prompt.reordered(v["order"]) for v in votes], batch_size=1)
         assert [v["answer"] for v in votes] == [g.text for g in singles]
+        assert len({g.text for g in singles}) > 1  # the order moves the answer: a vote of
+        # another order in its place shows
         assert r["answer"] in [g.text for g in singles]
     config = json.loads((out / "config.json").read_text())
     assert config["backend_options"]["orders"]["orders"] == 3
@@ -206,9 +217,15 @@ def test_orders_through_the_pipeline_keep_every_vote_and_never_resume_onto_other
     # "unknown task 'qa-pipeline'"): each (orders, aggregate) row scores the vote it picks
     from ragfix.eval.orders_tune import tune_orders
 
+    # the tiny model answers nothing right: the records' gold answers are made a vote the run did
+    # not keep (the first record) and the one it kept (the second), so both score both ways
+    recs.sort(key=lambda r: r["position"])
+    first, second = recs
+    other = next(v["answer"] for v in first["extra"]["votes"] if v["answer"] != first["answer"])
+    first["gold_answers"], second["gold_answers"] = [other], [second["answer"]]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     table, details = tune_orders(out)
     qa = get_task("qa")
-    recs.sort(key=lambda r: r["position"])
     assert details["positions"] == [r["position"] for r in recs] and details["samples"] == 1
     # the run's own setting picks the answer each record kept
     want = [float(qa.score(r["answer"], r["gold_answers"])) for r in recs]
@@ -217,15 +234,17 @@ def test_orders_through_the_pipeline_keep_every_vote_and_never_resume_onto_other
         float(any(qa.score(v["answer"], r["gold_answers"]) for v in r["extra"]["votes"]))
         for r in recs
     ]
+    assert want == [0.0, 1.0] and details["ceiling"] == [1.0, 1.0]
 
 
 def test_natural_ranks_run_each_question_where_its_retriever_put_it_under_the_task(
-    small_corpus, tmp_path, smol
+    small_corpus, tmp_path, tiny_dir
 ):
     from ragfix.tasks import get_task
 
     corpus, questions = small_corpus
     kw = dict(corpus=corpus, questions=questions, strategies=["none", "reverse"], top_k=3)
+    kw |= dict(model=tiny_dir)  # a mechanism: the tiny model answers wrong (as SmolLM2 did)
     out = tmp_path / "natural"
     summary = run_pipeline_sweep(
         out=out, positions="natural", device="cpu", task="qa-extractive", **kw
@@ -263,30 +282,34 @@ def test_natural_ranks_run_each_question_where_its_retriever_put_it_under_the_ta
         gate_failures(comparison, parse_gates(["diff>=0"]))
 
 
-def test_a_record_range_asks_only_its_questions_and_binds_the_folder(small_corpus, tmp_path, smol):
+def test_a_record_range_asks_only_its_questions_and_binds_the_folder(
+    small_corpus, tmp_path, tiny_dir
+):
     from typer.testing import CliRunner
 
+    from ragfix.backends import load_backend
     from ragfix.cli.app import app
     from ragfix.connectors.synthetic import NeedleSettings
     from ragfix.errors import ConfigMismatchError, DataError
 
     corpus, questions = small_corpus
+    tiny = load_backend("vanilla", model=tiny_dir, device="cpu")  # a mechanism: the tiny model
     out = tmp_path / "second"
     kw = dict(corpus=corpus, questions=questions, strategies=["none"], top_k=3, positions="0")
-    run_pipeline_sweep(out=out, records="1:2", backend=smol, **kw)
+    run_pipeline_sweep(out=out, records="1:2", backend=tiny, **kw)
     recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     # record 1 is the file's second line: its question alone, at the one rank asked
     assert [r["sample_id"] for r in recs] == ["nq-0201"]
     assert recs[0]["extra"]["gold_added"]  # the question whose gold the retriever misses
     assert json.loads((out / "config.json").read_text())["records"] == "1:2"
     with pytest.raises(ConfigMismatchError, match="records"):
-        run_pipeline_sweep(out=out, records="0:2", backend=smol, **kw)
+        run_pipeline_sweep(out=out, records="0:2", backend=tiny, **kw)
     with pytest.raises(DataError, match="--records 4:9 holds none of its 2 questions"):
-        run_pipeline_sweep(out=tmp_path / "none", records="4:9", backend=smol, **kw)
+        run_pipeline_sweep(out=tmp_path / "none", records="4:9", backend=tiny, **kw)
     with pytest.raises(ConfigError, match="--records picks questions of a file"):
         run_pipeline_sweep(
             corpus=corpus, questions=None, out=tmp_path / "n", strategies=["none"], top_k=3,
-            needles=NeedleSettings(count=2), records="0:1", backend=smol,
+            needles=NeedleSettings(count=2), records="0:1", backend=tiny,
         )  # fmt: skip
     res = CliRunner().invoke(
         app, ["eval-pipeline", "--corpus", str(corpus), "--questions", str(questions),

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import BUNDLED, data_file, run_records, tiny_folder
+from conftest import BUNDLED, data_file, run_records
 from typer.testing import CliRunner
 
 from ragfix.cli.app import app
@@ -42,23 +42,26 @@ def _text(payload: dict, segs) -> str:
     return "".join(payload["strings"][i] for i, _ in segs)
 
 
+@pytest.fixture
+def model_dir(tiny_dir):
+    """The session's tiny seeded model with SmolLM2's tokenizer (``conftest.tiny_dir``): the
+    prompts are the same text for any model; its answers cost a millisecond a token."""
+    return Path(tiny_dir)
+
+
 @pytest.fixture(scope="module")
-def smol_run(tmp_path_factory):
-    """The real embedded SmolLM2 on two samples of the bundled NQ sample, three documents,
-    the gold one at every position."""
-    out = tmp_path_factory.mktemp("smol") / "smol"
-    run_sweep(NQ, out, num_docs=3, limit=2, workers=1, device="cpu", references=False)
+def kept_run(tmp_path_factory, tiny_dir):
+    """A sweep that kept its prompts: the tiny model on two samples of the bundled NQ sample,
+    three documents, the gold one at every position."""
+    out = tmp_path_factory.mktemp("kept") / "kept"
+    common = dict(model=tiny_dir, num_docs=3, limit=2, workers=1, device="cpu")
+    run_sweep(NQ, out, references=False, **common)
     return out
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    return tiny_folder(tmp_path / "model", seed=0)
-
-
-def test_sweep_cells_keep_the_prompt_their_model_read(smol_run):
+def test_sweep_cells_keep_the_prompt_their_model_read(kept_run):
     samples = {s.id: s for s in load_samples(NQ, 3, 2)}
-    records = run_records(smol_run)
+    records = run_records(kept_run)
     assert len(records) == 6
     for r in records:
         s = samples[r["sample_id"]]
@@ -68,7 +71,7 @@ def test_sweep_cells_keep_the_prompt_their_model_read(smol_run):
         start, end = p["passages"][p["gold"]]
         assert p["gold"] == r["position"] and s.gold.text in p["text"][start:end]
         assert r["question"] == s.question and r["gold_answers"] == s.answers
-    assert json.loads((smol_run / "config.json").read_text())["log_prompts"] is True
+    assert json.loads((kept_run / "config.json").read_text())["log_prompts"] is True
 
 
 def test_prompts_left_out_keep_the_cells_and_are_never_mixed_with_kept_ones(tmp_path, model_dir):
@@ -133,13 +136,13 @@ def _cells(folder: Path) -> tuple[dict, dict[str, dict], str]:
     return payload, cells, page
 
 
-def test_a_sweep_from_before_prompts_shows_the_prompts_its_sweep_stores(smol_run, tmp_path):
-    """The embedded SmolLM2's run with its prompts, and the same folder without them: the page
-    of the old folder rebuilds, for every cell, the very prompt the run stored (text, passages,
-    gold passage, assistant prefix), labelled as rebuilt."""
-    old = _old_folder(smol_run, tmp_path / "old")
+def test_a_sweep_from_before_prompts_shows_the_prompts_its_sweep_stores(kept_run, tmp_path):
+    """A run with its prompts, and the same folder without them: the page of the old folder
+    rebuilds, for every cell, the very prompt the run stored (text, passages, gold passage,
+    assistant prefix), labelled as rebuilt."""
+    old = _old_folder(kept_run, tmp_path / "old")
     payload, cells, page = _cells(old)
-    stored = {r["cell_id"]: r["prompt"] for r in run_records(smol_run)}
+    stored = {r["cell_id"]: r["prompt"] for r in run_records(kept_run)}
     assert set(cells) == set(stored) and len(cells) == 6
     for cid, cell in cells.items():
         p = stored[cid]
@@ -151,7 +154,7 @@ def test_a_sweep_from_before_prompts_shows_the_prompts_its_sweep_stores(smol_run
         assert gold == p["text"][start:end]
         assert sum(kind > 0 for _, kind in cell["prompt"]) == len(p["passages"])
     assert f"<td>{REBUILT}</td>" in page  # the runs table
-    assert not any("rebuilt" in c for c in _cells(smol_run)[1].values())  # stored: unlabelled
+    assert not any("rebuilt" in c for c in _cells(kept_run)[1].values())  # stored: unlabelled
 
 
 def test_an_old_sweep_s_prompts_are_rebuilt_only_from_what_it_read(tmp_path, model_dir):
@@ -315,15 +318,27 @@ def _chromium() -> str:
 
 
 def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
-    smol_run, tmp_path, model_dir
+    kept_run, tmp_path, model_dir
 ):
-    """Two runs of the same cells side by side (SmolLM2 with its prompts, a tiny model without),
-    the page opened in headless Chromium: the cell at the baseline's worst position shows the
-    prompt the model read with the gold passage highlighted, its answer and the gold answers,
-    as the record has them; a filter keeps the rows it names; a screenshot is saved."""
+    """Two runs of the same cells side by side (one with its prompts, one without), the page
+    opened in headless Chromium: the cell at the baseline's worst position shows the prompt the
+    model read with the gold passage highlighted, its answer and the gold answers, as the
+    record has them; a filter keeps the rows it names; a screenshot is saved."""
     browser_path = _chromium()
     from playwright.sync_api import sync_playwright
 
+    from ragfix.eval.sweep_summary import write_report
+
+    # the tiny model's answers are never right: the run with its cells marked right but one
+    # sample's at position 1, so that position is the worst, and one of its rows right
+    marked = tmp_path / "marked"
+    shutil.copytree(kept_run, marked)
+    records = run_records(marked)
+    wrong = records[0]["sample_id"]
+    for r in records:
+        r["correct"] = (r["sample_id"], r["position"]) != (wrong, 1)
+    (marked / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_report(marked, records)
     bare = tmp_path / "bare"
     common = dict(model=str(model_dir), num_docs=3, limit=2, workers=1, device="cpu")
     run_sweep(NQ, bare, log_prompts=False, **common)
@@ -332,7 +347,7 @@ def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
         app,
         [
             "report",
-            str(smol_run),
+            str(marked),
             str(bare),
             "--out",
             str(tmp_path / "c.png"),
@@ -341,10 +356,9 @@ def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
         ],
     )
     assert result.exit_code == 0, result.output
-    worst = json.loads((smol_run / "summary.json").read_text())["curves"]["vanilla"][
-        "worst_position"
-    ]
-    records = {(r["sample_id"], r["position"]): r for r in run_records(smol_run)}
+    worst = json.loads((marked / "summary.json").read_text())["curves"]["vanilla"]["worst_position"]
+    assert worst == 1
+    records = {(r["sample_id"], r["position"]): r for r in run_records(marked)}
     errors: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
@@ -363,7 +377,7 @@ def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
         key = row.get_attribute("data-key")
         row.locator("summary").click()
         rec = records[(key, worst)]
-        cell = row.locator('.cell[data-col="smol:vanilla"]')
+        cell = row.locator('.cell[data-col="marked:vanilla"]')
         assert cell.locator("pre.answer").text_content() == (rec["answer"] or "(empty)")
         assert cell.locator("pre.prompt").text_content() == rec["prompt"]["text"]
         start, end = rec["prompt"]["passages"][rec["prompt"]["gold"]]
@@ -375,6 +389,7 @@ def test_the_page_in_a_real_browser_opens_a_cell_at_the_worst_position(
         shot = page.screenshot(path=str(tmp_path / "report.png"))
         page.select_option("#relation", "wrong")
         shown = page.locator("details.row")
+        assert shown.count() == 1  # of the two rows at the worst position
         assert all(
             "wrong" in (shown.nth(i).locator(".badge").first.get_attribute("class") or "")
             for i in range(shown.count())
