@@ -20,7 +20,7 @@ prompt says they are (order marginalization, ``pine``, ``set-based``:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -356,7 +356,9 @@ class Answerer:
         """Yield the answer's new text as the model produces it, through
         :meth:`Backend.stream`, under ``settings`` (as :meth:`generate`). With
         ``stop_at_newline`` nothing after the first newline of the answer (leading white space
-        aside) is yielded. The backend's stream is closed (its generation stopped, not drained)
+        aside) is yielded, and the white space the whole answer is stripped of is not
+        (:func:`strip_stream`): the pieces join to :meth:`generate`'s text. The backend's
+        stream is closed (its generation stopped, not drained)
         when the newline rule is hit or when the consumer stops iterating. The prompt is checked
         (:meth:`request`) before the first piece is asked for. A backend whose answer exists
         only once it is complete (order marginalization) yields it as one piece.
@@ -374,11 +376,26 @@ class Answerer:
             if s.stop_at_newline:
                 pieces = cut_at_newline(pieces)
             try:
-                yield from (piece for piece in pieces if piece)
+                yield from strip_stream(pieces)
             finally:
                 pieces.close()
 
         return pieces_of()
+
+
+def strip_stream(pieces: Iterable[str]) -> Iterator[str]:
+    """``pieces`` without the white space that a whole answer is stripped of
+    (:func:`~ragfix.backends.base.final_answer`): leading white space is dropped, and white
+    space is held back until text follows it, so a trailing run is never yielded. Joined, the
+    pieces are the stripped answer; no piece is empty."""
+    held, started = "", False
+    for piece in pieces:
+        text = held + (piece if started else piece.lstrip())
+        body = text.rstrip()
+        held = text[len(body) :]
+        if body:
+            started = True
+            yield body
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
@@ -450,4 +467,5 @@ __all__ = [
     "StopStream",
     "check_passage_source",
     "cut_at_stop",
+    "strip_stream",
 ]

@@ -2,7 +2,10 @@
 prompt's passages where the prompt says they are (order marginalization, ``pine``), the spans
 found in the framework's rendered prompt from the documents the correction component passed on.
 Each framework runs a real pipeline over the real SmolLM2; every vote is checked against the
-wrapped backend's own answer to that order of the same task prompt."""
+wrapped backend's own answer to that order of the same task prompt. PINE's spans and the
+synthesizer's concurrent queries are plumbing checked on the shared tiny Qwen3
+(``tiny_qwen3_dir``: SmolLM2's tokenizer and chat template, random weights whose peaked attention
+moves the answer with the passages and their spans)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,14 @@ from ragfix.tasks import join_chunks, render_chunk
 QUESTION = "What is the capital of Germany?"
 TITLES = [f"City {i}" for i in range(4)]
 ANSWER = {"max_new_tokens": 8, "stop_at_newline": True}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_dir):
+    """The shared tiny Qwen3 as a vanilla backend."""
+    from ragfix.backends import load_backend
+
+    return load_backend("vanilla", model=tiny_qwen3_dir, device="cpu")
 
 
 def test_find_passages_by_hand():
@@ -197,18 +208,18 @@ def test_haystack_answers_over_orders_with_the_rankers_documents(smol):
         pipe.dumps()
 
 
-def test_pine_answers_a_framework_prompt_with_the_documents_spans(smol):
+def test_pine_answers_a_framework_prompt_with_the_documents_spans(tiny, tiny_qwen3_dir):
     from ragfix.backends import load_backend
 
-    pine = load_backend("pine", model="smollm2", device="cpu")
+    pine = load_backend("pine", model=tiny_qwen3_dir, device="cpu")
     with pytest.raises(ConfigError, match="or give RagFixChatModel passages_from="):
         RagFixChatModel(pine, **ANSWER)
-    compressor = RagFixCompressor(strategy="none", backend=smol)
+    compressor = RagFixCompressor(strategy="none", backend=tiny)
     chat = RagFixChatModel(pine, passages_from=compressor, **ANSWER)
     answer = _langchain_chain(compressor, chat).invoke(QUESTION)
     chunks = [render_chunk(TITLES[i], CITY_TEXTS[i]) for i in range(4)]
     user = _user(chunks)
-    assert chat.last_prompt == smol.format_prompt(TaskPrompt(user=user))
+    assert chat.last_prompt == tiny.format_prompt(TaskPrompt(user=user))
     prompt = TaskPrompt(
         user=user,
         passages=_spans_by_hand(user, chunks),
@@ -216,6 +227,10 @@ def test_pine_answers_a_framework_prompt_with_the_documents_spans(smol):
         **ANSWER,
     )
     assert answer == pine.generate([prompt], batch_size=1)[0].text
+    # the spans move the answer: the same prompt read as one passage answers otherwise
+    span = (user.index(chunks[0]), user.index(chunks[-1]) + len(chunks[-1]))
+    whole = TaskPrompt(user=user, passages=(span,), passage_separator="\n\n", **ANSWER)
+    assert pine.generate([whole], batch_size=1)[0].text != answer
 
 
 def test_refusals_are_one_line(smol):
@@ -252,7 +267,7 @@ def test_refusals_are_one_line(smol):
     assert llm.calls == 0
 
 
-def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(smol):
+def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(tiny):
     """``RagFixSynthesizer`` (issue 56): no state shared between queries. Two questions whose
     retriever returns different cities, asked at once (``asyncio.gather`` of two ``aquery`` on
     one engine with one postprocessor, over three orders of the passages): each answer is the
@@ -275,9 +290,9 @@ def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(smo
         def _retrieve(self, query_bundle):
             return [_nodes_of(i) for i in questions[query_bundle.query_str]]
 
-    wrapped = marginalize_orders(smol, OrderOptions(orders=3))
+    wrapped = marginalize_orders(tiny, OrderOptions(orders=3))
     synth = RagFixSynthesizer(wrapped, max_new_tokens=8)
-    post = RagFixPostprocessor(strategy="reverse", backend=smol)
+    post = RagFixPostprocessor(strategy="reverse", backend=tiny)
     engine = RetrieverQueryEngine(
         retriever=ByQuestion(), response_synthesizer=synth, node_postprocessors=[post]
     )
@@ -295,6 +310,7 @@ def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(smo
                             stop_at_newline=qa.stop_at_newline)  # fmt: skip
         [want] = wrapped.generate([prompt], batch_size=1)
         assert answer == single == want.text, q
+    assert together[0] != together[1]  # each question's chunks give their own answer
 
 
 def _nodes_of(i: int) -> NodeWithScore:

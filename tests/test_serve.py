@@ -3,8 +3,9 @@ limits, malformed input, batching (the cases of issue 31, from public bug report
 servers: vLLM, llama.cpp, Ollama, letta, garak, FastAPI).
 
 A real uvicorn server on 127.0.0.1 serves the real SmolLM2 (the session's ``smol`` backend, in
-this process, so a test can count the model's forward passes: one per decoding step); the API
-key test starts ``ragfix serve`` itself as a subprocess over a tiny seeded model folder.
+this process, so a test can count the model's forward passes: one per decoding step); the
+batching test's serves the shared tiny Qwen3 (``tiny_qwen3_dir``); the API key test starts
+``ragfix serve`` itself as a subprocess over a tiny seeded model folder.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ragfix.serve import create_app, exposure_warning, free_port, serving
 from ragfix.serve_guard import server_config
 
 MODEL = "smollm2"
+TINY = "tiny"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake."}]
 
@@ -70,6 +72,19 @@ def served(smol):
     with running(app) as url:
         yield url, app.state.server, steps
     steps.handle.remove()
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny_qwen3_dir):
+    """``(url, server)``: the shared tiny Qwen3 served on 127.0.0.1 as :data:`TINY` and its
+    :class:`~ragfix.serve.Server`, for the tests whose answers batched must equal the answers
+    alone (its peaked attention changes an answer read with another row's padding or
+    positions) and need no model that reads."""
+    from ragfix.backends import load_backend
+
+    app = create_app(load_backend("vanilla", model=tiny_qwen3_dir, device="cpu"), TINY)
+    with running(app) as url:
+        yield url, app.state.server
 
 
 def post(url: str, path: str, body, timeout: float = 120, **kw) -> httpx.Response:
@@ -191,9 +206,9 @@ def test_an_abandoned_request_is_cancelled(served, caplog):
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
-def _method(smol, name: str):
-    """A method backend over the session's SmolLM2 and a prompt it reads along its own path
-    (GALI beyond its window, set-based through its passage layout)."""
+def _method(base, name: str):
+    """A method backend over the vanilla backend ``base``'s model and a prompt it reads along its
+    own path (GALI beyond its window, set-based through its passage layout)."""
     from ragfix.backends.gali import GaliBackend
     from ragfix.backends.set_based import SetBasedBackend
     from ragfix.connectors.litm import load_samples
@@ -201,24 +216,27 @@ def _method(smol, name: str):
 
     story = TaskPrompt(user="Write a long story about a lighthouse. " * 8)
     if name == "vanilla":
-        return smol, story
+        return base, story
     if name == "gali":
-        return GaliBackend(smol.model, smol.tokenizer, train_window=96), story
+        return GaliBackend(base.model, base.tokenizer, train_window=96), story
     [sample] = load_samples(BUNDLED / "kv_16pairs_sample.jsonl.gz", 4, 1)
-    return SetBasedBackend(smol.model, smol.tokenizer), task_prompt(
+    return SetBasedBackend(base.model, base.tokenizer), task_prompt(
         sample, sample.passages_with_gold_at(1)
     )
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gali", "set-based"])
-def test_cancel_stops_generate_and_stream_between_steps(smol, name):
+def test_cancel_stops_generate_and_stream_between_steps(tiny_dir, name):
     """The model interface, on each decoding path (``transformers``' generate with and without
     prefix reuse, GALI's own loop, a layout method's loop): ``cancel`` stops ``generate`` and
-    ``stream`` within a step and raises ``Cancelled``. Steps are counted at the LM head."""
+    ``stream`` within a step and raises ``Cancelled``. Steps are counted at the LM head (of the
+    shared tiny model: what is counted is steps, not what the model reads)."""
+    from ragfix.backends import load_backend
     from ragfix.errors import Cancelled
 
-    backend, prompt = _method(smol, name)
-    steps = Steps(smol.model.lm_head)
+    base = load_backend("vanilla", model=tiny_dir, device="cpu")
+    backend, prompt = _method(base, name)
+    steps = Steps(base.model.lm_head)
     try:
 
         class AfterFive:
@@ -731,19 +749,22 @@ def test_the_openai_client_and_langchain_openai_read_the_answers(served):
 # ------------------------------------------------------------------ batching
 
 
-def test_concurrent_requests_are_batched_and_answer_as_alone(served):
+def test_concurrent_requests_are_batched_and_answer_as_alone(served_tiny):
     """Requests arriving together are decoded together (six rows, under the batch cap); each
     answer equals its answer alone (text identical, first-token log-probabilities
-    within 1e-4), streamed or not, with the prefix reuse cache on."""
-    url, server, _ = served
+    within 1e-4), streamed or not, with the prefix reuse cache on. On the tiny Qwen3, whose
+    six answers differ, so an answer read with another row's padding or positions shows."""
+    url, server = served_tiny
     prompts = [f"What is {a} plus {b}? Answer with the number." for a, b in
                ((2, 3), (10, 5), (7, 8), (1, 1), (6, 6), (9, 4))]  # fmt: skip
+    msg = {"model": TINY, "max_tokens": 40}
 
     def ask(p):
-        out = chat(url, [{"role": "user", "content": p}], max_tokens=10, logprobs=True).json()
+        out = chat(url, [{"role": "user", "content": p}], **msg, logprobs=True).json()
         return out["choices"][0]["message"]["content"], out["choices"][0]["logprobs"]["content"][0]
 
     alone = [ask(p) for p in prompts]
+    assert len({text for text, _ in alone}) == len(prompts)
     before = len(server.worker.batch_sizes)
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(ask, prompts))
@@ -754,8 +775,7 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(served):
         assert f["logprob"] == pytest.approx(first["logprob"], abs=1e-4)
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         streams = list(pool.map(lambda p: streamed(url, "/v1/chat/completions", {
-            "model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 10})[0],
-            prompts))  # fmt: skip
+            **msg, "messages": [{"role": "user", "content": p}]})[0], prompts))  # fmt: skip
     assert streams == [text for text, _ in alone]
 
 
