@@ -176,6 +176,22 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
     return str(tiny_folder(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3"))
 
 
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """:func:`tiny_dir` as a vanilla backend on the CPU (loaded once)."""
+    from ragfix.backends import load_backend
+
+    return load_backend("vanilla", model=tiny_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_qwen3_dir):
+    """:func:`tiny_qwen3_dir` as a vanilla backend on the CPU (loaded once)."""
+    from ragfix.backends import load_backend
+
+    return load_backend("vanilla", model=tiny_qwen3_dir, device="cpu")
+
+
 def gali_query_positions(n: int, big_l: int, w: int, s: int) -> list[float]:
     """The position of every query ``0..n-1`` of a GALI prefill (window ``big_l``, local window
     ``w``, chunks of ``s``) as the chunk that computes it sees it: :func:`gali_positions` of each

@@ -87,16 +87,6 @@ def test_options_are_validated_when_built():
             OrderOptions(**bad)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    """The shared tiny seeded model as a vanilla backend: the votes' bookkeeping needs a model
-    whose answer changes with the order of the passages, not one that reads them (its answers
-    are garbage, but differ from order to order: asserted where it matters)."""
-    from ragfix.backends import load_backend
-
-    return load_backend("vanilla", model=tiny_dir, device="cpu")
-
-
 def test_each_vote_is_the_wrapped_backends_own_answer_and_confidence_on_that_order(tiny):
     sample = load_samples(KV, 4, limit=1)[0]
     prompt = task_prompt(sample, sample.passages_with_gold_at(1))

@@ -35,14 +35,6 @@ TITLES = [f"City {i}" for i in range(4)]
 ANSWER = {"max_new_tokens": 8, "stop_at_newline": True}
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_qwen3_dir):
-    """The shared tiny Qwen3 as a vanilla backend."""
-    from ragfix.backends import load_backend
-
-    return load_backend("vanilla", model=tiny_qwen3_dir, device="cpu")
-
-
 def test_find_passages_by_hand():
     text = "Intro. alpha beta\n\ngamma\n\nalpha beta. End."
     # found (stripped), one missing (None, the search goes on from the last one found), and a
@@ -208,18 +200,18 @@ def test_haystack_answers_over_orders_with_the_rankers_documents(smol):
         pipe.dumps()
 
 
-def test_pine_answers_a_framework_prompt_with_the_documents_spans(tiny, tiny_qwen3_dir):
+def test_pine_answers_a_framework_prompt_with_the_documents_spans(tiny_qwen3, tiny_qwen3_dir):
     from ragfix.backends import load_backend
 
     pine = load_backend("pine", model=tiny_qwen3_dir, device="cpu")
     with pytest.raises(ConfigError, match="or give RagFixChatModel passages_from="):
         RagFixChatModel(pine, **ANSWER)
-    compressor = RagFixCompressor(strategy="none", backend=tiny)
+    compressor = RagFixCompressor(strategy="none", backend=tiny_qwen3)
     chat = RagFixChatModel(pine, passages_from=compressor, **ANSWER)
     answer = _langchain_chain(compressor, chat).invoke(QUESTION)
     chunks = [render_chunk(TITLES[i], CITY_TEXTS[i]) for i in range(4)]
     user = _user(chunks)
-    assert chat.last_prompt == tiny.format_prompt(TaskPrompt(user=user))
+    assert chat.last_prompt == tiny_qwen3.format_prompt(TaskPrompt(user=user))
     prompt = TaskPrompt(
         user=user,
         passages=_spans_by_hand(user, chunks),
@@ -267,7 +259,7 @@ def test_refusals_are_one_line(smol):
     assert llm.calls == 0
 
 
-def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(tiny):
+def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(tiny_qwen3):
     """``RagFixSynthesizer`` (issue 56): no state shared between queries. Two questions whose
     retriever returns different cities, asked at once (``asyncio.gather`` of two ``aquery`` on
     one engine with one postprocessor, over three orders of the passages): each answer is the
@@ -290,9 +282,9 @@ def test_the_synthesizer_answers_concurrent_queries_each_over_its_own_chunks(tin
         def _retrieve(self, query_bundle):
             return [_nodes_of(i) for i in questions[query_bundle.query_str]]
 
-    wrapped = marginalize_orders(tiny, OrderOptions(orders=3))
+    wrapped = marginalize_orders(tiny_qwen3, OrderOptions(orders=3))
     synth = RagFixSynthesizer(wrapped, max_new_tokens=8)
-    post = RagFixPostprocessor(strategy="reverse", backend=tiny)
+    post = RagFixPostprocessor(strategy="reverse", backend=tiny_qwen3)
     engine = RetrieverQueryEngine(
         retriever=ByQuestion(), response_synthesizer=synth, node_postprocessors=[post]
     )

@@ -58,14 +58,6 @@ def remote(tiny_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    """The served model, loaded locally: the reference of the served answers and scores."""
-    from ragfix.backends import load_backend
-
-    return load_backend("vanilla", model=tiny_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def local(tmp_path_factory, tiny_dir):
     """The local reference run: a KV sweep with the local vanilla tiny model."""
     d = tmp_path_factory.mktemp("local")

@@ -51,14 +51,6 @@ def _eval(out, model, *extra):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    """The shared tiny model as a vanilla backend, for the tests of the sweep's mechanism."""
-    from ragfix.backends import load_backend
-
-    return load_backend("vanilla", model=tiny_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tiny_qwen3_dir):
     out = tmp_path_factory.mktemp("run") / "nq3"
     res = _eval(out, tiny_qwen3_dir)
